@@ -1,0 +1,194 @@
+"""Collectives on flat buffers, with work handles and byte counters.
+
+Everything in nbtrain that talks to other ranks goes through this file, so the
+byte counters (read by benchmarks and telemetry) see all traffic, and the choice
+between torch's collective names is made once.
+
+Bytes are counted per rank as a ring moves them: an all-gather or reduce-scatter
+over a flat buffer of B bytes moves B x (N-1)/N, an all-reduce twice that. These
+are the numbers the ZeRO paper's arithmetic uses (../ENGINE_NOTES in the design).
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from .. import telemetry
+
+# torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older
+# torch has only the former. Pick once here.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class CommKind(str, enum.Enum):
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+
+
+class CommCounters:
+    """Bytes and calls per collective kind, as seen by this rank (thread-safe)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.bytes: Counter = Counter()
+        self.calls: Counter = Counter()
+
+    def add(self, kind: CommKind, nbytes: int) -> None:
+        with self._lock:
+            self.bytes[kind.value] += int(nbytes)
+            self.calls[kind.value] += 1
+
+    def reset(self) -> None:
+        with self._lock:
+            self.bytes.clear()
+            self.calls.clear()
+
+    def snapshot(self) -> dict:
+        """{"bytes": {kind: n}, "calls": {kind: n}, "total_bytes": n}."""
+        with self._lock:
+            return {"bytes": dict(self.bytes), "calls": dict(self.calls),
+                    "total_bytes": sum(self.bytes.values())}
+
+
+COUNTERS = CommCounters()
+
+
+class CommHandle:
+    """A collective in flight. `wait()` blocks until its result may be read.
+
+    On CUDA the wait makes the current stream wait for the collective (no host
+    sync); on gloo it blocks the calling thread.
+    """
+
+    def __init__(self, work, kind: CommKind, nbytes: int, label: str,
+                 on_done: Callable[[], None] | None = None):
+        self._work = work
+        self._on_done = on_done
+        self._done = work is None
+        self.kind, self.nbytes, self.label = kind, nbytes, label
+        self.issued_at = time.perf_counter()
+        self.finished_at: float | None = None
+        if work is not None and telemetry.enabled():
+            self._record_completion()
+        if self._done:
+            self._finish()
+
+    def _record_completion(self):
+        # The future's callback fires when the backend finishes, on its own
+        # thread; it timestamps the end of the span without blocking anyone.
+        try:
+            fut = self._work.get_future()
+        except (RuntimeError, AttributeError):  # backend without futures
+            return
+
+        def _stamp(_):
+            self.finished_at = time.perf_counter()
+            telemetry.comm_span(self.kind.value, self.label, self.issued_at,
+                                self.finished_at, self.nbytes)
+        fut.then(_stamp)
+
+    def is_completed(self) -> bool:
+        return self._done or self._work.is_completed()
+
+    def wait(self) -> None:
+        if self._done:
+            return
+        self._work.wait()
+        telemetry.instant("comm_wait", self.label, kind=self.kind.value)
+        self._done = True
+        self._finish()
+
+    def _finish(self):
+        if self._on_done is not None:
+            cb, self._on_done = self._on_done, None
+            cb()
+
+
+def _ring_bytes(t: torch.Tensor, world: int) -> int:
+    return t.numel() * t.element_size() * (world - 1) // max(world, 1)
+
+
+def _issue(kind: CommKind, work, nbytes: int, label: str, async_op: bool,
+           on_done=None) -> CommHandle | None:
+    COUNTERS.add(kind, nbytes)
+    telemetry.instant("comm_issue", label, kind=kind.value, bytes=nbytes)
+    handle = CommHandle(work, kind, nbytes, label, on_done)
+    if async_op:
+        return handle
+    handle.wait()
+    return None
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, *, group=None,
+               async_op: bool = False, label: str = "") -> CommHandle | None:
+    """Gather equal shards from every rank into one flat buffer.
+
+    Args:
+        output: 1-D, numel = world x shard.numel(), same dtype and device.
+        shard: 1-D local shard.
+        async_op: return a CommHandle instead of waiting.
+
+    Collective: every rank in the group calls this, in the same order.
+    """
+    world = dist.get_world_size(group)
+    if output.numel() != shard.numel() * world:
+        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
+                         f"{shard.numel()} x {world} = {shard.numel() * world}")
+    work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+    return _issue(CommKind.ALL_GATHER, work if async_op else None,
+                  _ring_bytes(output, world), label, async_op)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, op: str = "avg",
+                   group=None, async_op: bool = False, label: str = "",
+                   on_done: Callable[[], None] | None = None) -> CommHandle | None:
+    """Reduce a flat buffer over ranks and keep this rank's contiguous shard.
+
+    Args:
+        output: 1-D shard, numel = full.numel() / world.
+        full: 1-D buffer whose numel is a multiple of the world size.
+        op: "avg" (DDP gradient semantics) or "sum".
+        on_done: called once the result is ready (after wait()).
+
+    Collective: every rank in the group calls this, in the same order.
+    """
+    world = dist.get_world_size(group)
+    if full.numel() != output.numel() * world:
+        raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
+                         f"{output.numel()} x {world} = {output.numel() * world}")
+    work = _reduce_scatter_flat(output, full, op=_reduce_op(op), group=group, async_op=async_op)
+    return _issue(CommKind.REDUCE_SCATTER, work if async_op else None,
+                  _ring_bytes(full, world), label, async_op, on_done)
+
+
+def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None,
+               async_op: bool = False, label: str = "") -> CommHandle | None:
+    """In-place all-reduce. Collective: every rank in the group calls this."""
+    world = dist.get_world_size(group)
+    work = dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)
+    return _issue(CommKind.ALL_REDUCE, work if async_op else None,
+                  2 * _ring_bytes(tensor, world), label, async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, label: str = "") -> None:
+    """In-place broadcast from `src`. Collective: every rank in the group calls this."""
+    dist.broadcast(tensor, src=src, group=group)
+    COUNTERS.add(CommKind.BROADCAST, tensor.numel() * tensor.element_size())
+
+
+def _reduce_op(op: str):
+    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
+           "min": dist.ReduceOp.MIN}
+    try:
+        return ops[op]
+    except KeyError:
+        raise ValueError(f"op={op!r}: use one of {sorted(ops)}") from None

@@ -1,0 +1,194 @@
+"""The distributed context: one object per process, made by `init_distributed`.
+
+Every other module reads rank, world size, device and process group from the
+context rather than from globals scattered across files. The BMTrain-style free
+functions (`rank()`, `world_size()`, ...) are thin readers of it.
+"""
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Topology of this process, validated once.
+
+    Attributes:
+        rank: global rank, 0 <= rank < world_size.
+        world_size: number of ranks in the default group.
+        local_rank: rank on this host (picks the GPU).
+        backend: "nccl" or "gloo".
+        device: where parameters and collectives live (cuda:local_rank or cpu).
+        seed: the seed every rank was given.
+        group: the process group collectives use (None means the default group).
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+    seed: int
+    group: object = None
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside world of size {self.world_size}")
+
+
+_CONTEXT: DistContext | None = None
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
+
+
+def _pick_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("nccl", "gloo"):
+        raise ValueError(f"backend={backend!r}: use 'nccl' (CUDA) or 'gloo' (CPU), or None to pick")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise ValueError("backend='nccl' needs CUDA, and no GPU is visible; use backend='gloo'")
+    return backend
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # numpy is optional for the library itself
+        pass
+
+
+def init_distributed(seed: int = 0, backend: str | None = None,
+                     timeout: float | timedelta = 600.0, tp_size: int = 1,
+                     **_bmtrain_compat) -> DistContext:
+    """Initialise torch.distributed for this process and return the context.
+
+    Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+    MASTER_PORT). With none set it makes a world of one (an in-memory store, no
+    listener). If torch.distributed is already initialised (by the user, by a test
+    harness, or by an earlier call) the existing default group is adopted.
+    Safe to call twice: the second call returns the same context.
+
+    Args:
+        seed: seeds python, numpy and torch identically on every rank.
+        backend: "nccl", "gloo" or None (nccl when CUDA is present, else gloo).
+        timeout: process-group timeout, seconds or a timedelta.
+        tp_size: accepted for BMTrain compatibility; only 1 is supported.
+
+    Collective: every rank calls this.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None and dist.is_initialized():
+        return _CONTEXT
+    if tp_size != 1:
+        raise ValueError(f"tp_size={tp_size}: tensor parallelism is not supported; use tp_size=1")
+    if not isinstance(timeout, timedelta):
+        timeout = timedelta(seconds=float(timeout))
+
+    if dist.is_initialized():
+        backend = dist.get_backend()
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = _env_int("LOCAL_RANK", rank if world <= max(torch.cuda.device_count(), 1) else 0)
+    else:
+        backend = _pick_backend(backend)
+        have_env = any(v in os.environ for v in ("RANK", "WORLD_SIZE"))
+        rank = _env_int("RANK", 0)
+        world = _env_int("WORLD_SIZE", 1)
+        local_rank = _env_int("LOCAL_RANK", rank)
+        if have_env and world > 1:
+            missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+            if missing:
+                raise ValueError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set; "
+                                 "launch with torchrun or set the rendezvous address")
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        else:
+            # A world of one: an in-memory store, so nothing listens on a port.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    timeout=timeout)
+            rank, world, local_rank = 0, 1, 0
+
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    _seed_everything(seed)
+    _CONTEXT = DistContext(rank=rank, world_size=world, local_rank=local_rank,
+                           backend=backend, device=device, seed=seed)
+    return _CONTEXT
+
+
+def get_context() -> DistContext:
+    """The context made by `init_distributed`; a clear error if there is none."""
+    if _CONTEXT is None or not dist.is_initialized():
+        raise RuntimeError("nbtrain is not initialised: call nbtrain.init_distributed() first")
+    return _CONTEXT
+
+
+def is_initialized() -> bool:
+    return _CONTEXT is not None and dist.is_initialized()
+
+
+def shutdown() -> None:
+    """Destroy the process group and forget the context (a fresh init may follow)."""
+    global _CONTEXT
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+def rank() -> int:
+    """This process's global rank."""
+    return get_context().rank
+
+
+def world_size() -> int:
+    """Number of ranks."""
+    return get_context().world_size
+
+
+def synchronize() -> None:
+    """Barrier over all ranks (waits for queued CUDA work first).
+
+    Collective: every rank calls this.
+    """
+    ctx = get_context()
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize(ctx.device)
+    dist.barrier()
+
+
+def print_rank(*args, rank: int = 0, **kwargs) -> None:
+    """`print` on one rank only (rank 0 by default)."""
+    if get_context().rank == rank:
+        print(*args, **kwargs, flush=True)
+
+
+def sum_loss(loss: torch.Tensor) -> torch.Tensor:
+    """Mean of `loss` over ranks (BMTrain's name), detached.
+
+    Collective: every rank calls this.
+    """
+    out = loss.detach().clone()
+    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    return out / get_context().world_size

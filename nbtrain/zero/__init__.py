@@ -1,0 +1,10 @@
+"""ZeRO sharding: partition maths, DistributedParameter, Block, TransformerBlockList, wrap."""
+from .block import Block, ZeroLevel
+from .blocklist import TransformerBlockList
+from .parameter import DistributedModule, DistributedParameter, ParameterInitializer, init_parameters
+from .wrap import wrap
+from .utils import full_named_grads
+
+__all__ = ["Block", "ZeroLevel", "TransformerBlockList", "DistributedModule",
+           "DistributedParameter", "ParameterInitializer", "init_parameters", "wrap",
+           "full_named_grads"]

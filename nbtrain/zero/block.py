@@ -1,0 +1,329 @@
+"""Block: a module whose parameters live in flat, sharded buffers (ZeRO-2/3).
+
+    block = Block(layer, zero_level=3)      # block(x) equals layer(x)
+
+The wrapped module's parameters move into one flat buffer per (dtype,
+requires_grad); this rank keeps one contiguous shard of each as an ordinary
+`nn.Parameter` (`block.parameters()`), so any optimizer updates shards. Inside
+forward the module sees full tensors: views into the gathered buffer.
+
+Lifecycle of one training step (ZeRO-3):
+  forward:  gather (or wait for the prefetch started by the previous block),
+            start the next block's gather, compute, release.
+  backward: `_BlockExit` runs first: re-gather (or wait for the prefetch the
+            next block started), start the previous block's gather; the module's
+            backward runs; `_GatherFlat` reduce-scatters the gradient
+            asynchronously and releases the buffer.
+ZeRO-2 keeps the buffer gathered from forward until its gradient is reduced.
+
+Names add no level: the block shares the module's submodules and buffers, and
+`state_dict()` holds full tensors under the module's own names.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import checkpoint
+
+from .. import telemetry
+from ..dist.context import get_context
+from .flat import PENDING, FlatGroup
+from .parameter import DistributedParameter, init_full
+from .partition import FlatLayout
+
+
+class ZeroLevel(enum.IntEnum):
+    """What stays gathered between forward and backward."""
+
+    GRADS_SHARDED = 2   # ZeRO-2: parameters stay gathered from forward to backward
+    FULLY_SHARDED = 3   # ZeRO-3: parameters gathered again for backward
+
+    @classmethod
+    def parse(cls, value) -> "ZeroLevel":
+        try:
+            return cls(int(value))
+        except (ValueError, TypeError):
+            raise ValueError(f"zero_level={value!r}: use 2 (keep parameters gathered from "
+                             "forward to backward) or 3 (gather again for backward)") from None
+
+
+_LABELS = itertools.count()
+
+
+class _ParamEntry:
+    """One distinct parameter: its names (ties) and the modules that use it."""
+
+    def __init__(self, name, param):
+        self.names = [name]
+        self.owners = []  # (module, attribute name)
+        self.param = param
+
+
+def _collect(module: nn.Module) -> list[_ParamEntry]:
+    entries: dict[int, _ParamEntry] = {}
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for pname, param in mod._parameters.items():
+            if param is None:
+                continue
+            full = f"{mod_name}.{pname}" if mod_name else pname
+            entry = entries.get(id(param))
+            if entry is None:
+                entry = entries[id(param)] = _ParamEntry(full, param)
+            elif full not in entry.names:
+                entry.names.append(full)
+            if (mod, pname) not in [(m, n) for m, n in entry.owners]:
+                entry.owners.append((mod, pname))
+    return list(entries.values())
+
+
+class Block(nn.Module):
+    """Shards `module`'s parameters ZeRO-style; `Block(m)(x)` equals `m(x)`.
+
+    Args:
+        module: any nn.Module with at least one parameter.
+        zero_level: 2 or 3 (see ZeroLevel).
+        use_checkpoint: recompute the module's activations in backward.
+        label: name used in telemetry (defaults to "block<k>").
+
+    Construction is collective when the module holds DistributedParameters.
+    Forward and backward are collective: every rank runs the same blocks in the
+    same order.
+    """
+
+    def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
+                 label: str | None = None):
+        super().__init__()
+        level = ZeroLevel.parse(zero_level)
+        entries = _collect(module)
+        if not entries:
+            raise ValueError(f"Block needs a module with parameters; {type(module).__name__} "
+                             "has none. Call it directly, outside a Block.")
+        ctx = get_context()
+        object.__setattr__(self, "_module", module)
+        object.__setattr__(self, "_next_block", None)
+        object.__setattr__(self, "_prev_block", None)
+        self.zero_level, self.use_checkpoint = level, bool(use_checkpoint)
+        self.label = label or f"block{next(_LABELS)}"
+        # Share, not copy: the block adds no level to names.
+        self._modules = module._modules
+        self._buffers = module._buffers
+        self._non_persistent_buffers_set = module._non_persistent_buffers_set
+        self._build_groups(entries, ctx)
+        self._bwd_start = 0.0
+        self._grads_pending = 0
+
+    # -- construction -------------------------------------------------------
+    def _build_groups(self, entries: list[_ParamEntry], ctx) -> None:
+        by_key: dict = {}
+        for entry in entries:
+            key = (entry.param.dtype, entry.param.requires_grad)
+            by_key.setdefault(key, []).append(entry)
+        self._groups: list[FlatGroup] = []
+        self._init_methods: list[list] = []
+        for i, ((dtype, requires_grad), group_entries) in enumerate(by_key.items()):
+            values, inits = [], []
+            for entry in group_entries:
+                p = entry.param
+                if isinstance(p, DistributedParameter):
+                    values.append(p.gather_copy())
+                    inits.append(p.init_method)
+                else:
+                    values.append(p.detach())
+                    inits.append(None)
+            layout = FlatLayout.build([(e.names[0], tuple(v.shape)) for e, v in
+                                       zip(group_entries, values)], ctx.world_size)
+            group = FlatGroup(layout, values, rank=ctx.rank, device=ctx.device, dtype=dtype,
+                              requires_grad=requires_grad, label=f"{self.label}.{i}",
+                              owner_id=id(self))
+            group.on_grad_ready = self._grad_ready
+            group.entries = group_entries
+            self.register_parameter(f"flat_param_{i}", group.shard)
+            self._groups.append(group)
+            self._init_methods.append(inits)
+            for entry in group_entries:
+                for mod, pname in entry.owners:
+                    del mod._parameters[pname]
+                    # Outside forward the module shows a placeholder with the
+                    # right shape and dtype; forward installs real views.
+                    mod.__dict__[pname] = torch.empty(entry.param.shape, dtype=dtype,
+                                                      device="meta")
+                entry.param = None  # the full tensor must not outlive construction
+
+    @staticmethod
+    def _install_views(group: FlatGroup, full: torch.Tensor) -> None:
+        for view, entry in zip(group.param_views(full), group.entries):
+            for mod, pname in entry.owners:
+                mod.__dict__[pname] = view  # shadows nothing: the Parameter is gone
+
+    @property
+    def groups(self) -> list[FlatGroup]:
+        return self._groups
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_module")
+            if module is None:
+                raise
+            return getattr(module, name)
+
+    def extra_repr(self) -> str:
+        return f"zero_level={int(self.zero_level)}, use_checkpoint={self.use_checkpoint}"
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        self._module.training = mode
+        return self
+
+    # -- gathering --------------------------------------------------------------
+    def prefetch(self) -> None:
+        """Starts the all-gather of every group (async). Collective."""
+        for group in self._groups:
+            group.start_gather()
+
+    def _gather(self, neighbour: "Block | None") -> None:
+        self.prefetch()
+        if neighbour is not None:
+            neighbour.prefetch()
+        for group in self._groups:
+            group.wait_gather()
+
+    def release(self) -> None:
+        for group in self._groups:
+            group.release()
+
+    # -- forward ----------------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        self._gather(self._next_block)
+        fulls = [g.full_tensor() for g in self._groups]
+        with telemetry.compute_span(self.label, "forward"):
+            if self.use_checkpoint and torch.is_grad_enabled():
+                out = checkpoint(self._run, fulls, args, kwargs, use_reentrant=False)
+            else:
+                out = self._run(fulls, args, kwargs)
+        flat, spec = pytree.tree_flatten(out)
+        needs_grad = [i for i, t in enumerate(flat)
+                      if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not (torch.is_grad_enabled() and needs_grad):
+            self.release()  # no backward will come for this call
+            return out
+        if self.zero_level == ZeroLevel.FULLY_SHARDED:
+            self.release()
+        exits = _BlockExit.apply(self, *[flat[i] for i in needs_grad])
+        for i, t in zip(needs_grad, exits):
+            flat[i] = t
+        return pytree.tree_unflatten(flat, spec)
+
+    def _run(self, fulls, args, kwargs):
+        for group, full in zip(self._groups, fulls):
+            self._install_views(group, full)
+        return self._module(*args, **kwargs)
+
+    # -- backward ---------------------------------------------------------------
+    def _begin_backward(self) -> None:
+        telemetry.instant("compute_begin", self.label, phase="backward")
+        self._bwd_start = time.perf_counter()
+        prev = self._prev_block if self.zero_level == ZeroLevel.FULLY_SHARDED else None
+        self._gather(prev)
+        self._grads_pending = sum(g.requires_grad for g in self._groups)
+        if self._grads_pending == 0:
+            PENDING.at_end(self.release)
+
+    def _grad_ready(self) -> None:
+        """Called by each trainable group's backward, before its reduce-scatter."""
+        self._grads_pending -= 1
+        if self._grads_pending > 0:
+            return
+        if telemetry.enabled():
+            end = time.perf_counter()
+            telemetry.RECORDER.emit({"type": "compute", "label": self.label,
+                                     "phase": "backward", "start": self._bwd_start,
+                                     "end": end, "t": end})
+        self.release()
+
+    # -- state dict -------------------------------------------------------------
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        params, self._parameters = self._parameters, {}
+        try:
+            super()._save_to_state_dict(destination, prefix, keep_vars)
+        finally:
+            self._parameters = params
+        for group in self._groups:
+            entries = group.entries
+            full = group.gather_copy()
+            for view, entry in zip(group.param_views(full), entries):
+                value = view.clone()
+                for name in entry.names:
+                    destination[prefix + name] = value
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        params, self._parameters = self._parameters, {}
+        try:
+            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                          missing_keys, unexpected_keys, error_msgs)
+        finally:
+            self._parameters = params
+        own = set()
+        for group in self._groups:
+            entries = group.entries
+            for index, (slot, entry) in enumerate(zip(group.layout.slots, entries)):
+                keys = [prefix + n for n in entry.names]
+                own.update(keys)
+                present = [k for k in keys if k in state_dict]
+                if not present:
+                    missing_keys.append(keys[0])
+                    continue
+                value = state_dict[present[0]]
+                if tuple(value.shape) != slot.shape:
+                    raise ValueError(f"load_state_dict: {present[0]!r} has shape "
+                                     f"{tuple(value.shape)} in the state dict but {slot.shape} "
+                                     "in the model")
+                group.load_full(index, value.to(group.shard.dtype))
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in own]
+
+    # -- deferred initialisation ------------------------------------------------
+    def init_parameters(self, prefix: str = "") -> None:
+        for group, inits in zip(self._groups, self._init_methods):
+            entries = group.entries
+            for index, (slot, entry, init) in enumerate(zip(group.layout.slots, entries, inits)):
+                if init is not None:
+                    full = init_full(prefix + entry.names[0], slot.shape, group.shard.dtype,
+                                     group.shard.device, init)
+                    group.load_full(index, full)
+
+    def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """Gathered gradients by parameter name (None-grads skipped). Collective."""
+        from ..dist import collectives as C
+
+        out = {}
+        for group in self._groups:
+            entries = group.entries
+            if group.shard.grad is None:
+                continue
+            full = torch.empty(group.layout.padded_numel, dtype=group.shard.grad.dtype,
+                               device=group.shard.device)
+            C.all_gather(full, group.shard.grad.detach(), label=group.label + ".grad")
+            for view, entry in zip(group.param_views(full), entries):
+                out[prefix + entry.names[0]] = view.clone()
+        return out
+
+
+class _BlockExit(torch.autograd.Function):
+    """Identity on the block's outputs; its backward runs before the block's."""
+
+    @staticmethod
+    def forward(ctx, block, *outputs):
+        ctx.block = block
+        return tuple(t.view_as(t) for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.block._begin_backward()
+        return (None, *grads)

@@ -1,0 +1,219 @@
+"""FlatGroup: parameters of one dtype stored as one flat buffer, sharded over ranks.
+
+A group owns:
+  * `shard`, this rank's contiguous slice of the flat buffer: an ordinary
+    `nn.Parameter`, so any torch optimizer can update it;
+  * `full`, the gathered flat buffer. When released its storage is resized to
+    zero bytes (FSDP2's trick): views of it that autograd saved stay valid
+    objects and see the data again once the storage is re-grown and re-gathered.
+
+Gradients: the `_GatherFlat` autograd function turns the shard into the full
+buffer in forward; in backward it reduce-scatters (average, DDP semantics) the
+full gradient asynchronously and returns nothing. The result is added into
+`shard.grad` when the collective completes: at the latest when the next
+reduce-scatter is issued or when the backward pass ends.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+from torch import nn
+
+from ..dist import collectives as C
+from .partition import FlatLayout
+
+_version_guard = torch.autograd._unsafe_preserve_version_counter
+
+
+class _PendingGrads:
+    """Reduce-scatters in flight, oldest first, finished in order."""
+
+    def __init__(self):
+        self.queue: deque = deque()
+        self.end_callbacks: list = []
+        self.callback_queued = False
+
+    def add(self, handle, finish) -> None:
+        self.finish_all()  # the previous one had this block's compute to hide behind
+        self.queue.append((handle, finish))
+        self._queue_end_callback()
+
+    def at_end(self, fn) -> None:
+        """Runs `fn` when the current backward pass ends (call from backward)."""
+        self.end_callbacks.append(fn)
+        self._queue_end_callback()
+
+    def _queue_end_callback(self) -> None:
+        if not self.callback_queued:
+            # Runs when the whole backward pass ends: nothing stays in flight.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self.callback_queued = True
+
+    def finish_all(self) -> None:
+        while self.queue:
+            handle, finish = self.queue.popleft()
+            handle.wait()
+            finish()
+
+    def _end_of_backward(self) -> None:
+        self.callback_queued = False
+        self.finish_all()
+        callbacks, self.end_callbacks = self.end_callbacks, []
+        for fn in callbacks:
+            fn()
+
+
+PENDING = _PendingGrads()
+
+
+class _AliveTracker:
+    """Counts gathered groups per owner; tests read the peak (memory bound)."""
+
+    def __init__(self):
+        self.owners: dict = {}
+        self.peak = 0
+
+    def update(self, owner_id, group_id, gathered: bool) -> None:
+        groups = self.owners.setdefault(owner_id, set())
+        (groups.add if gathered else groups.discard)(group_id)
+        if not groups:
+            del self.owners[owner_id]
+        self.peak = max(self.peak, len(self.owners))
+
+    def reset(self) -> None:
+        self.peak = len(self.owners)
+
+
+ALIVE = _AliveTracker()
+
+
+class FlatGroup:
+    """One flat, sharded buffer for parameters that share dtype and requires_grad."""
+
+    def __init__(self, layout: FlatLayout, full_values: list[torch.Tensor], *, rank: int,
+                 device: torch.device, dtype: torch.dtype, requires_grad: bool, label: str,
+                 owner_id: int = 0, grad_dtype: torch.dtype | None = None):
+        self.layout, self.label, self.owner_id = layout, label, owner_id
+        self.rank, self.requires_grad = rank, requires_grad
+        self.grad_dtype = grad_dtype or dtype
+        begin, end = layout.shard_range(rank)
+        local = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        for slot, value in zip(layout.slots, full_values):
+            part = slot.local_part(begin, end)
+            if part is not None:
+                lo, hi = part
+                local[lo - begin:hi - begin].copy_(
+                    value.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+        self.shard = nn.Parameter(local, requires_grad=requires_grad)
+        self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+        self._handle = None
+
+    # -- gather / release -------------------------------------------------
+    def start_gather(self) -> None:
+        """Issue the all-gather (async) unless already gathered or in flight.
+
+        Collective: every rank calls this for the same group in the same order.
+        """
+        if self.gathered or self._handle is not None:
+            return
+        storage = self.full.untyped_storage()
+        if storage.nbytes() != self._full_nbytes:
+            storage.resize_(self._full_nbytes)
+        # The write must not bump the version counter that autograd checks on
+        # saved views of `full`: their data is being restored, not changed.
+        with _version_guard(self.full), torch.no_grad():
+            self._handle = C.all_gather(self.full, self.shard.detach(), async_op=True,
+                                        label=self.label)
+        ALIVE.update(self.owner_id, id(self), True)
+
+    def wait_gather(self) -> None:
+        """Blocks until `full` holds every rank's data (gathers now if needed)."""
+        if self.gathered:
+            return
+        self.start_gather()
+        with _version_guard(self.full):
+            self._handle.wait()
+        self._handle = None
+        self.gathered = True
+
+    def release(self) -> None:
+        """Frees the gathered storage (views stay valid objects)."""
+        if self._handle is not None:  # never free under a collective in flight
+            self.wait_gather()
+        if self.gathered:
+            self.full.untyped_storage().resize_(0)
+            self.gathered = False
+            ALIVE.update(self.owner_id, id(self), False)
+
+    # -- autograd -----------------------------------------------------------
+    def full_tensor(self) -> torch.Tensor:
+        """The gathered buffer as an autograd-aware tensor (after wait_gather)."""
+        if self.requires_grad and torch.is_grad_enabled():
+            return _GatherFlat.apply(self, self.shard)
+        return self.full.detach()
+
+    def param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views into `full`; split keeps the backward to one buffer."""
+        sizes = [s.numel for s in self.layout.slots]
+        pad = self.layout.padded_numel - self.layout.numel
+        pieces = full.split(sizes + [pad] if pad else sizes)
+        return [p.view(s.shape) for p, s in zip(pieces, self.layout.slots)]
+
+    def reduce_grad(self, grad_full: torch.Tensor, on_done=None) -> None:
+        """Average `grad_full` over ranks into `shard.grad` (async, queued)."""
+        grad_full = grad_full.to(self.grad_dtype).contiguous()
+        out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
+                          device=grad_full.device)
+        handle = C.reduce_scatter(out, grad_full, op="avg", async_op=True,
+                                  label=self.label)
+        shard = self.shard
+
+        def finish(grad_full=grad_full):  # keeps the input alive until done
+            if shard.grad is None:
+                shard.grad = out if out.dtype == shard.dtype else out.to(shard.dtype)
+            else:
+                shard.grad.add_(out)
+            if on_done is not None:
+                on_done()
+        PENDING.add(handle, finish)
+
+    # -- whole-tensor access (state dicts, checkpoints) ----------------------
+    def gather_copy(self) -> torch.Tensor:
+        """A fresh gathered copy of the flat buffer. Collective."""
+        out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype,
+                          device=self.shard.device)
+        C.all_gather(out, self.shard.detach(), label=self.label + ".copy")
+        return out
+
+    def load_full(self, index: int, value: torch.Tensor) -> None:
+        """Copies this rank's part of parameter `index` from a full tensor."""
+        slot = self.layout.slots[index]
+        begin, end = self.layout.shard_range(self.rank)
+        part = slot.local_part(begin, end)
+        if part is not None:
+            lo, hi = part
+            with torch.no_grad():
+                self.shard[lo - begin:hi - begin].copy_(
+                    value.reshape(-1)[lo - slot.offset:hi - slot.offset])
+
+
+class _GatherFlat(torch.autograd.Function):
+    """shard -> full flat buffer; backward reduce-scatters the gradient."""
+
+    @staticmethod
+    def forward(ctx, group: FlatGroup, shard: torch.Tensor):
+        ctx.group = group
+        return group.full.detach()
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        group = ctx.group
+        hook = getattr(group, "on_grad_ready", None)
+        if hook is not None:
+            hook()
+        group.reduce_grad(grad_full)
+        return None, None

@@ -1,0 +1,218 @@
+"""DistributedParameter and DistributedModule: parameters sharded one by one.
+
+Parameters inside a `Block` are stored in the block's flat buffers. Parameters
+outside any block (embeddings, final norms, heads) are `DistributedParameter`s:
+each rank stores ceil(numel / world) elements of the flattened tensor, and the
+full tensor is gathered on use, with a reduce-scatter of its gradient in backward.
+
+Where they are used:
+  * in a `DistributedModule`, reading `self.weight` inside forward returns the
+    gathered tensor (BMTrain's behaviour);
+  * in any other module (after `wrap`), a forward pre-hook gathers the module's
+    own distributed parameters for the duration of its forward.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from ..dist import collectives as C
+from ..dist.context import get_context
+from .partition import shard_numel
+
+
+class ParameterInitializer:
+    """Deferred initialiser (BMTrain's name): `ParameterInitializer(f, *a, **kw)(t)`
+    calls `f(t, *a, **kw)` on a full-shape tensor."""
+
+    def __init__(self, func, *args, **kwargs):
+        self.func, self.args, self.kwargs = func, args, kwargs
+
+    def __call__(self, tensor: torch.Tensor):
+        return self.func(tensor, *self.args, **self.kwargs)
+
+    def __repr__(self):
+        return f"ParameterInitializer({getattr(self.func, '__name__', self.func)})"
+
+
+def _local_slice(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """This rank's padded slice of `full` flattened (a copy)."""
+    n = shard_numel(full.numel(), world)
+    flat = full.detach().reshape(-1)
+    out = torch.zeros(n, dtype=full.dtype, device=full.device)
+    begin = rank * n
+    end = min(begin + n, flat.numel())
+    if end > begin:
+        out[: end - begin].copy_(flat[begin:end])
+    return out
+
+
+class DistributedParameter(nn.Parameter):
+    """A parameter whose data is this rank's shard of the flattened full tensor.
+
+    Args:
+        data: the full tensor (any shape). Only this rank's slice is kept.
+        requires_grad: as for nn.Parameter.
+        init_method: callable applied to a full-shape tensor by
+            `init_parameters(model)`; None keeps `data`.
+
+    Attributes:
+        full_shape: torch.Size of the full tensor.
+    """
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, init_method=None):
+        ctx = get_context()
+        local = _local_slice(data.to(ctx.device), ctx.rank, ctx.world_size)
+        param = super().__new__(cls, local, requires_grad)
+        param.full_shape = torch.Size(data.shape)
+        param.init_method = init_method
+        return param
+
+    def __deepcopy__(self, memo):
+        raise TypeError("a DistributedParameter holds one shard; copy the module with "
+                        "nbtrain.save/load instead of copy.deepcopy")
+
+    def __reduce_ex__(self, proto):
+        # Shards pickle as plain tensors (for pulling a value to the notebook).
+        return torch.Tensor.__reduce_ex__(self.detach(), proto)
+
+    @property
+    def full_numel(self) -> int:
+        return self.full_shape.numel()
+
+    def gather(self) -> torch.Tensor:
+        """The full tensor, autograd-aware. Collective: every rank calls this."""
+        return _GatherParam.apply(self)
+
+    def gather_copy(self) -> torch.Tensor:
+        """The full tensor, detached. Collective."""
+        with torch.no_grad():
+            return _gather_full(self)
+
+    def load_full_(self, value: torch.Tensor, name: str = "") -> None:
+        """Keeps this rank's slice of a full tensor `value` (shape must match)."""
+        if tuple(value.shape) != tuple(self.full_shape):
+            raise ValueError(f"{name or 'parameter'}: checkpoint shape {tuple(value.shape)} "
+                             f"does not match the model's {tuple(self.full_shape)}")
+        ctx = get_context()
+        with torch.no_grad():
+            self.data.copy_(_local_slice(value.to(self.device, self.dtype), ctx.rank,
+                                         ctx.world_size))
+
+
+def _gather_full(param: DistributedParameter) -> torch.Tensor:
+    world = get_context().world_size
+    flat = torch.empty(param.numel() * world, dtype=param.dtype, device=param.device)
+    C.all_gather(flat, param.detach(), label="param")
+    return flat[: param.full_numel].view(param.full_shape)
+
+
+class _GatherParam(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, param):
+        ctx.numel = param.numel()
+        return _gather_full(param)
+
+    @staticmethod
+    def backward(ctx, grad):
+        world = get_context().world_size
+        flat = torch.zeros(ctx.numel * world, dtype=grad.dtype, device=grad.device)
+        flat[: grad.numel()].copy_(grad.reshape(-1))
+        out = torch.empty(ctx.numel, dtype=grad.dtype, device=grad.device)
+        C.reduce_scatter(out, flat, op="avg", label="param.grad")
+        return out
+
+
+# -- state dict conversion for modules holding DistributedParameters ----------
+
+def _save_hook(module, state_dict, prefix, local_metadata):
+    for name, param in module._parameters.items():
+        if isinstance(param, DistributedParameter) and prefix + name in state_dict:
+            state_dict[prefix + name] = param.gather_copy()
+
+
+def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
+                   unexpected_keys, error_msgs):
+    ctx = get_context()
+    for name, param in module._parameters.items():
+        key = prefix + name
+        if isinstance(param, DistributedParameter) and key in state_dict:
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(param.full_shape):
+                raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)} in "
+                                 f"the state dict but {tuple(param.full_shape)} in the model")
+            state_dict[key] = _local_slice(value, ctx.rank, ctx.world_size)
+
+
+def attach_state_dict_hooks(module: nn.Module) -> None:
+    """Makes `module.state_dict()` hold full tensors for its DistributedParameters
+    and `load_state_dict` accept full tensors. Idempotent."""
+    if getattr(module, "_nbtrain_sd_hooks", False):
+        return
+    module._register_state_dict_hook(_save_hook)
+    module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
+    module._nbtrain_sd_hooks = True
+
+
+class DistributedModule(nn.Module):
+    """nn.Module whose DistributedParameters read as full tensors inside forward.
+
+    `self.weight` returns the gathered tensor (a collective), as in BMTrain.
+    `state_dict()` returns full tensors; `load_state_dict()` takes full tensors.
+    """
+
+    def __init__(self):
+        super().__init__()
+        attach_state_dict_hooks(self)
+
+    def __getattr__(self, name):
+        params = self.__dict__.get("_parameters")
+        if params is not None:
+            param = params.get(name)
+            if isinstance(param, DistributedParameter):
+                return param.gather()
+        return super().__getattr__(name)
+
+
+# -- deferred initialisation --------------------------------------------------
+
+def _seed_for(name: str) -> int:
+    # Depends only on the seed and the parameter's name: the same on every rank
+    # and for every world size.
+    return (get_context().seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def init_full(name: str, shape, dtype, device, init_method) -> torch.Tensor:
+    """Runs `init_method` on a fresh full-shape tensor with a name-derived seed."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(_seed_for(name))
+        full = torch.empty(shape, dtype=dtype, device=device)
+        with torch.no_grad():
+            init_method(full)
+    return full
+
+
+def init_parameters(model: nn.Module) -> None:
+    """Runs every deferred `init_method` (BMTrain's `init_parameters`).
+
+    Each parameter's initial value depends only on the seed given to
+    `init_distributed` and the parameter's name, so the gathered model is the
+    same at every world size. One full parameter is materialised at a time; each
+    rank keeps only its own slice.
+
+    Collective-free: every rank computes its slice locally.
+    """
+    from .block import Block  # a Block initialises the parameters it absorbed
+
+    for prefix, module in model.named_modules():
+        base = prefix + "." if prefix else ""
+        if isinstance(module, Block):
+            module.init_parameters(base)
+            continue
+        for name, param in module._parameters.items():
+            if isinstance(param, DistributedParameter) and param.init_method is not None:
+                full = init_full(base + name, param.full_shape, param.dtype, param.device,
+                                 param.init_method)
+                param.load_full_(full, base + name)

@@ -1,0 +1,96 @@
+"""wrap(model): shard a plain torch model without changing its code or names.
+
+Every ModuleList whose entries hold parameters becomes a TransformerBlockList of
+Blocks (the model's own loop over it keeps working and overlaps); every other
+parameter becomes a DistributedParameter, gathered for the forward of the module
+that owns it. Tied parameters (an embedding shared with the output projection)
+stay one shared parameter.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+from .block import Block, ZeroLevel
+from .blocklist import TransformerBlockList
+from .parameter import DistributedParameter, attach_state_dict_hooks
+
+
+def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """Outermost ModuleLists whose every entry has parameters."""
+    found: list[tuple[str, nn.ModuleList]] = []
+    for name, module in model.named_modules():
+        if any(name.startswith(prefix + ".") for prefix, _ in found):
+            continue
+        if (isinstance(module, nn.ModuleList) and len(module) > 0 and name
+                and all(any(True for _ in m.parameters()) for m in module)):
+            found.append((name, module))
+    return found
+
+
+def _check_no_ties_across(model: nn.Module, lists) -> None:
+    inside = {}
+    for name, ml in lists:
+        for pname, p in ml.named_parameters(prefix=name):
+            inside[id(p)] = pname
+    for pname, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in inside and not any(pname.startswith(n + ".") for n, _ in lists):
+            raise ValueError(f"parameter {pname!r} is tied to {inside[id(p)]!r} inside a layer "
+                             "list; untie it or keep that layer list out of wrap()")
+
+
+def _gather_hook(module, args):
+    for name, param in module._parameters.items():
+        if isinstance(param, DistributedParameter):
+            module.__dict__[name] = param.gather()  # shadows the Parameter in forward
+
+
+def _restore_hook(module, args, output):
+    for name, param in module._parameters.items():
+        if isinstance(param, DistributedParameter):
+            module.__dict__.pop(name, None)
+
+
+def _shard_loose_parameters(model: nn.Module) -> None:
+    converted: dict[int, DistributedParameter] = {}
+    for module in model.modules():
+        if isinstance(module, Block):
+            continue
+        changed = False
+        for name, param in list(module._parameters.items()):
+            if param is None or isinstance(param, DistributedParameter):
+                changed |= isinstance(param, DistributedParameter)
+                continue
+            dp = converted.get(id(param))
+            if dp is None:
+                dp = converted[id(param)] = DistributedParameter(param.detach(),
+                                                                 param.requires_grad)
+            module._parameters[name] = dp
+            changed = True
+        if changed and not getattr(module, "_nbtrain_gather_hooks", False):
+            attach_state_dict_hooks(module)
+            module.register_forward_pre_hook(_gather_hook)
+            module.register_forward_hook(_restore_hook, always_call=True)
+            module._nbtrain_gather_hooks = True
+
+
+def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False) -> nn.Module:
+    """Shards `model` in place and returns it.
+
+    Args:
+        model: a plain torch model (e.g. a Hugging Face causal LM).
+        zero_level: 2 or 3, for every Block.
+        use_checkpoint: recompute activations of every Block in backward.
+
+    Collective: every rank calls this on an identical model.
+    """
+    level = ZeroLevel.parse(zero_level)
+    lists = _layer_lists(model)
+    _check_no_ties_across(model, lists)
+    for name, ml in lists:
+        blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}")
+                                       for i, m in enumerate(ml)])
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, blocks)
+    _shard_loose_parameters(model)
+    return model

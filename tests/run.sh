@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need, then runs them.
+# CPU torch first: `pip install torch==2.13.0` takes a local CPU build; a bare
+# `pip install torch` on a machine without torch may pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python3 -m pip install -q "torch==2.13.0" || python3 -m pip install -q "torch>=2.4"
+python3 -m pip install -q -e ".[test]"
+# Optional system tools for the MPI launcher test and the browser screenshot test;
+# the tests that need them skip with a reason when these cannot be installed.
+if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    if ! command -v mpiexec >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
+        (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev chromium >/dev/null) \
+            || echo "note: apt-get could not install openmpi/chromium; their tests will skip"
+    fi
+    python3 -m pip install -q mpi4py || echo "note: mpi4py not installed; the MPI test will skip"
+fi
+export OMP_NUM_THREADS=1
+python3 -m pytest -q -ra "$@"
