@@ -1,0 +1,219 @@
+"""Running one cell on the ranks: live output by rank, errors, deaths, timeouts.
+
+`run_cell` owns the wait loop of `Cluster.execute`. It polls the output that
+ipyparallel collects per engine (rather than printing from ipyparallel's IO thread),
+so output appears in order, labelled by rank, in the cell that asked for it.
+"""
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+_POLL_S = 0.05           # output latency; an empty cell returns as soon as it is done
+_DEATH_CHECK_S = 0.5     # how often engine processes are checked while a cell runs
+_INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks get to raise KeyboardInterrupt
+_RESTART_HINT = "Run `%nbtrain restart` (or Cluster.restart()) for fresh ranks."
+_INTERNAL_FRAME = re.compile(r"site-packages/(ipyparallel|ipykernel|IPython)/|/nbtrain/_engine_boot")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class DistributedError(RuntimeError):
+    """A `%%distributed` cell failed; IPython shows `_render_traceback_`, not our frames."""
+
+    def _render_traceback_(self):
+        return str(self).splitlines()
+
+
+class NoClusterError(DistributedError):
+    """There is no running cluster to send a cell to."""
+
+
+class RankError(DistributedError):
+    """One or more ranks raised. `tracebacks` maps rank -> remote traceback lines."""
+
+    def __init__(self, tracebacks: dict[int, list[str]], summaries: dict[int, str]):
+        self.ranks = sorted(tracebacks)
+        self.tracebacks = tracebacks
+        names = ", ".join(str(r) for r in self.ranks)
+        lines = [f"{'rank' if len(self.ranks) == 1 else 'ranks'} {names} raised:"]
+        for r in self.ranks:
+            lines.append(f"[rank {r}] {summaries[r]}")
+        message = "\n".join(lines)
+        super().__init__(message)
+
+    def _render_traceback_(self):
+        out = str(self).splitlines()[:1]
+        for r in self.ranks:
+            out.append(f"--- rank {r} ---")
+            out.extend(self.tracebacks[r])
+        return out
+
+
+class RankDiedError(DistributedError):
+    """A rank's engine process exited while a cell ran (OOM killer, SIGKILL, crash)."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = sorted(ranks)
+        who = ", ".join(f"rank {r}" for r in self.ranks)
+        super().__init__(f"{who} died while the cell ran (killed, out of memory or crashed). "
+                         f"The other ranks cannot finish a collective without it. {_RESTART_HINT}")
+
+
+class CellTimeoutError(DistributedError, TimeoutError):
+    """A cell outlived its timeout; `busy` are the ranks that were still running."""
+
+    def __init__(self, timeout_s: float, busy: list[int], stuck: list[int]):
+        self.busy, self.stuck = sorted(busy), sorted(stuck)
+        names = ", ".join(str(r) for r in self.busy)
+        msg = f"cell timed out after {timeout_s:g} s; still busy: rank(s) {names}."
+        if self.stuck:
+            msg += (f" Rank(s) {', '.join(map(str, self.stuck))} did not respond to an interrupt: "
+                    "a rank blocked in a collective (all_reduce, barrier, ...) cannot be "
+                    f"interrupted. {_RESTART_HINT}")
+        else:
+            msg += " They were interrupted and the cluster is usable."
+        super().__init__(msg)
+
+
+def trim_traceback(lines: list[str]) -> list[str]:
+    """Keep the user's frames of a remote IPython traceback; drop engine machinery."""
+    text = "\n".join(lines)
+    frames = text.split("\n\n")
+    kept = [f for f in frames if not _INTERNAL_FRAME.search(_ANSI.sub("", f))]
+    out = "\n\n".join(kept).splitlines()
+    if out and set(_ANSI.sub("", out[0]).strip()) == {"-"}:
+        out = out[1:]  # the banner line of dashes
+    return out
+
+
+class _RankOutput:
+    """Prints what each rank has produced so far, once, labelled by rank."""
+
+    def __init__(self, ranks: list[int], metadata: list[dict], stream: bool):
+        self.ranks, self.metadata, self.stream = ranks, metadata, stream
+        self.offsets = {(r, name): 0 for r in ranks for name in ("stdout", "stderr")}
+        self.partial = {(r, name): "" for r in ranks for name in ("stdout", "stderr")}
+        self.shown_outputs = {r: 0 for r in ranks}
+
+    def flush(self, final: bool = False) -> None:
+        if not (self.stream or final):
+            return
+        for r, md in zip(self.ranks, self.metadata):
+            for name in ("stdout", "stderr"):
+                self._print_stream(r, name, md.get(name) or "", final)
+            outputs = md.get("outputs") or []
+            for item in outputs[self.shown_outputs[r]:]:
+                _publish(item.get("data", {}), item.get("metadata") or {}, r)
+            self.shown_outputs[r] = len(outputs)
+        if final:
+            for r, md in zip(self.ranks, self.metadata):
+                result = md.get("execute_result")
+                if result:
+                    _publish(result.get("data", {}), result.get("metadata") or {}, r)
+
+    def _print_stream(self, r: int, name: str, text: str, final: bool) -> None:
+        key = (r, name)
+        new = self.partial[key] + text[self.offsets[key]:]
+        self.offsets[key] = len(text)
+        lines = new.split("\n")
+        self.partial[key] = "" if final else lines.pop()
+        if final and lines and lines[-1] == "":
+            lines.pop()
+        if lines:
+            out = sys.stdout if name == "stdout" else sys.stderr
+            out.write("".join(f"[rank {r}] {line}\n" for line in lines))
+            out.flush()
+
+
+def _publish(data: dict, metadata: dict, r: int) -> None:
+    """Show a rank's rich output (figure, table) as it would show locally."""
+    try:
+        from IPython import get_ipython
+        from IPython.display import publish_display_data
+    except ImportError:
+        get_ipython = None
+    if get_ipython is not None and get_ipython() is not None:
+        publish_display_data(data, metadata={**metadata, "nbtrain_rank": r})
+    elif "text/plain" in data:
+        print(f"[rank {r}] {data['text/plain']}")
+
+
+def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stream: bool):
+    """Execute `code` on `ranks` of `cluster`, streaming output; raise on any failure.
+
+    Returns:
+        The ipyparallel AsyncResult (done and successful).
+    """
+    client = cluster.client
+    engine_ids = [cluster.engine_id(r) for r in ranks]
+    ar = client.direct_view(engine_ids).execute(code, silent=False, block=False)
+    printer = _RankOutput(ranks, ar._metadata, stream)
+    start = time.monotonic()
+    next_check = start + _DEATH_CHECK_S
+    try:
+        while not ar.wait(_POLL_S):
+            printer.flush()
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + _DEATH_CHECK_S
+                _raise_if_dead(cluster, ranks, printer)
+            if timeout_s is not None and now - start > timeout_s:
+                _on_timeout(cluster, ar, ranks, timeout_s, printer)
+    except KeyboardInterrupt:
+        _on_interrupt(cluster, ar, ranks, printer)
+        raise
+    ar.wait_for_output(1.0)
+    printer.flush(final=True)
+    _raise_if_dead(cluster, ranks, printer)
+    _raise_rank_errors(ar, ranks)
+    return ar
+
+
+def _busy(ar, ranks: list[int]) -> list[int]:
+    return [r for r, f in zip(ranks, ar._children) if not f.done()]
+
+
+def _raise_if_dead(cluster, ranks: list[int], printer: _RankOutput) -> None:
+    dead = cluster.dead_ranks(ranks)
+    if dead:
+        printer.flush(final=True)
+        raise RankDiedError(dead)
+
+
+def _on_timeout(cluster, ar, ranks, timeout_s, printer) -> None:
+    busy = _busy(ar, ranks)
+    cluster.interrupt(busy)
+    ar.wait(_INTERRUPT_GRACE_S)
+    printer.flush(final=True)
+    stuck = _busy(ar, ranks)
+    if stuck:
+        cluster.mark_stuck(ar)
+    raise CellTimeoutError(timeout_s, busy, stuck)
+
+
+def _on_interrupt(cluster, ar, ranks, printer) -> None:
+    busy = _busy(ar, ranks)
+    cluster.interrupt(busy)
+    try:
+        ar.wait(_INTERRUPT_GRACE_S)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting for the ranks
+        pass
+    printer.flush(final=True)
+    stuck = _busy(ar, ranks)
+    if stuck:
+        cluster.mark_stuck(ar)
+        print(f"rank(s) {', '.join(map(str, stuck))} did not stop: a rank blocked in a collective "
+              f"cannot be interrupted. {_RESTART_HINT}", file=sys.stderr)
+
+
+def _raise_rank_errors(ar, ranks: list[int]) -> None:
+    tracebacks, summaries = {}, {}
+    for r, md in zip(ranks, ar._metadata):
+        err = md.get("error")
+        if md.get("status") == "ok" or err is None:
+            continue
+        summaries[r] = f"{err.ename}: {err.evalue}"
+        tracebacks[r] = trim_traceback((err.traceback or "").splitlines())
+    if tracebacks:
+        raise RankError(tracebacks, summaries)

@@ -1,0 +1,99 @@
+"""Functions that run inside ipyparallel engines, sent by `nbtrain.cluster`.
+
+They are pickled by reference, so every engine imports this module: keep it free of
+ipyparallel and of anything slow. Each returns plain dicts so that the client needs
+nothing from the engine's Python objects.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+# Launchers that give each process its rank: (rank variable, local-rank variable).
+# With one of these present a rank equals its launcher rank (its MPI or Slurm rank);
+# otherwise ranks follow ipyparallel engine ids.
+_LAUNCHER_RANK_VARS = (
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("PMI_RANK", "MPI_LOCALRANKID"),
+    ("PMIX_RANK", "OMPI_COMM_WORLD_LOCAL_RANK"),
+    ("SLURM_PROCID", "SLURM_LOCALID"),
+)
+
+
+def _engine_id() -> int:
+    from IPython import get_ipython
+
+    return get_ipython().kernel.engine_id
+
+
+def _host_address() -> str:
+    """An address of this host that other hosts can reach (best effort)."""
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+def probe() -> dict:
+    """Identity of this engine: engine id, pids, host and launcher rank if any."""
+    info = {"engine_id": _engine_id(), "pid": os.getpid(), "ppid": os.getppid(),
+            "host": socket.gethostname(), "address": _host_address(),
+            "launcher_rank": None, "launcher_local_rank": None}
+    for rank_var, local_var in _LAUNCHER_RANK_VARS:
+        if os.environ.get(rank_var, "").isdigit():
+            info["launcher_rank"] = int(os.environ[rank_var])
+            local = os.environ.get(local_var, "")
+            info["launcher_local_rank"] = int(local) if local.isdigit() else None
+            break
+    return info
+
+
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port that is free on `address` now (bind port 0, read it, release it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((address, 0))
+        return sock.getsockname()[1]
+
+
+def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float) -> dict:
+    """Set this engine's rank variables, initialise torch.distributed, fill the namespace.
+
+    Collective: every engine of the cluster runs this at the same time.
+
+    Returns:
+        {"rank", "device"} as seen by `nbtrain.init_distributed`.
+    """
+    os.environ.update(env_by_engine[_engine_id()])
+    import torch
+    from IPython import get_ipython
+
+    import nbtrain
+
+    ctx = nbtrain.init_distributed(backend=backend, timeout=pg_timeout_s)
+    get_ipython().user_ns.update({"torch": torch, "nbt": nbtrain})
+    return {"rank": ctx.rank, "device": str(ctx.device)}
+
+
+def stats() -> dict:
+    """Memory of this engine: resident bytes and CUDA bytes allocated (0 without CUDA)."""
+    import psutil
+
+    info = {"rss_bytes": psutil.Process().memory_info().rss, "cuda_bytes": 0}
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            info["cuda_bytes"] = torch.cuda.memory_allocated()
+    except ImportError:
+        pass
+    return info
+
+
+def shutdown() -> None:
+    """Destroy the process group before the engine exits (frees the rendezvous port)."""
+    try:
+        from nbtrain.dist import shutdown as dist_shutdown
+
+        dist_shutdown()
+    except Exception:  # the engine is going away; a broken group must not block that
+        pass

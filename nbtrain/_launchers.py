@@ -1,0 +1,90 @@
+"""How engines are launched: ipyparallel configuration for local, MPI and Slurm.
+
+nbtrain does not launch processes itself: it configures ipyparallel's own
+launchers. What it adds is the engine environment (one OpenMP thread per rank,
+nbtrain importable, inline figures) and, for Slurm, a batch script that places
+`ntasks_per_node` ranks on each of `nodes` nodes with one GPU per task.
+"""
+from __future__ import annotations
+
+import os
+
+LAUNCHERS = ("local", "mpi", "slurm")
+
+_ENGINE_SET_CLASSES = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
+                       "slurm": "SlurmEngineSetLauncher"}
+
+# {cluster_id} and {program_and_args} are filled in by ipyparallel; the rest by nbtrain.
+SLURM_TEMPLATE = """#!/bin/sh
+#SBATCH --export=ALL
+#SBATCH --job-name=nbtrain-{{cluster_id}}
+#SBATCH --nodes={nodes}
+#SBATCH --ntasks={ntasks}
+#SBATCH --ntasks-per-node={ntasks_per_node}
+{extra}export OMP_NUM_THREADS=1
+srun {{program_and_args}}
+"""
+
+_SLURM_KEYS = {"nodes", "ntasks_per_node", "gpus_per_task", "partition", "account", "time",
+               "options"}
+
+
+def engine_environment(launcher: str) -> dict[str, str]:
+    """Variables every engine starts with (the launcher adds its own)."""
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.environ.get("PYTHONPATH", "")
+    env = {
+        # N ranks on a few cores: one thread each, or they oversubscribe the CPUs.
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+        "PYTHONPATH": package_parent + (os.pathsep + path if path else ""),
+        # Figures made on a rank display in the notebook as they would locally.
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+    }
+    if launcher == "mpi" and hasattr(os, "geteuid") and os.geteuid() == 0:
+        # Open MPI refuses root without these (containers, CI); harmless for MPICH.
+        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return env
+
+
+def slurm_template(nodes: int = 1, ntasks_per_node: int = 1, gpus_per_task: int = 0,
+                   **_unused) -> str:
+    """The sbatch script for the engines, before ipyparallel fills in its fields."""
+    extra = f"#SBATCH --gpus-per-task={gpus_per_task}\n" if gpus_per_task else ""
+    return SLURM_TEMPLATE.format(nodes=nodes, ntasks=nodes * ntasks_per_node,
+                                 ntasks_per_node=ntasks_per_node, extra=extra)
+
+
+def engine_config(launcher: str, slurm: dict | None = None):
+    """traitlets Config for ipyparallel's engine launcher of kind `launcher`."""
+    from traitlets.config import Config
+
+    cfg = Config()
+    section = cfg[_ENGINE_SET_CLASSES[launcher]]
+    section.environment = engine_environment(launcher)
+    if launcher == "slurm":
+        slurm = dict(slurm or {})
+        unknown = set(slurm) - _SLURM_KEYS
+        if unknown:
+            raise ValueError(f"unknown slurm option(s) {sorted(unknown)}; "
+                             f"known: {sorted(_SLURM_KEYS)}")
+        section.batch_template = slurm_template(**slurm)
+        for ours, theirs in (("partition", "queue"), ("account", "account"),
+                             ("time", "timelimit"), ("options", "options")):
+            if slurm.get(ours):
+                section[theirs] = slurm[ours]
+    return cfg
+
+
+def slurm_script(n: int, cluster_id: str, profile_dir: str, slurm: dict | None = None) -> str:
+    """The batch script `%nbtrain start --launcher slurm` submits, rendered without sbatch.
+
+    Written by ipyparallel's SlurmEngineSetLauncher from nbtrain's configuration, so
+    what this returns is what sbatch would get (the file lands in `profile_dir`).
+    """
+    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+
+    launcher = SlurmEngineSetLauncher(config=engine_config("slurm", slurm), work_dir=profile_dir,
+                                      profile_dir=profile_dir, cluster_id=cluster_id)
+    launcher.write_batch_script(n)
+    with open(launcher.batch_file) as f:
+        return f.read()

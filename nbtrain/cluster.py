@@ -1,0 +1,348 @@
+"""A persistent cluster of ranks that lives as long as the notebook.
+
+`Cluster` starts N ipyparallel engines, gives each one its torchrun variables
+(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT) and runs
+`nbtrain.init_distributed()` on all of them, so torch.distributed is ready before
+the first cell. The magics in `nbtrain.magics` are a thin layer over this class.
+
+Security: the controller listens on 127.0.0.1 unless `controller_ip` says
+otherwise, and every message is signed with the key ipyparallel generates per
+cluster (HMAC-SHA256); nbtrain opens no listener of its own.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import time
+import weakref
+
+import psutil
+
+from . import _engine_boot
+from ._cell_run import DistributedError, RankDiedError, run_cell
+from ._launchers import LAUNCHERS, engine_config
+
+_LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+_STOP_GRACE_S = 5.0
+
+
+def _stop_all_at_exit() -> None:
+    for cluster in list(_LIVE):
+        cluster.stop()
+
+
+atexit.register(_stop_all_at_exit)
+
+
+def live_clusters() -> list["Cluster"]:
+    """Clusters started in this process and not yet stopped."""
+    return list(_LIVE)
+
+
+class Cluster:
+    """N ranks in ipyparallel engines, each with torch.distributed initialised.
+
+    Args:
+        n: number of ranks; default one per GPU, or 2 CPU ranks without CUDA.
+        backend: "nccl", "gloo" or None (nccl with CUDA, else gloo).
+        launcher: "local" (default), "mpi" (mpiexec) or "slurm" (sbatch + srun).
+        controller_ip: address the controller listens on; loopback by default.
+            Engines on other nodes (slurm) need a routable address here.
+        start_timeout_s: how long to wait for engines to register and rendezvous.
+        pg_timeout_s: torch.distributed process-group timeout on the ranks.
+        slurm: options for the slurm launcher (nodes, ntasks_per_node,
+            gpus_per_task, partition, account, time); see `nbtrain._launchers`.
+        profile_dir: ipyparallel profile directory (default: ipyparallel's).
+    """
+
+    def __init__(self, n: int | None = None, backend: str | None = None,
+                 launcher: str = "local", controller_ip: str = "127.0.0.1",
+                 start_timeout_s: float = 120.0, pg_timeout_s: float = 600.0,
+                 slurm: dict | None = None, profile_dir: str | None = None):
+        if launcher not in LAUNCHERS:
+            raise ValueError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
+        if backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"backend={backend!r}: use 'gloo', 'nccl' or None to pick")
+        if n is not None and n < 1:
+            raise ValueError(f"n={n}: a cluster needs at least one rank")
+        self.n, self.backend, self.launcher = n, backend, launcher
+        self.controller_ip, self.slurm = controller_ip, dict(slurm or {})
+        self.start_timeout_s, self.pg_timeout_s = start_timeout_s, pg_timeout_s
+        self.profile_dir = profile_dir
+        self.client = None
+        self.ranks: list[dict] = []  # per rank: engine_id, pid, host, device, ...
+        self._ipp = None
+        self._procs: list[psutil.Process] = []  # every process this cluster started
+        self._stuck = None  # the AsyncResult of a cell that would not stop
+
+    # ----------------------------------------------------------------- lifecycle
+    @property
+    def running(self) -> bool:
+        return self.client is not None
+
+    @property
+    def cluster_id(self) -> str | None:
+        return self._ipp.cluster_id if self._ipp is not None else None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    def start(self) -> "Cluster":
+        """Start the engines and initialise torch.distributed on every rank."""
+        if self.running:
+            return self
+        import ipyparallel as ipp
+
+        n = self.n if self.n is not None else _default_n()
+        kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}
+        self._ipp = ipp.Cluster(
+            n=n, engines=self.launcher, controller_ip=self.controller_ip,
+            cluster_id=f"nbtrain-{os.getpid()}-{int(time.time() * 1000) % 10**8}",
+            engine_timeout=int(self.start_timeout_s), log_level=40,
+            config=engine_config(self.launcher, self.slurm), **kwargs)
+        _LIVE.add(self)
+        try:
+            self.client = self._ipp.start_and_connect_sync()
+            self._record_launcher_processes()
+            self._boot(n)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        """Stop every engine and the controller; no process of the cluster remains."""
+        if self._ipp is None:
+            return
+        ipp_cluster, client, self._ipp, self.client = self._ipp, self.client, None, None
+        _LIVE.discard(self)
+        if client is not None:
+            client.close()
+        try:
+            ipp_cluster.stop_cluster_sync()
+        except Exception:  # a launcher already gone; the pids below still get checked
+            pass
+        # ipyparallel stops by signal and does not wait; engines blocked in a
+        # collective ignore SIGINT, so wait for our own pids and kill what remains.
+        _, alive = psutil.wait_procs(self._procs, timeout=_STOP_GRACE_S)
+        for proc in alive:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=_STOP_GRACE_S)
+        self._procs, self.ranks, self._stuck = [], [], None
+
+    def restart(self) -> "Cluster":
+        """Fresh engines and a fresh rendezvous port; rank namespaces start empty."""
+        self.stop()
+        return self.start()
+
+    def pids(self) -> list[int]:
+        """Pids of every process this cluster started (controller, launchers, engines)."""
+        return sorted({p.pid for p in self._procs})
+
+    def _record_launcher_processes(self) -> None:
+        launchers = [self._ipp.controller] + list(self._ipp.engines.values())
+        for launcher in launchers:
+            for sub in [launcher] + list(getattr(launcher, "launchers", {}).values()):
+                process = getattr(sub, "process", None)
+                if process is not None:
+                    self._watch(process.pid)
+
+    def _watch(self, pid: int) -> None:
+        try:
+            proc = psutil.Process(pid)
+            self._procs.extend([proc] + proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            pass
+
+    def _boot(self, n: int) -> None:
+        view = self.client[:]
+        infos = view.apply_async(_engine_boot.probe).get(timeout=self.start_timeout_s)
+        self.ranks = _assign_ranks(infos)
+        if len(self.ranks) != n:
+            raise DistributedError(f"expected {n} engines, {len(self.ranks)} registered")
+        local_host = socket.gethostname()
+        for info in self.ranks:
+            info["local"] = info["host"] == local_host
+            if info["local"]:
+                self._watch(info["pid"])
+        envs = self._rank_envs()
+        result = view.apply_async(_engine_boot.boot, envs, self.backend, self.pg_timeout_s)
+        for info, booted in zip(sorted(self.ranks, key=lambda i: i["engine_id"]),
+                                result.get(timeout=self.start_timeout_s)):
+            info["device"] = booted["device"]
+
+    def _rank_envs(self) -> dict[int, dict[str, str]]:
+        hosts = {info["host"] for info in self.ranks}
+        single_local_host = hosts == {socket.gethostname()}
+        if single_local_host:
+            master_addr, master_port = "127.0.0.1", _engine_boot.free_port("127.0.0.1")
+        else:
+            master_addr = self.ranks[0]["address"]
+            rank0 = self.client[self.ranks[0]["engine_id"]]
+            master_port = rank0.apply_sync(_engine_boot.free_port, master_addr)
+        per_host: dict[str, int] = {}
+        envs = {}
+        for rank, info in enumerate(self.ranks):
+            local_rank = info["launcher_local_rank"]
+            if local_rank is None:
+                local_rank = per_host.get(info["host"], 0)
+            per_host[info["host"]] = per_host.get(info["host"], 0) + 1
+            info["rank"], info["local_rank"] = rank, local_rank
+            envs[info["engine_id"]] = {
+                "RANK": str(rank), "WORLD_SIZE": str(len(self.ranks)),
+                "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master_addr,
+                "MASTER_PORT": str(master_port)}
+        self.master_addr, self.master_port = master_addr, master_port
+        return envs
+
+    # --------------------------------------------------------------- operations
+    def _require_running(self) -> None:
+        if not self.running:
+            raise DistributedError("no nbtrain cluster is running: start one with "
+                                   "`%nbtrain start -n 2` (or nbtrain.Cluster(n=2).start())")
+
+    def targets(self, targets=None) -> list[int]:
+        """Normalise targets (None, an int, a list, or "0,2") to a sorted list of ranks."""
+        self._require_running()
+        if targets is None:
+            return list(range(self.world_size))
+        if isinstance(targets, str):
+            targets = [int(t) for t in targets.replace(" ", "").split(",") if t]
+        elif isinstance(targets, int):
+            targets = [targets]
+        ranks = sorted(set(int(t) for t in targets))
+        bad = [r for r in ranks if not 0 <= r < self.world_size]
+        if bad or not ranks:
+            raise ValueError(f"targets {bad or 'empty'}: ranks are 0..{self.world_size - 1}")
+        return ranks
+
+    def engine_id(self, rank: int) -> int:
+        return self.ranks[rank]["engine_id"]
+
+    def execute(self, code: str, targets=None, timeout: float | None = None,
+                stream: bool = True):
+        """Run `code` on the target ranks, streaming each rank's output as it comes.
+
+        Raises:
+            RankError: a rank raised; names the rank(s), holds the remote tracebacks.
+            RankDiedError: a rank's process exited; `restart()` gives fresh ranks.
+            CellTimeoutError: the cell outlived `timeout` seconds.
+
+        Returns:
+            The finished ipyparallel AsyncResult (`.stdout`, `.outputs` per target).
+        """
+        ranks = self.targets(targets)
+        if self._stuck is not None and not self._stuck.done():
+            raise DistributedError("an earlier cell is still running on some ranks and did not "
+                                   "respond to an interrupt; run `%nbtrain restart`")
+        self._stuck = None
+        dead = self.dead_ranks(range(self.world_size))
+        if dead:
+            raise RankDiedError(dead)
+        return run_cell(self, code, ranks, timeout, stream)
+
+    def push(self, namespace: dict, targets=None) -> None:
+        """Copy the values of `namespace` into the namespace of the target ranks."""
+        eids = [self.engine_id(r) for r in self.targets(targets)]
+        self.client[eids].push(namespace, block=True)
+
+    def pull(self, name: str, targets=None):
+        """Bring `name` back from the ranks: one value for an int target, else a list by rank."""
+        ranks = self.targets(targets)
+        values = self.client[[self.engine_id(r) for r in ranks]].pull(name, block=True)
+        return values[0] if isinstance(targets, int) else list(values)
+
+    def status(self) -> list[dict]:
+        """Per rank: rank, engine_id, pid, host, device, rss_bytes, cuda_bytes, busy."""
+        self._require_running()
+        dead = set(self.dead_ranks(range(self.world_size)))
+        queues = self.client.queue_status() if len(dead) < self.world_size else {}
+        rows = []
+        for rank, info in enumerate(self.ranks):
+            eid = info["engine_id"]
+            busy = rank not in dead and queues.get(eid, {}).get("queue", 0) > 0
+            row = {"rank": rank, "engine_id": eid, "pid": info["pid"], "host": info["host"],
+                   "device": info.get("device"), "busy": busy, "alive": rank not in dead,
+                   "rss_bytes": None, "cuda_bytes": None}
+            if rank not in dead and not busy:
+                try:
+                    row.update(self.client[eid].apply_async(_engine_boot.stats).get(timeout=5))
+                except Exception:  # reported as unknown rather than failing status
+                    pass
+            elif rank not in dead and info.get("local"):
+                row["rss_bytes"] = _rss(info["pid"])
+            rows.append(row)
+        return rows
+
+    # ------------------------------------------------- used by nbtrain._cell_run
+    def dead_ranks(self, ranks) -> list[int]:
+        """Ranks whose engine process has exited (or unregistered, for remote hosts)."""
+        registered = set(self.client.ids) if self.client is not None else set()
+        dead = []
+        for rank in ranks:
+            info = self.ranks[rank]
+            if info.get("local"):
+                alive = _pid_alive(info["pid"])
+            else:
+                alive = info["engine_id"] in registered
+            if not alive:
+                dead.append(rank)
+        return dead
+
+    def interrupt(self, ranks) -> None:
+        """SIGINT to the ranks' engines (a rank blocked inside gloo/NCCL ignores it)."""
+        remote = []
+        for rank in ranks:
+            info = self.ranks[rank]
+            if info.get("local"):
+                try:
+                    os.kill(info["pid"], signal.SIGINT)
+                except ProcessLookupError:
+                    pass
+            else:
+                remote.append(info["engine_id"])
+        if remote:
+            self.client.send_signal("SIGINT", targets=remote, block=False)
+
+    def mark_stuck(self, async_result) -> None:
+        self._stuck = async_result
+
+    def __repr__(self) -> str:
+        state = f"{self.world_size} ranks, {self.launcher}" if self.running else "stopped"
+        return f"<nbtrain.Cluster {self.cluster_id or ''} ({state})>"
+
+
+def _default_n() -> int:
+    import torch
+
+    return torch.cuda.device_count() or 2
+
+
+def _assign_ranks(infos: list[dict]) -> list[dict]:
+    """Order engines by launcher rank (MPI, Slurm) when every engine has one, else by id."""
+    launcher_ranks = sorted(i["launcher_rank"] for i in infos if i["launcher_rank"] is not None)
+    if launcher_ranks == list(range(len(infos))):
+        return sorted(infos, key=lambda i: i["launcher_rank"])
+    for info in infos:
+        info["launcher_local_rank"] = None  # ranks follow engine ids; so do local ranks
+    return sorted(infos, key=lambda i: i["engine_id"])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _rss(pid: int) -> int | None:
+    try:
+        return psutil.Process(pid).memory_info().rss
+    except psutil.NoSuchProcess:
+        return None
