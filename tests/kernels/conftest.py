@@ -1,0 +1,22 @@
+"""Kernel tests run the Triton kernels through Triton's interpreter when there is no GPU.
+
+Triton chooses interpreted or compiled kernels when a `@triton.jit` function is
+defined, so TRITON_INTERPRET must be set before `nbtrain.kernels` is first imported.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton", reason="triton is not installed; the kernel tests need it")
+
+import nbtrain.kernels as kernels  # noqa: E402  (after TRITON_INTERPRET on purpose)
+
+@pytest.fixture(scope="session", autouse=True)
+def _kernels_built_for_this_device():
+    if not torch.cuda.is_available() and not kernels.INTERPRETED:
+        pytest.fail("nbtrain.kernels was imported before TRITON_INTERPRET=1 was set "
+                    "(another test imported it first); run tests/kernels on its own")
