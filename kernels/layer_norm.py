@@ -40,19 +40,19 @@ def _layer_norm_bwd_kernel(dy_ptr, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_pt
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
     db = tl.zeros([BLOCK], dtype=tl.float32)
-    first = pid * rows_per_program
+    # int64 rows: row * stride can pass 2**31 on large activations.
+    first = pid.to(tl.int64) * rows_per_program
     for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
-        row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row64 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row64)
-        x_hat = tl.where(mask, (x - tl.load(mean_ptr + row64)) * rstd, 0.0)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
+        x_hat = tl.where(mask, (x - tl.load(mean_ptr + row)) * rstd, 0.0)
         wdy = w * dy
         # Remove the components of wdy along 1 (the mean) and x_hat (the variance).
         mean_wdy = tl.sum(wdy, 0) / n_cols
         mean_wdy_xhat = tl.sum(wdy * x_hat, 0) / n_cols
         dx = rstd * (wdy - mean_wdy - x_hat * mean_wdy_xhat)
-        tl.store(dx_ptr + row64 * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat
         db += dy
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=mask)

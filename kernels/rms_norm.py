@@ -35,17 +35,17 @@ def _rms_norm_bwd_kernel(dy_ptr, x_ptr, x_row_stride, w_ptr, rstd_ptr, dx_ptr, d
     mask = cols < n_cols
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw = tl.zeros([BLOCK], dtype=tl.float32)
-    first = pid * rows_per_program
+    # int64 rows: row * stride can pass 2**31 on large activations.
+    first = pid.to(tl.int64) * rows_per_program
     for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
-        row64 = row.to(tl.int64)
-        x = tl.load(x_ptr + row64 * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_ptr + row64 * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + row64)
+        x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + row)
         x_hat = x * rstd
         wdy = w * dy
         # d/dx of x * rstd: the rstd term plus its dependence on every x in the row.
         dx = rstd * (wdy - x_hat * (tl.sum(wdy * x_hat, 0) / n_cols))
-        tl.store(dx_ptr + row64 * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + row * n_cols + cols, dx.to(dx_ptr.dtype.element_ty), mask=mask)
         dw += dy * x_hat
     tl.store(dw_partial_ptr + pid * n_cols + cols, dw, mask=mask)
 
