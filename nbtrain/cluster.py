@@ -15,6 +15,8 @@ import atexit
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 import weakref
 
@@ -76,6 +78,7 @@ class Cluster:
         self._ipp = None
         self._procs: list[psutil.Process] = []  # every process this cluster started
         self._stuck = None  # the AsyncResult of a cell that would not stop
+        self._watchdog = None  # kills our processes if this process dies first
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -104,6 +107,7 @@ class Cluster:
             engine_timeout=int(self.start_timeout_s), log_level=40,
             config=engine_config(self.launcher, self.slurm), **kwargs)
         _LIVE.add(self)
+        self._start_watchdog()
         try:
             self.client = self._ipp.start_and_connect_sync()
             self._record_launcher_processes()
@@ -135,6 +139,7 @@ class Cluster:
                 pass
         psutil.wait_procs(alive, timeout=_STOP_GRACE_S)
         self._procs, self.ranks, self._stuck = [], [], None
+        self._stop_watchdog()
 
     def restart(self) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty."""
@@ -156,9 +161,36 @@ class Cluster:
     def _watch(self, pid: int) -> None:
         try:
             proc = psutil.Process(pid)
-            self._procs.extend([proc] + proc.children(recursive=True))
+            new = [proc] + proc.children(recursive=True)
         except psutil.NoSuchProcess:
+            return
+        self._procs.extend(new)
+        try:
+            self._watchdog.stdin.write("".join(f"{p.pid} {p.create_time()}\n" for p in new))
+            self._watchdog.stdin.flush()
+        except (OSError, ValueError, psutil.Error):
             pass
+
+    def _start_watchdog(self) -> None:
+        # Own session: a Ctrl-C in the notebook must not reach it.
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
+        self._watchdog = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE,
+                                          text=True, start_new_session=True)
+
+    def _stop_watchdog(self) -> None:
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is None:
+            return
+        try:
+            watchdog.stdin.write("stop\n")
+            watchdog.stdin.close()
+        except OSError:
+            pass
+        try:
+            watchdog.wait(timeout=_STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            watchdog.kill()
+            watchdog.wait()
 
     def _boot(self, n: int) -> None:
         view = self.client[:]

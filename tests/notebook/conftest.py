@@ -1,0 +1,67 @@
+"""Shared setup for the notebook tests: a private IPython/Jupyter home, one thread
+per rank, and a teardown that stops any cluster a failing test left behind, by its
+cluster id (never by process name)."""
+import glob
+import os
+import tempfile
+
+_HOME = tempfile.mkdtemp(prefix="nbtrain-nbtests-")
+for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR",
+             "MPLCONFIGDIR"):
+    os.environ[_var] = os.path.join(_HOME, _var.lower())
+os.environ["OMP_NUM_THREADS"] = "1"
+
+import pytest  # noqa: E402
+
+
+def _stop_leftover_clusters():
+    from nbtrain.cluster import live_clusters
+
+    for cluster in live_clusters():  # started in this process
+        cluster.stop()
+    import ipyparallel as ipp
+
+    # Started in kernels by nbclient: each cluster file names one cluster id.
+    pattern = os.path.join(os.environ["IPYTHONDIR"], "profile_*", "security", "cluster-nbtrain-*.json")
+    for path in glob.glob(pattern):
+        try:
+            ipp.Cluster.from_file(path).stop_cluster_sync()
+        except Exception:
+            pass
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _cleanup_clusters():
+    yield
+    _stop_leftover_clusters()
+
+
+@pytest.fixture(scope="module")
+def ipython():
+    """A real IPython shell with `%load_ext nbtrain` done."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "nbtrain")
+    yield shell
+    shell.run_line_magic("unload_ext", "nbtrain")
+
+
+def wait_gone(pids, timeout_s=15.0):
+    """Pids of `pids` still alive (not zombies) after waiting up to `timeout_s`."""
+    import time
+
+    import psutil
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                    alive.append(pid)
+            except psutil.NoSuchProcess:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)

@@ -1,0 +1,166 @@
+"""%nbtrain and %%distributed in a real IPython shell, on 2 real gloo ranks.
+
+One cluster is shared by the module (start costs ~10 s on 2 cores); the tests that
+break it (a killed engine, a rank stuck in a collective) restart it, and the last
+test stops it and checks by pid that nothing of it remains.
+"""
+import json
+import os
+import re
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+from IPython.utils.capture import capture_output
+
+from nbtrain import magics
+from nbtrain._cell_run import CellTimeoutError, NoClusterError, RankDiedError, RankError
+
+from .conftest import wait_gone
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def run(ipython, cell, line=""):
+    """Run a %%distributed cell; return (stdout, captured outputs)."""
+    with capture_output() as cap:
+        ipython.run_cell_magic("distributed", line, cell)
+    return cap.stdout, cap.outputs
+
+
+@pytest.fixture(scope="module")
+def cluster(ipython):
+    with pytest.raises(NoClusterError, match="%nbtrain start"):
+        ipython.run_cell_magic("distributed", "", "print('no cluster yet')")
+    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --timeout 90")
+    yield magics.current_cluster()
+    ipython.run_line_magic("nbtrain", "stop")
+
+
+def test_start_gives_two_initialised_ranks(ipython, cluster):
+    assert cluster.world_size == 2
+    out, _ = run(ipython, "import torch.distributed as dist, os\n"
+                          "print(dist.get_rank(), dist.get_world_size(), os.environ['LOCAL_RANK'],"
+                          " nbt.get_context().backend, torch.__name__)")
+    assert "[rank 0] 0 2 0 gloo torch" in out
+    assert "[rank 1] 1 2 1 gloo torch" in out
+
+
+def test_start_again_keeps_the_running_cluster(ipython, cluster, capsys):
+    before_id, before_pids = cluster.cluster_id, cluster.pids()
+    ipython.run_line_magic("nbtrain", "start -n 3")
+    assert "already running" in capsys.readouterr().out
+    assert magics.current_cluster() is cluster
+    assert cluster.cluster_id == before_id and cluster.pids() == before_pids
+
+
+def test_all_reduce(ipython, cluster):
+    out, _ = run(ipython, "x = torch.ones(3) * (nbt.rank() + 1)\n"
+                          "torch.distributed.all_reduce(x)\nprint(x.tolist())")
+    assert "[rank 0] [3.0, 3.0, 3.0]" in out and "[rank 1] [3.0, 3.0, 3.0]" in out
+
+
+def test_namespace_persists_across_cells_and_pull(ipython, cluster):
+    run(ipython, "counter = 10 * nbt.rank()")
+    run(ipython, "counter += 1")
+    assert ipython.run_line_magic("nbtrain", "pull counter") == [1, 11]
+    assert ipython.run_line_magic("nbtrain", "pull counter -t 1") == 11
+
+
+def test_targets_run_only_there(ipython, cluster):
+    run(ipython, "only = 'unset'")
+    out, _ = run(ipython, "only = 'set'\nprint('here', nbt.rank())", line="-t 1")
+    assert "[rank 1] here 1" in out and "[rank 0]" not in out
+    assert cluster.pull("only") == ["unset", "set"]
+
+
+def test_rich_output_is_displayed(ipython, cluster):
+    _, outputs = run(ipython, "from IPython.display import HTML, display\n"
+                              "display(HTML(f'<b>rank {nbt.rank()}</b>'))", line="-t 0")
+    html = [o.data["text/html"] for o in outputs if "text/html" in o.data]
+    assert html == ["<b>rank 0</b>"]
+
+
+def test_error_names_the_rank_and_shows_user_frames(ipython, cluster):
+    cell = "def check(r):\n    if r == 1:\n        raise ValueError('bad shard on this rank')\ncheck(nbt.rank())"
+    with pytest.raises(RankError) as info:
+        ipython.run_cell_magic("distributed", "", cell)
+    assert info.value.ranks == [1]
+    assert "rank 1 raised" in str(info.value) and "ValueError: bad shard" in str(info.value)
+    rendered = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(info.value._render_traceback_()))
+    assert "check(nbt.rank())" in rendered and "raise ValueError" in rendered
+    assert "ipyparallel" not in rendered and "ipykernel" not in rendered
+
+
+def test_timeout_names_busy_ranks_and_interrupts_them(ipython, cluster):
+    start = time.monotonic()
+    with pytest.raises(CellTimeoutError) as info:
+        ipython.run_cell_magic("distributed", "--timeout 1", "import time\ntime.sleep(60)")
+    assert time.monotonic() - start < 10
+    assert info.value.busy == [0, 1] and info.value.stuck == []
+    assert "still busy: rank(s) 0, 1" in str(info.value)
+    out, _ = run(ipython, "print('usable')")
+    assert out.count("usable") == 2
+
+
+def test_status_reports_each_rank(ipython, cluster, capsys):
+    rows = cluster.status()
+    assert [r["rank"] for r in rows] == [0, 1]
+    assert all(r["alive"] and not r["busy"] and r["rss_bytes"] > 0 for r in rows)
+    assert {r["pid"] for r in rows} <= set(cluster.pids())
+    ipython.run_line_magic("nbtrain", "status")
+    assert "idle" in capsys.readouterr().out
+
+
+def test_controller_listens_on_loopback_with_signed_messages(cluster):
+    security = os.path.join(cluster._ipp.profile_dir, "security")
+    with open(os.path.join(security, f"ipcontroller-{cluster.cluster_id}-client.json")) as f:
+        info = json.load(f)
+    assert len(info["key"]) >= 32 and info["signature_scheme"] == "hmac-sha256"
+    assert cluster.client.session.auth is not None  # the client signs what it sends
+    controller = psutil.Process(cluster._ipp.controller.process.pid)
+    procs = [controller] + controller.children(recursive=True)
+    listening = [c.laddr.ip for p in procs for c in p.net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN]
+    assert listening and set(listening) == {"127.0.0.1"}
+
+
+def test_killed_engine_fails_the_cell_then_restart_works(ipython, cluster):
+    victim = cluster.ranks[1]["pid"]
+    threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
+    start = time.monotonic()
+    with pytest.raises(RankDiedError) as info:
+        ipython.run_cell_magic("distributed", "", "import time\nfor _ in range(300):\n"
+                               "    torch.distributed.barrier()\n    time.sleep(0.1)")
+    assert time.monotonic() - start < 10
+    assert "rank 1 died" in str(info.value) and "%nbtrain restart" in str(info.value)
+    ipython.run_line_magic("nbtrain", "restart")
+    assert victim not in cluster.pids()
+    out, _ = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
+                          "print('sum', x.item())")
+    assert out.count("sum 3.0") == 2
+
+
+def test_rank_stuck_in_a_collective_needs_restart(ipython, cluster):
+    old_port = cluster.master_port
+    with pytest.raises(CellTimeoutError) as info:
+        # Only rank 0 enters the collective: it blocks in gloo, where SIGINT cannot reach it.
+        ipython.run_cell_magic("distributed", "-t 0 --timeout 1", "torch.distributed.barrier()")
+    assert info.value.stuck == [0]
+    assert "cannot be interrupted" in str(info.value) and "%nbtrain restart" in str(info.value)
+    ipython.run_line_magic("nbtrain", "restart")
+    assert cluster.master_port != old_port or cluster.cluster_id
+    out, _ = run(ipython, "torch.distributed.barrier()\nprint('through')")
+    assert out.count("through") == 2
+
+
+def test_stop_leaves_no_process(ipython, cluster):
+    pids = cluster.pids()
+    assert len(pids) >= 3  # controller and two engines at least
+    ipython.run_line_magic("nbtrain", "stop")
+    assert magics.current_cluster() is None
+    assert wait_gone(pids) == []
+    with pytest.raises(NoClusterError, match="%nbtrain start"):
+        ipython.run_cell_magic("distributed", "", "print(1)")
