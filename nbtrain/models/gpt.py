@@ -44,7 +44,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads, self.dropout = cfg.heads, cfg.dropout
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)  # a key bias has no gradient
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x):

@@ -23,7 +23,14 @@ from torch import nn
 from ..dist import collectives as C
 from .partition import FlatLayout
 
-_version_guard = torch.autograd._unsafe_preserve_version_counter
+
+
+def _restore_version(tensor: torch.Tensor, version: int) -> None:
+    # Refilling `full` restores data that autograd saved views of; it is not a
+    # change those views must be protected from. The backend may write the
+    # output after issue (gloo copies on its own thread), so the counter is
+    # restored after the wait, to its value from before the issue.
+    torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
 class _PendingGrads:
@@ -123,9 +130,8 @@ class FlatGroup:
         storage = self.full.untyped_storage()
         if storage.nbytes() != self._full_nbytes:
             storage.resize_(self._full_nbytes)
-        # The write must not bump the version counter that autograd checks on
-        # saved views of `full`: their data is being restored, not changed.
-        with _version_guard(self.full), torch.no_grad():
+        self._version = self.full._version
+        with torch.no_grad():
             self._handle = C.all_gather(self.full, self.shard.detach(), async_op=True,
                                         label=self.label)
         ALIVE.update(self.owner_id, id(self), True)
@@ -135,8 +141,8 @@ class FlatGroup:
         if self.gathered:
             return
         self.start_gather()
-        with _version_guard(self.full):
-            self._handle.wait()
+        self._handle.wait()
+        _restore_version(self.full, self._version)
         self._handle = None
         self.gathered = True
 

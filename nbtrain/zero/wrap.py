@@ -18,11 +18,16 @@ from .parameter import DistributedParameter, attach_state_dict_hooks
 def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
     """Outermost ModuleLists whose every entry has parameters."""
     found: list[tuple[str, nn.ModuleList]] = []
+    found_blocks: list[str] = []
     for name, module in model.named_modules():
-        if any(name.startswith(prefix + ".") for prefix, _ in found):
+        if any(name.startswith(prefix + ".") for prefix in [n for n, _ in found] + found_blocks):
             continue
-        if (isinstance(module, nn.ModuleList) and len(module) > 0 and name
-                and all(any(True for _ in m.parameters()) for m in module)):
+        if not (isinstance(module, nn.ModuleList) and len(module) > 0 and name):
+            continue
+        if any(isinstance(m, Block) for m in module):
+            found_blocks.append(name)  # already sharded by hand: leave as it is
+            continue
+        if all(any(True for _ in m.parameters()) for m in module):
             found.append((name, module))
     return found
 
