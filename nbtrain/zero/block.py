@@ -89,6 +89,9 @@ class Block(nn.Module):
         zero_level: 2 or 3 (see ZeroLevel).
         use_checkpoint: recompute the module's activations in backward.
         label: name used in telemetry (defaults to "block<k>").
+        reduce_dtype: dtype gradients are reduce-scattered in (None: the
+            parameters' own). torch.float32 for bf16/fp16 parameters keeps the
+            averaged gradient in fp32 as each shard's `main_grad`.
 
     Construction is collective when the module holds DistributedParameters.
     Forward and backward are collective: every rank runs the same blocks in the
@@ -96,7 +99,7 @@ class Block(nn.Module):
     """
 
     def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
-                 label: str | None = None):
+                 label: str | None = None, reduce_dtype: torch.dtype | None = None):
         super().__init__()
         level = ZeroLevel.parse(zero_level)
         entries = _collect(module)
@@ -113,12 +116,12 @@ class Block(nn.Module):
         self._modules = module._modules
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
-        self._build_groups(entries, ctx)
+        self._build_groups(entries, ctx, reduce_dtype)
         self._bwd_start = 0.0
         self._grads_pending = 0
 
     # -- construction -------------------------------------------------------
-    def _build_groups(self, entries: list[_ParamEntry], ctx) -> None:
+    def _build_groups(self, entries: list[_ParamEntry], ctx, reduce_dtype=None) -> None:
         by_key: dict = {}
         for entry in entries:
             key = (entry.param.dtype, entry.param.requires_grad)
@@ -139,7 +142,7 @@ class Block(nn.Module):
                                        zip(group_entries, values)], ctx.world_size)
             group = FlatGroup(layout, values, rank=ctx.rank, device=ctx.device, dtype=dtype,
                               requires_grad=requires_grad, label=f"{self.label}.{i}",
-                              owner_id=id(self))
+                              owner_id=id(self), grad_dtype=reduce_dtype)
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             self.register_parameter(f"flat_param_{i}", group.shard)
@@ -305,11 +308,13 @@ class Block(nn.Module):
         out = {}
         for group in self._groups:
             entries = group.entries
-            if group.shard.grad is None:
+            grad = getattr(group.shard, "main_grad", None)
+            grad = group.shard.grad if grad is None else grad
+            if grad is None:
                 continue
-            full = torch.empty(group.layout.padded_numel, dtype=group.shard.grad.dtype,
+            full = torch.empty(group.layout.padded_numel, dtype=grad.dtype,
                                device=group.shard.device)
-            C.all_gather(full, group.shard.grad.detach(), label=group.label + ".grad")
+            C.all_gather(full, grad.detach(), label=group.label + ".grad")
             for view, entry in zip(group.param_views(full), entries):
                 out[prefix + entry.names[0]] = view.clone()
         return out

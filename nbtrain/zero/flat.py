@@ -170,7 +170,11 @@ class FlatGroup:
         return [p.view(s.shape) for p, s in zip(pieces, self.layout.slots)]
 
     def reduce_grad(self, grad_full: torch.Tensor, on_done=None) -> None:
-        """Average `grad_full` over ranks into `shard.grad` (async, queued)."""
+        """Average `grad_full` over ranks into `shard.grad` (async, queued).
+
+        When `grad_dtype` differs from the shard's dtype the result accumulates in
+        `shard.main_grad` (dtype `grad_dtype`) instead; nbtrain's optimizers read it.
+        """
         grad_full = grad_full.to(self.grad_dtype).contiguous()
         out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
                           device=grad_full.device)
@@ -179,8 +183,17 @@ class FlatGroup:
         shard = self.shard
 
         def finish(grad_full=grad_full):  # keeps the input alive until done
-            if shard.grad is None:
-                shard.grad = out if out.dtype == shard.dtype else out.to(shard.dtype)
+            if out.dtype != shard.dtype:
+                # A wider reduce dtype (fp32 for a bf16 shard) is kept as
+                # `shard.main_grad` for the optimizer's fp32 master weights:
+                # rounding it into shard.grad would throw the precision away.
+                main = getattr(shard, "main_grad", None)
+                if main is None:
+                    shard.main_grad = out
+                else:
+                    main.add_(out)
+            elif shard.grad is None:
+                shard.grad = out
             else:
                 shard.grad.add_(out)
             if on_done is not None:

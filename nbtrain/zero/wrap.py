@@ -78,13 +78,16 @@ def _shard_loose_parameters(model: nn.Module) -> None:
             module._nbtrain_gather_hooks = True
 
 
-def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False) -> nn.Module:
+def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
+         reduce_dtype=None) -> nn.Module:
     """Shards `model` in place and returns it.
 
     Args:
         model: a plain torch model (e.g. a Hugging Face causal LM).
         zero_level: 2 or 3, for every Block.
         use_checkpoint: recompute activations of every Block in backward.
+        reduce_dtype: dtype the Blocks reduce gradients in (see Block); None
+            keeps the parameters' dtype.
 
     Collective: every rank calls this on an identical model.
     """
@@ -92,7 +95,8 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False) ->
     lists = _layer_lists(model)
     _check_no_ties_across(model, lists)
     for name, ml in lists:
-        blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}")
+        blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}",
+                                             reduce_dtype=reduce_dtype)
                                        for i, m in enumerate(ml)])
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
