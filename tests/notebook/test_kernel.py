@@ -1,0 +1,92 @@
+"""The extension in a real Jupyter kernel driven by nbclient: live cells, a figure
+from a rank, an error naming its rank, Ctrl-C, and no orphan after the kernel goes
+(shut down, or killed outright)."""
+import os
+import re
+import signal
+import threading
+import time
+
+import nbformat
+import pytest
+from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_notebook
+
+from .conftest import wait_gone
+
+pytestmark = pytest.mark.timeout(240)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+START = ["%load_ext nbtrain", "%nbtrain start -n 2",
+         "import nbtrain.magics as _m\nprint('PIDS', *_m.current_cluster().pids())"]
+
+
+def text_of(cell):
+    parts = []
+    for out in cell.outputs:
+        if out.output_type == "stream":
+            parts.append(out.text)
+        elif out.output_type == "error":
+            parts.append(out.ename + ": " + out.evalue + "\n" + "\n".join(out.traceback))
+        elif "text/plain" in out.get("data", {}):
+            parts.append(out.data["text/plain"])
+    return re.sub(r"\x1b\[[0-9;]*m", "", "".join(parts))
+
+
+def run_cells(client, nb, sources):
+    cells = []
+    for src in sources:
+        nb.cells.append(new_code_cell(src))
+        cells.append(client.execute_cell(nb.cells[-1], len(nb.cells) - 1))
+    return cells
+
+
+def new_client():
+    nb = new_notebook()
+    client = NotebookClient(nb, timeout=180, allow_errors=True, kernel_name="python3",
+                            resources={"metadata": {"path": REPO}})
+    return nb, client
+
+
+def pids_from(cell):
+    line = next(l for l in text_of(cell).splitlines() if l.startswith("PIDS"))
+    return [int(p) for p in line.split()[1:]]
+
+
+def test_kernel_cells_errors_interrupt_and_shutdown():
+    nb, client = new_client()
+    with client.setup_kernel():
+        _, _, pids_cell = run_cells(client, nb, START)
+        pids = pids_from(pids_cell)
+        reduce_cell, figure_cell, error_cell = run_cells(client, nb, [
+            "%%distributed\nx = torch.ones(2) * (nbt.rank() + 1)\n"
+            "torch.distributed.all_reduce(x)\nprint('reduced', x.tolist())",
+            "%%distributed -t 0\nimport matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()",
+            "%%distributed\nif nbt.rank() == 1:\n    raise KeyError('missing on one rank')",
+        ])
+        assert "[rank 0] reduced [3.0, 3.0]" in text_of(reduce_cell)
+        assert "[rank 1] reduced [3.0, 3.0]" in text_of(reduce_cell)
+        assert any("image/png" in o.get("data", {}) for o in figure_cell.outputs)
+        error = text_of(error_cell)
+        assert "rank 1 raised" in error and "KeyError" in error and "rank 0 raised" not in error
+
+        # What Jupyter's stop button does to a local kernel (interrupt_mode "signal").
+        kernel_pid = client.km.provisioner.process.pid
+        threading.Timer(3.0, os.kill, (kernel_pid, signal.SIGINT)).start()
+        start = time.monotonic()
+        (interrupted,) = run_cells(client, nb, ["%%distributed\nimport time\ntime.sleep(60)"])
+        assert time.monotonic() - start < 20
+        assert "KeyboardInterrupt" in text_of(interrupted)
+        (after,) = run_cells(client, nb, ["%%distributed\nprint('still here', nbt.rank())"])
+        assert "[rank 1] still here 1" in text_of(after)
+        assert wait_gone(pids, timeout_s=0.1) == pids  # all alive before the kernel goes
+    # Leaving setup_kernel shuts the kernel down gracefully, as Jupyter's shutdown does.
+    assert wait_gone(pids) == []
+
+
+def test_killed_kernel_leaves_no_orphan():
+    nb, client = new_client()
+    with client.setup_kernel():
+        _, _, pids_cell = run_cells(client, nb, START)
+        pids = pids_from(pids_cell)
+        os.kill(client.km.provisioner.process.pid, signal.SIGKILL)
+        assert wait_gone(pids) == []
