@@ -113,6 +113,7 @@ class FlatGroup:
                 local[lo - begin:hi - begin].copy_(
                     value.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
+        self.shard._nbtrain_flat = True  # each element on one rank: norms sum over ranks
         self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
