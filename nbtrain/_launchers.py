@@ -47,11 +47,20 @@ def engine_environment(launcher: str) -> dict[str, str]:
 
 
 def slurm_template(nodes: int = 1, ntasks_per_node: int = 1, gpus_per_task: int = 0,
-                   **_unused) -> str:
-    """The sbatch script for the engines, before ipyparallel fills in its fields."""
-    extra = f"#SBATCH --gpus-per-task={gpus_per_task}\n" if gpus_per_task else ""
+                   partition: str = "", account: str = "", time: str = "",
+                   options: str = "") -> str:
+    """The sbatch script for the engines, before ipyparallel fills in its fields.
+
+    ipyparallel adds partition/account/time lines only to its own default template,
+    so nbtrain writes them here. `options` is extra `#SBATCH` lines, verbatim.
+    """
+    extra = [f"#SBATCH --{flag}={value}" for flag, value in (
+        ("gpus-per-task", gpus_per_task), ("partition", partition), ("account", account),
+        ("time", time)) if value]
+    extra += [line for line in options.splitlines() if line.strip()]
     return SLURM_TEMPLATE.format(nodes=nodes, ntasks=nodes * ntasks_per_node,
-                                 ntasks_per_node=ntasks_per_node, extra=extra)
+                                 ntasks_per_node=ntasks_per_node,
+                                 extra="".join(line + "\n" for line in extra))
 
 
 def engine_config(launcher: str, slurm: dict | None = None):
@@ -68,10 +77,6 @@ def engine_config(launcher: str, slurm: dict | None = None):
             raise ValueError(f"unknown slurm option(s) {sorted(unknown)}; "
                              f"known: {sorted(_SLURM_KEYS)}")
         section.batch_template = slurm_template(**slurm)
-        for ours, theirs in (("partition", "queue"), ("account", "account"),
-                             ("time", "timelimit"), ("options", "options")):
-            if slurm.get(ours):
-                section[theirs] = slurm[ours]
     return cfg
 
 
