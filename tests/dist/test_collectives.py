@@ -1,0 +1,62 @@
+"""Collectives: results and the byte counters benchmarks and telemetry read."""
+import pytest
+import torch
+
+import cases
+import nbtrain as nbt
+from nbtrain.dist import COUNTERS, all_gather, all_reduce, reduce_scatter
+from ranks import run_ranks
+
+
+def _collectives():
+    rank, world = nbt.rank(), nbt.world_size()
+    COUNTERS.reset()
+    shard = torch.full((5,), float(rank))
+    full = torch.empty(5 * world)
+    all_gather(full, shard)
+    handle = all_gather(full2 := torch.empty(5 * world), shard + 1, async_op=True)
+    handle.wait()
+    grads = torch.arange(5.0 * world) * (rank + 1)
+    out = torch.empty(5)
+    reduce_scatter(out, grads, op="avg")
+    total = torch.ones(3)
+    all_reduce(total)
+    return full, full2, out, total, COUNTERS.snapshot()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_results_and_bytes(world_size):
+    mean_factor = sum(r + 1 for r in range(world_size)) / world_size
+    for rank, (full, full2, out, total, counters) in enumerate(run_ranks(_collectives,
+                                                                         world_size)):
+        assert full.tolist() == [float(r) for r in range(world_size) for _ in range(5)]
+        torch.testing.assert_close(full2, full + 1)
+        torch.testing.assert_close(out, torch.arange(5.0 * rank, 5.0 * rank + 5) * mean_factor)
+        assert total.tolist() == [world_size] * 3
+        ring = (world_size - 1) / world_size
+        assert counters["bytes"]["all_gather"] == 2 * int(5 * world_size * 4 * ring)
+        assert counters["bytes"]["reduce_scatter"] == int(5 * world_size * 4 * ring)
+        assert counters["bytes"]["all_reduce"] == 2 * int(3 * 4 * ring)
+        assert counters["calls"] == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+
+
+def _zero3_step_bytes():
+    # Only block parameters: a step moves 3 x padded param bytes x (N-1)/N.
+    model = nbt.TransformerBlockList([nbt.Block(torch.nn.Linear(50, 50), 3)
+                                      for _ in range(3)])
+    padded = sum(g.layout.padded_numel * 4 for b in model for g in b.groups)
+    COUNTERS.reset()
+    model(torch.randn(2, 50)).sum().backward()
+    return padded, COUNTERS.snapshot()["total_bytes"]
+
+
+def test_zero3_step_bytes_match_theory():
+    padded, total = run_ranks(_zero3_step_bytes, 2)[0]
+    assert total == 3 * padded // 2
+
+
+def test_reduce_op_is_validated():
+    with pytest.raises(ValueError, match="op='mean'"):
+        from nbtrain.dist.collectives import _reduce_op
+
+        _reduce_op("mean")

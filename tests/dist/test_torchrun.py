@@ -1,0 +1,25 @@
+"""The same model code as a plain script under torchrun (init from its variables)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import cases
+
+STEPS = 3
+
+
+def test_torchrun_script_matches_plain_pytorch():
+    script = os.path.join(os.path.dirname(__file__), "torchrun_train.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         script, str(STEPS)], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES"))
+    result = json.loads(line.split(" ", 1)[1])
+    assert result["world"] == 2 and result["backend"] == "gloo"
+    ref_losses, _, _ = cases.train_plain(2, STEPS)
+    assert result["losses"] == pytest.approx(ref_losses, abs=1e-5)
