@@ -1,0 +1,265 @@
+"""OptimManager: loss scaling, the cross-rank overflow check, clipping and schedules.
+
+    manager = OptimManager(loss_scale=2**15)
+    manager.add_optimizer(opt, lr_scheduler)
+    for batch in data:
+        manager.zero_grad()
+        manager.backward(loss)                 # several times to accumulate
+        manager.clip_grad_norm(opt.param_groups, 1.0)
+        manager.step()
+
+Gradients stay multiplied by the loss scale until the first of `clip_grad_norm` or
+`step` divides them, once. The scale is a power of two by default, so scaling and
+unscaling are exact in floating point and a scaled fp32 run equals an unscaled one.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from .. import telemetry
+from ..dist import collectives as C
+from ..dist.context import get_context
+from ..zero.parameter import DistributedParameter
+from .adam import param_grad, clear_grad
+
+
+def _is_sharded(param) -> bool:
+    """True when each element of `param` lives on exactly one rank."""
+    return isinstance(param, DistributedParameter) or getattr(param, "_nbtrain_flat", False)
+
+
+class OptimManager:
+    """Drives one or more optimizers with (dynamic) loss scaling.
+
+    Args:
+        loss_scale: initial scale; None disables scaling (scale 1, never changes).
+        loss_scale_factor: the scale is divided by this on overflow and multiplied
+            by it after `loss_scale_steps` clean steps.
+        loss_scale_steps: clean steps before the scale grows.
+        min_loss_scale, max_loss_scale: bounds of the scale.
+
+    Collective: `step`, `clip_grad_norm` and `backward` (through the model's
+    backward) must be called by every rank, in the same order.
+    """
+
+    def __init__(self, loss_scale: float | None = None, loss_scale_factor: float = 2,
+                 loss_scale_steps: int = 1024, min_loss_scale: float = 1,
+                 max_loss_scale: float = 2**24):
+        if loss_scale is not None and loss_scale <= 0:
+            raise ValueError(f"loss_scale={loss_scale} must be > 0 (or None for no scaling)")
+        if loss_scale_factor <= 1 or loss_scale_steps < 1:
+            raise ValueError(f"loss_scale_factor={loss_scale_factor} must be > 1 and "
+                             f"loss_scale_steps={loss_scale_steps} >= 1")
+        self.loss_scale_enabled = loss_scale is not None
+        self.loss_scale = float(loss_scale) if loss_scale is not None else 1.0
+        self.loss_scale_factor = float(loss_scale_factor)
+        self.loss_scale_steps = int(loss_scale_steps)
+        self.min_loss_scale, self.max_loss_scale = float(min_loss_scale), float(max_loss_scale)
+        self.optimizers: list = []
+        self.lr_schedulers: list = []
+        self.steps_since_rescale = 0
+        self.num_steps = 0          # steps applied
+        self.num_skipped = 0        # steps skipped for inf/nan
+        self._unscaled = False
+        self._found_inf: bool | None = None
+        self._grad_norm: float | None = None
+        self._loss_sum = 0.0
+        self._step_start: float | None = None
+
+    def add_optimizer(self, optimizer, lr_scheduler=None) -> None:
+        """Registers an optimizer and (optionally) the scheduler `step()` advances."""
+        self.optimizers.append(optimizer)
+        self.lr_schedulers.append(lr_scheduler)
+
+    def _params(self):
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                yield from group["params"]
+
+    def zero_grad(self) -> None:
+        """Drops every gradient (`grad` and `main_grad`). Local."""
+        for p in self._params():
+            clear_grad(p)
+        self._reset_step_state()
+        self._step_start = time.perf_counter()
+
+    def _reset_step_state(self) -> None:
+        self._unscaled, self._found_inf, self._grad_norm = False, None, None
+        self._loss_sum = 0.0
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`(loss * loss_scale).backward()`; call several times to accumulate.
+
+        Collective (the sharded model's backward reduce-scatters gradients).
+        """
+        if self._unscaled:
+            raise RuntimeError("backward() after clip_grad_norm()/step() unscaled the "
+                               "gradients; call zero_grad() first")
+        if self._step_start is None:
+            self._step_start = time.perf_counter()
+        self._loss_sum += float(loss.detach())
+        (loss * self.loss_scale).backward()
+
+    # -- unscaling, overflow and clipping -------------------------------------------
+    def _unscale(self) -> None:
+        if self._unscaled:
+            return
+        self._unscaled = True
+        if self.loss_scale == 1.0:
+            return
+        grads = [g for g in (param_grad(p) for p in self._params()) if g is not None]
+        if grads:
+            torch._foreach_mul_(grads, 1.0 / self.loss_scale)
+
+    def _local_sums(self, params, norm_type: float) -> torch.Tensor:
+        """[sharded part, replicated part] of sum |g|^p (or max for inf) on this rank."""
+        ctx = get_context()
+        out = torch.zeros(2, dtype=torch.float32, device=ctx.device)
+        for p in params:
+            g = param_grad(p)
+            if g is None:
+                continue
+            g = g.detach().float()
+            part = 0 if _is_sharded(p) else 1
+            if math.isinf(norm_type):
+                out[part] = torch.maximum(out[part], g.abs().max())
+            else:
+                out[part] += g.abs().pow(norm_type).sum()
+        if ctx.rank != 0:
+            out[1] = 0.0  # replicated parameters: every rank holds the same gradient
+        return out
+
+    def clip_grad_norm(self, param_groups, max_norm: float, norm_type: float = 2) -> float:
+        """Scales gradients so their global norm is at most `max_norm`; returns the norm.
+
+        The norm is over every shard on every rank (each element counted once), of
+        the unscaled gradients, as `torch.nn.utils.clip_grad_norm_` computes it on
+        the plain model. An inf/nan norm leaves the gradients alone: `step()` skips.
+
+        Collective: every rank calls this (one all-reduce).
+        """
+        self._unscale()
+        norm_type = float(norm_type)
+        params = [p for group in param_groups for p in group["params"]]
+        sums = self._local_sums(params, norm_type)
+        if math.isinf(norm_type):
+            C.all_reduce(sums, op="max", label="grad_norm")
+            total = float(sums.max())
+        else:
+            C.all_reduce(sums, op="sum", label="grad_norm")
+            total = float(sums.sum()) ** (1.0 / norm_type)
+        self._grad_norm = total
+        covers_all = {id(p) for p in params} >= {id(p) for p in self._params()}
+        if covers_all:  # a finite norm over every gradient proves there is no overflow
+            self._found_inf = not math.isfinite(total)
+        if math.isfinite(total):
+            coef = max_norm / (total + 1e-6)
+            if coef < 1.0:
+                grads = [g for g in (param_grad(p) for p in params) if g is not None]
+                torch._foreach_mul_(grads, coef)
+        return total
+
+    def _check_overflow(self) -> bool:
+        if self._found_inf is not None:
+            return self._found_inf
+        ctx = get_context()
+        flag = torch.zeros(1, dtype=torch.float32, device=ctx.device)
+        for p in self._params():
+            g = param_grad(p)
+            if g is not None and not bool(torch.isfinite(g).all()):
+                flag.fill_(1.0)
+                break
+        C.all_reduce(flag, op="max", label="overflow")  # inf/nan on ANY rank
+        return bool(flag.item() > 0)
+
+    # -- the step ---------------------------------------------------------------------
+    def step(self) -> bool:
+        """Unscales, checks overflow on every rank, then steps or skips. Returns True
+        when the step was applied.
+
+        On overflow no rank updates anything (parameters, optimizer state, schedule)
+        and the scale is divided by `loss_scale_factor`; after `loss_scale_steps`
+        clean steps it is multiplied by it.
+
+        Collective: every rank calls this (one all-reduce, or none after
+        clip_grad_norm over all parameters).
+        """
+        self._unscale()
+        skipped = self._check_overflow()
+        scale_used = self.loss_scale
+        if skipped:
+            self.num_skipped += 1
+            self.steps_since_rescale = 0
+            if self.loss_scale_enabled:
+                self.loss_scale = max(self.loss_scale / self.loss_scale_factor,
+                                      self.min_loss_scale)
+        else:
+            for opt, sched in zip(self.optimizers, self.lr_schedulers):
+                opt.step()
+                if sched is not None:
+                    sched.step()
+            self.num_steps += 1
+            self.steps_since_rescale += 1
+            if self.loss_scale_enabled and self.steps_since_rescale >= self.loss_scale_steps:
+                self.loss_scale = min(self.loss_scale * self.loss_scale_factor,
+                                      self.max_loss_scale)
+                self.steps_since_rescale = 0
+        self._emit(skipped, scale_used)
+        self._reset_step_state()
+        self._unscaled = True  # until zero_grad: another step must not unscale again
+        return not skipped
+
+    def _emit(self, skipped: bool, scale_used: float) -> None:
+        lr = self.optimizers[0].param_groups[0]["lr"] if self.optimizers else None
+        now = time.perf_counter()
+        step_time = now - self._step_start if self._step_start is not None else None
+        telemetry.metric(loss=self._loss_sum, lr=lr, loss_scale=scale_used,
+                         grad_norm=self._grad_norm, skipped=bool(skipped),
+                         step_time_s=step_time)
+        telemetry.next_step()
+        self._step_start = None
+
+    # -- state ------------------------------------------------------------------------
+    def scalar_state(self) -> dict:
+        """Loss-scale and schedule state (no tensors): the same on every rank."""
+        return {"loss_scale": self.loss_scale, "steps_since_rescale": self.steps_since_rescale,
+                "num_steps": self.num_steps, "num_skipped": self.num_skipped,
+                "lr_schedulers": [None if s is None else s.state_dict()
+                                  for s in self.lr_schedulers]}
+
+    def load_scalar_state(self, state: dict) -> None:
+        self.loss_scale = float(state["loss_scale"])
+        self.steps_since_rescale = int(state["steps_since_rescale"])
+        self.num_steps = int(state.get("num_steps", 0))
+        self.num_skipped = int(state.get("num_skipped", 0))
+        saved = state.get("lr_schedulers", [])
+        if len(saved) != len(self.lr_schedulers):
+            raise ValueError(f"state has {len(saved)} lr schedulers, this manager "
+                             f"{len(self.lr_schedulers)}")
+        for sched, sd in zip(self.lr_schedulers, saved):
+            if (sched is None) != (sd is None):
+                raise ValueError("lr scheduler present in the state but not in the manager "
+                                 "(or the reverse)")
+            if sched is not None:
+                sched.load_state_dict(sd)
+
+    def state_dict(self) -> dict:
+        """This rank's state: scale, schedules and each optimizer's local state dict.
+
+        Restores on the same world size; `nbtrain.save_checkpoint` reshards. Local.
+        """
+        return {**self.scalar_state(),
+                "optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores `state_dict()` output (same world size). Local."""
+        saved = state.get("optimizers", [])
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"state has {len(saved)} optimizers, this manager "
+                             f"{len(self.optimizers)}")
+        for opt, sd in zip(self.optimizers, saved):
+            opt.load_state_dict(sd)
+        self.load_scalar_state(state)
