@@ -1,14 +1,18 @@
-"""Per-rank telemetry recorder: compute spans, communication spans, metrics.
+"""Per-rank telemetry recorder: compute spans, communication spans, metrics, memory.
 
 Block and TransformerBlockList report compute spans (per block, forward and
 backward), the collectives module reports communication spans (issue to
-completion, with bytes) and issue/wait instants, and the optimizer layer reports
-step metrics. Every event carries a sequence number taken from one counter, so
-the order of events is exact even when clocks are coarse: tests check the
-overlap structure from sequence numbers, not from timings.
+completion, with bytes) and issue/wait instants, OptimManager reports step
+metrics and closes the step (`next_step`), and `sample_memory` adds memory.
+Every event carries a sequence number taken from one counter, so the order of
+events is exact even when clocks are coarse: tests check the overlap structure
+from sequence numbers, not from timings.
 
-Events live in a bounded deque (oldest dropped first). `set_enabled(False)` turns
-recording off; the hot paths then cost one attribute read.
+Events live in a bounded deque (oldest dropped first) and feed a `StepLog` (the
+per-step summary the dashboard and `nbtrain report` draw). `set_enabled(False)`
+turns recording off; the hot paths then cost one attribute read. Scripts call
+`start(run_dir)` to write one JSONL file per rank; notebook engines publish the
+summary to the notebook (`publish_to_notebook`, done when an engine boots).
 """
 from __future__ import annotations
 
@@ -18,7 +22,10 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-DEFAULT_MAX_EVENTS = 200_000
+from . import _telemetry_io as io
+from .steplog import StepLog
+
+DEFAULT_MAX_EVENTS = 50_000  # about 20 MB of dicts; a step of a 12-block model is ~100
 
 
 class Recorder:
@@ -27,18 +34,23 @@ class Recorder:
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS):
         self.enabled = True
         self.events: deque = deque(maxlen=max_events)
+        self.log = StepLog()
         self._seq = itertools.count()
+        self.last_seq = -1
         self._lock = threading.Lock()
         self.step = 0
-        self.sinks: list = []  # callables fed every event (JSONL writer, publisher)
+        self.sinks: list = []  # callables fed every event (JSONL writer)
 
     def emit(self, event: dict) -> None:
-        event["seq"] = next(self._seq)
-        event.setdefault("step", self.step)
+        # Comm spans arrive from the backend's threads: one lock keeps the deque,
+        # the step log and the sinks in sequence order.
         with self._lock:
+            event["seq"] = self.last_seq = next(self._seq)
+            event.setdefault("step", self.step)
             self.events.append(event)
-        for sink in self.sinks:
-            sink(event)
+            self.log.feed(event)
+            for sink in self.sinks:
+                sink(event)
 
     def clear(self) -> None:
         with self._lock:
@@ -48,6 +60,13 @@ class Recorder:
         with self._lock:
             events = list(self.events)
         return events if type is None else [e for e in events if e["type"] == type]
+
+    def summary(self, max_points: int | None = 300) -> dict:
+        """This rank's StepLog summary plus rank, step and the newest sequence number."""
+        with self._lock:
+            out = self.log.summary(max_points)
+            out.update(rank=io.current_rank(), step=self.step, seq=self.last_seq)
+        return out
 
 
 RECORDER = Recorder()
@@ -91,11 +110,71 @@ def comm_span(kind: str, label: str, start: float, end: float, nbytes: int) -> N
 
 
 def metric(**values) -> None:
-    """A training-step metric (loss, lr, loss_scale, grad_norm, step_time_s...)."""
+    """A training-step metric (loss, lr, loss_scale, grad_norm, skipped, step_time_s...).
+
+    Tensors are converted with `.item()` (one device sync per call, once a step).
+    """
     if RECORDER.enabled:
+        values = {k: (v.item() if hasattr(v, "item") else v) for k, v in values.items()}
         RECORDER.emit({"type": "metric", "t": time.perf_counter(), **values})
 
 
 def next_step() -> int:
+    """Closes the current step: samples memory, records its end, advances the counter."""
+    if RECORDER.enabled:
+        sample_memory()
+        RECORDER.emit({"type": "step_end", "t": time.perf_counter()})
     RECORDER.step += 1
     return RECORDER.step
+
+
+def watch(model=None, optimizer=None) -> None:
+    """Count `model`'s parameters and grads and `optimizer`'s state in memory samples.
+
+    Held by weak reference: watching keeps nothing alive.
+    """
+    io.WATCHED.set(model, optimizer)
+
+
+def sample_memory(model=None, optimizer=None) -> dict:
+    """Records one memory sample of this rank and returns it.
+
+    CUDA allocated/reserved/peak bytes when CUDA is in use; process RSS; and the
+    model-state bytes this rank holds (parameter shards + grads + optimizer
+    state) of `model`/`optimizer`, or of those given to `watch`.
+    """
+    sample = io.memory_sample(model, optimizer)
+    if RECORDER.enabled:
+        RECORDER.emit({"type": "memory", "t": time.perf_counter(), **sample})
+    return sample
+
+
+def start(run_dir=None) -> str:
+    """Write this rank's events to `run_dir/rank<r>.jsonl` (for scripts under torchrun).
+
+    `run_dir` defaults to $NBTRAIN_RUN_DIR. Turns recording on. Returns the file path.
+    """
+    writer = io.JsonlWriter.open(run_dir)
+    stop()
+    set_enabled(True)
+    RECORDER.sinks.append(writer)
+    RECORDER.emit({"type": "meta", "t": time.perf_counter(), **io.meta()})
+    return writer.path
+
+
+def stop() -> None:
+    """Flush and close the JSONL files that `start` opened."""
+    with RECORDER._lock:
+        writers = [s for s in RECORDER.sinks if isinstance(s, io.JsonlWriter)]
+        RECORDER.sinks = [s for s in RECORDER.sinks if s not in writers]
+    for writer in writers:
+        writer.close()
+
+
+def publish_to_notebook(interval_s: float = 0.25) -> None:
+    """On an ipyparallel engine: publish `RECORDER.summary()` while cells run.
+
+    At most once per `interval_s`, only when something new was recorded, and once
+    more when each cell ends. Safe to call twice.
+    """
+    io.start_publisher(RECORDER, interval_s)

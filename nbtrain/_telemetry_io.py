@@ -1,0 +1,175 @@
+"""Where telemetry goes and what it samples: JSONL files, the notebook, memory.
+
+Kept apart from `telemetry` so the recorder's hot path reads on one screen.
+Imports of psutil, torch.cuda and ipyparallel happen on first use.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import weakref
+
+_FLUSH_EVERY_EVENTS = 4096
+
+
+def current_rank() -> int:
+    """This process's rank: nbtrain's context if initialised, else $RANK, else 0."""
+    ctx = sys.modules.get("nbtrain.dist.context")
+    if ctx is not None and ctx.is_initialized():
+        return ctx.get_context().rank
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    ctx = sys.modules.get("nbtrain.dist.context")
+    if ctx is not None and ctx.is_initialized():
+        return ctx.get_context().world_size
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def meta() -> dict:
+    return {"rank": current_rank(), "world_size": _world_size(), "pid": os.getpid(),
+            "host": socket.gethostname(), "wall_time": time.time()}
+
+
+# -- memory --------------------------------------------------------------------------
+class _Watched:
+    """Weak references to the model and optimizer whose state memory samples count."""
+
+    def __init__(self):
+        self.model = self.optimizer = None
+
+    def set(self, model, optimizer) -> None:
+        self.model = weakref.ref(model) if model is not None else None
+        self.optimizer = weakref.ref(optimizer) if optimizer is not None else None
+
+    def get(self):
+        return (self.model() if self.model else None,
+                self.optimizer() if self.optimizer else None)
+
+
+WATCHED = _Watched()
+
+
+def _tensor_bytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(model=None, optimizer=None) -> int | None:
+    """Bytes of parameter shards + grads (+ optimizer state) held by this rank."""
+    if model is None and optimizer is None:
+        return None
+    import torch
+
+    seen, n = set(), 0
+    params = list(model.parameters()) if model is not None else []
+    if optimizer is not None:
+        params += [p for g in optimizer.param_groups for p in g["params"]]
+    for p in params:
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        n += _tensor_bytes(p)
+        if p.grad is not None:
+            n += _tensor_bytes(p.grad)
+    if optimizer is not None:
+        for state in optimizer.state.values():
+            n += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
+    return n
+
+
+def memory_sample(model=None, optimizer=None) -> dict:
+    if model is None and optimizer is None:
+        model, optimizer = WATCHED.get()
+    import psutil
+
+    sample = {"rss_bytes": psutil.Process().memory_info().rss,
+              "model_state_bytes": model_state_bytes(model, optimizer)}
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        sample.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
+                      cuda_reserved_bytes=torch.cuda.memory_reserved(),
+                      cuda_peak_bytes=torch.cuda.max_memory_allocated())
+    return sample
+
+
+# -- JSONL ---------------------------------------------------------------------------
+class JsonlWriter:
+    """A recorder sink: buffers events, appends them as JSON lines at each step end.
+
+    Called under the recorder's lock, so it needs no lock of its own.
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+        self._buffer: list = []
+        atexit.register(self.close)
+
+    @classmethod
+    def open(cls, run_dir) -> "JsonlWriter":
+        run_dir = run_dir or os.environ.get("NBTRAIN_RUN_DIR")
+        if not run_dir:
+            raise ValueError("telemetry.start needs a run_dir (or $NBTRAIN_RUN_DIR)")
+        os.makedirs(run_dir, exist_ok=True)
+        return cls(os.path.join(os.fspath(run_dir), f"rank{current_rank()}.jsonl"))
+
+    def __call__(self, event: dict) -> None:
+        self._buffer.append(event)
+        if event["type"] == "step_end" or len(self._buffer) >= _FLUSH_EVERY_EVENTS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._file.closed or not self._buffer:
+            return
+        lines, self._buffer = self._buffer, []
+        self._file.write("".join(json.dumps(e, default=str) + "\n" for e in lines))
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self.flush()
+            self._file.close()
+
+
+# -- notebook ------------------------------------------------------------------------
+_PUBLISHER: dict = {}
+
+
+def start_publisher(recorder, interval_s: float) -> None:
+    """Publish recorder.summary() with ipyparallel's data publication (engines only)."""
+    if _PUBLISHER.get("thread") is not None:
+        _PUBLISHER["interval_s"] = interval_s
+        return
+    from IPython import get_ipython
+    from ipyparallel.datapub import publish_data
+
+    state = {"last": None, "lock": threading.Lock()}
+
+    def publish_if_changed():
+        with state["lock"]:
+            if recorder.last_seq == state["last"]:
+                return
+            summary = recorder.summary()
+            state["last"] = summary["seq"]
+            publish_data({"nbtrain": summary})
+
+    def loop():
+        while True:
+            time.sleep(_PUBLISHER["interval_s"])
+            try:
+                publish_if_changed()
+            except Exception:  # the engine is shutting down; the dashboard is optional
+                return
+
+    _PUBLISHER["interval_s"] = interval_s
+    # The final state of each cell, sent while the cell's parent header still holds.
+    get_ipython().events.register("post_execute", publish_if_changed)
+    thread = threading.Thread(target=loop, name="nbtrain-telemetry-publisher", daemon=True)
+    _PUBLISHER["thread"] = thread
+    thread.start()
