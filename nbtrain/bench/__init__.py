@@ -1,0 +1,95 @@
+"""`nbtrain bench`: nbtrain ZeRO-3 and ZeRO-2 against torch FSDP2 and DDP.
+
+    nbtrain bench --ranks 2 --model-size small --steps 20 --json bench.json
+
+One GPT (nbtrain.models) is trained by each engine on the same local ranks,
+seed, batches and fp32 dtype policy, with torch.optim.AdamW. Engines run
+interleaved: each round launches every engine once, in a rotating order, so a
+load change on a shared machine hits all four alike. Each launch is a fresh set
+of processes, so peak memory is that engine's alone. Reported per engine: median
+step time after warm-up (slowest rank per step), peak memory per rank (RSS on
+CPU, CUDA peak allocation on GPU), model-state bytes per rank and wire bytes per
+step against the ZeRO theory, the hidden-comm percentage, and loss parity with
+DDP over every step (a fast engine that computes something else cannot win).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from . import report
+from .engines import ENGINES
+from .launch import launch
+
+__all__ = ["main", "run"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nbtrain bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="local ranks (default 2)")
+    p.add_argument("--model-size", choices=("tiny", "small", "medium"), default="small")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per round")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps per round")
+    p.add_argument("--rounds", type=int, default=None, help="launches per engine")
+    p.add_argument("--batch-per-rank", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, few steps: a smoke run (under 3 minutes on 2 CPU ranks)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    return p
+
+
+def _settings(args) -> dict:
+    import torch
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and torch.cuda.device_count() < args.ranks:
+        raise SystemExit(f"--ranks {args.ranks} needs {args.ranks} GPUs; "
+                         f"{torch.cuda.device_count()} visible")
+    quick = args.quick
+    return {
+        "device": device, "seed": args.seed, "batch_per_rank": args.batch_per_rank,
+        "model_size": "tiny" if quick and args.model_size == "small" else args.model_size,
+        "steps": args.steps or (4 if quick else 20),
+        "warmup": args.warmup if args.warmup is not None else (2 if quick else 3),
+        "rounds": args.rounds or (2 if quick else 3),
+        "timeout_s": 300.0,
+    }
+
+
+def run(ranks: int, settings: dict, log=print) -> dict:
+    """Runs every engine `settings["rounds"]` times, interleaved; returns the results."""
+    rounds: dict[str, list] = {e: [] for e in ENGINES}
+    for k in range(settings["rounds"]):
+        order = ENGINES[k % len(ENGINES):] + ENGINES[:k % len(ENGINES)]
+        for engine in order:
+            start = time.perf_counter()
+            rounds[engine].append(launch({**settings, "engine": engine}, ranks))
+            log(f"round {k + 1}/{settings['rounds']} {engine}: "
+                f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    runs = {e: report.summarize(e, rounds[e], ranks) for e in ENGINES}
+    report.add_parity(runs)
+    return {"settings": {**settings, "ranks": ranks}, "runs": runs,
+            "ratios": report.ratios(runs)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.ranks < 2:
+        raise SystemExit("--ranks must be at least 2 (sharding over one rank is a copy)")
+    settings = _settings(args)
+    result = run(args.ranks, settings)
+    s = result["settings"]
+    print(f"nbtrain bench: {s['ranks']} ranks, {s['device']}, GPT {s['model_size']}, "
+          f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "
+          f"(+{s['warmup']} warm-up), fp32, AdamW")
+    print(report.table(result["runs"], result["ratios"]))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0 if all(r["parity"] for r in result["runs"].values()) else 1

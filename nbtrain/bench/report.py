@@ -1,0 +1,85 @@
+"""Aggregate per-rank results into runs, theory ratios, a table and JSON."""
+from __future__ import annotations
+
+import statistics
+
+BYTES_PER_ELEMENT = 4  # fp32 policy: 4 param + 4 grad + 8 AdamW = 16 bytes/parameter
+PARITY_ATOL = 1e-4     # fp32 losses of four engines on identical data
+
+
+def theory(engine: str, param_numel: int, world: int) -> dict:
+    """ZeRO-paper bytes per rank: model state at rest and wire bytes per step."""
+    p_bytes = param_numel * BYTES_PER_ELEMENT
+    ring = (world - 1) / world
+    state = {"zero3": 16 / world, "fsdp2": 16 / world, "zero2": 4 + 12 / world,
+             "ddp": 16}[engine] * param_numel
+    wire = (3 if engine in ("zero3", "fsdp2") else 2) * p_bytes * ring
+    return {"state_bytes": state, "wire_bytes": wire}
+
+
+def summarize(engine: str, rounds: list[list[dict]], world: int) -> dict:
+    """One engine's run from its rounds (each a list of per-rank results)."""
+    steps = [t for ranks in rounds for t in ranks[0]["step_s"]]
+    round_medians = [statistics.median(ranks[0]["step_s"]) for ranks in rounds]
+    first = rounds[0]
+    numel = first[0]["param_numel"]
+    th = theory(engine, numel, world)
+    state = max(r["state"]["total"] for r in first)
+    wire = statistics.median(w for ranks in rounds for r in ranks for w in r["wire_bytes"])
+    hidden = [h for ranks in rounds for r in ranks for h in r["hidden"] if h is not None]
+    return {
+        "step_time_s": statistics.median(steps),
+        "step_time_round_medians_s": round_medians,
+        "peak_mem_bytes": max(r["peak_mem"] for ranks in rounds for r in ranks),
+        "baseline_mem_bytes": max(r["baseline_mem"] for ranks in rounds for r in ranks),
+        "state_bytes": state,
+        "state_breakdown": first[0]["state"],
+        "state_theory_bytes": th["state_bytes"],
+        "wire_bytes_per_step": wire,
+        "wire_theory_bytes": th["wire_bytes"],
+        "hidden_comm_pct": 100 * statistics.median(hidden) if hidden else None,
+        "losses": first[0]["loss"],
+        "param_numel": numel,
+    }
+
+
+def add_parity(runs: dict, reference: str = "ddp") -> None:
+    """Each run's max |loss - reference loss| over all steps, and whether it agrees."""
+    ref = runs[reference]["losses"]
+    for run in runs.values():
+        diff = max(abs(a - b) for a, b in zip(run["losses"], ref))
+        run["loss_max_abs_diff_vs_ddp"] = diff
+        run["parity"] = diff <= PARITY_ATOL and len(run["losses"]) == len(ref)
+
+
+def ratios(runs: dict) -> dict:
+    z3 = runs["zero3"]
+    return {
+        "zero3_step_vs_fsdp2": z3["step_time_s"] / runs["fsdp2"]["step_time_s"],
+        "zero3_step_vs_ddp": z3["step_time_s"] / runs["ddp"]["step_time_s"],
+        "zero3_state_mem_vs_theory": z3["state_bytes"] / z3["state_theory_bytes"],
+        "zero3_bytes_vs_theory": z3["wire_bytes_per_step"] / z3["wire_theory_bytes"],
+    }
+
+
+def table(runs: dict, ratio: dict) -> str:
+    mib = 2 ** 20
+    head = ("engine", "step ms", "rounds ms", "peak MiB", "state MiB", "state/th",
+            "wire MiB", "wire/th", "hidden %", "loss |d| vs ddp")
+    rows = [head]
+    for name, r in runs.items():
+        spread = "-".join(f"{1e3 * t:.0f}" for t in (min(r["step_time_round_medians_s"]),
+                                                    max(r["step_time_round_medians_s"])))
+        hidden = "n/a" if r["hidden_comm_pct"] is None else f"{r['hidden_comm_pct']:.0f}"
+        rows.append((name, f"{1e3 * r['step_time_s']:.1f}", spread,
+                     f"{r['peak_mem_bytes'] / mib:.0f}", f"{r['state_bytes'] / mib:.2f}",
+                     f"{r['state_bytes'] / r['state_theory_bytes']:.3f}",
+                     f"{r['wire_bytes_per_step'] / mib:.2f}",
+                     f"{r['wire_bytes_per_step'] / r['wire_theory_bytes']:.3f}", hidden,
+                     f"{r['loss_max_abs_diff_vs_ddp']:.1e} {'ok' if r['parity'] else 'DIFFER'}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    lines.append("")
+    lines += [f"{k}: {v:.3f}" for k, v in ratio.items()]
+    return "\n".join(lines)

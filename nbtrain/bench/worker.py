@@ -1,0 +1,112 @@
+"""One rank of one benchmark run: build an engine, train, measure.
+
+Every step is bracketed by a barrier so a slow rank's lag is not carried into
+the next step, and its time is the slowest rank's (an all-reduce of max).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import nbtrain as nbt
+from nbtrain import telemetry
+from nbtrain.models import GPTConfig
+
+from . import engines
+from .overlap import hidden_fraction
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # "5" resets the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _peak(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return _rss_bytes("VmHWM")
+
+
+def batches(cfg: GPTConfig, steps: int, batch_per_rank: int, world: int, seed: int):
+    """(x, y), each (steps, world * batch_per_rank, seq_len) int64; same on every rank."""
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = (steps, world * batch_per_rank, cfg.seq_len)
+    return (torch.randint(0, cfg.vocab_size, shape, generator=g),
+            torch.randint(0, cfg.vocab_size, shape, generator=g))
+
+
+def run_rank(spec: dict, rank: int, world: int, init_file: str) -> dict:
+    """Trains `spec["engine"]` for warmup + steps steps; returns this rank's numbers."""
+    torch.set_num_threads(1)
+    backend = "nccl" if spec["device"] == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
+    try:
+        return _train(spec, rank, world)
+    finally:
+        nbt.dist.shutdown()
+
+
+def _train(spec: dict, rank: int, world: int) -> dict:
+    ctx = nbt.init_distributed(seed=spec["seed"])
+    device, engine = ctx.device, spec["engine"]
+    cfg = GPTConfig.preset(spec["model_size"])
+    baseline = _rss_bytes("VmRSS") if device.type == "cpu" else torch.cuda.memory_allocated()
+    model = engines.build(engine, cfg, spec["seed"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
+    total = spec["warmup"] + spec["steps"]
+    xs, ys = batches(cfg, total, spec["batch_per_rank"], world, spec["seed"])
+    lo, hi = rank * spec["batch_per_rank"], (rank + 1) * spec["batch_per_rank"]
+    telemetry.set_enabled(engine in ("zero3", "zero2"))
+    _reset_peak(device)
+    times, losses, wire, hidden = [], [], [], []
+    for step in range(total):
+        x, y = xs[step, lo:hi].to(device), ys[step, lo:hi].to(device)
+        dist.barrier()
+        telemetry.RECORDER.clear()
+        engines.reset_wire()
+        start = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = engines.loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = time.perf_counter() - start
+        moved = engines.wire_bytes(engine)
+        stats = torch.tensor([elapsed, loss.item()], dtype=torch.float64, device=device)
+        slowest = stats[:1].clone()
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
+        losses.append(stats[1].item() / world)
+        if step >= spec["warmup"]:
+            times.append(slowest.item())
+            wire.append(moved)
+            if telemetry.enabled():
+                hidden.append(hidden_fraction(telemetry.RECORDER.snapshot()))
+    telemetry.set_enabled(True)
+    return {"step_s": times, "loss": losses, "wire_bytes": wire, "hidden": hidden,
+            "peak_mem": _peak(device), "baseline_mem": baseline,
+            "state": engines.state_bytes(model, opt),
+            "param_numel": sum(p.numel() for p in engines.plain_gpt(cfg, 0, "cpu").parameters())}
