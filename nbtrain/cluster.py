@@ -99,6 +99,10 @@ class Cluster:
             return self
         import ipyparallel as ipp
 
+        if self.launcher == "slurm" and self.controller_ip.startswith("127."):
+            raise ValueError("slurm engines run on other nodes and cannot reach a controller on "
+                             f"{self.controller_ip}: pass controller_ip (`--ip`) with an address "
+                             "of this host that the compute nodes can reach")
         n = self.n if self.n is not None else _default_n()
         kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}
         self._ipp = ipp.Cluster(

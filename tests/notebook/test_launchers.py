@@ -79,5 +79,7 @@ def test_slurm_rejects_unknown_options_and_loopback_is_default():
     with pytest.raises(ValueError, match="unknown slurm option"):
         slurm_script(n=2, cluster_id="x", profile_dir="/tmp", slurm={"gpu": 1})
     assert Cluster(launcher="slurm").controller_ip == "127.0.0.1"
+    with pytest.raises(ValueError, match="cannot reach a controller on 127.0.0.1"):
+        Cluster(launcher="slurm").start()  # refused before anything is launched
     with pytest.raises(ValueError, match="launcher="):
         Cluster(launcher="pbs")
