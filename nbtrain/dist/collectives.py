@@ -77,6 +77,7 @@ class CommHandle:
         self.kind, self.nbytes, self.label = kind, nbytes, label
         self.issued_at = time.perf_counter()
         self.finished_at: float | None = None
+        self._stamp_at_wait = False
         if work is not None and telemetry.enabled():
             self._record_completion()
         if self._done:
@@ -87,7 +88,10 @@ class CommHandle:
         # thread; it timestamps the end of the span without blocking anyone.
         try:
             fut = self._work.get_future()
-        except (RuntimeError, AttributeError):  # backend without futures
+        except (RuntimeError, AttributeError):
+            # gloo's reduce_scatter has no future: wait() stamps the end instead,
+            # an upper bound on the completion time.
+            self._stamp_at_wait = True
             return
 
         def _stamp(_):
@@ -103,6 +107,10 @@ class CommHandle:
         if self._done:
             return
         self._work.wait()
+        if self._stamp_at_wait:
+            self.finished_at = time.perf_counter()
+            telemetry.comm_span(self.kind.value, self.label, self.issued_at,
+                                self.finished_at, self.nbytes, end_at_wait=True)
         telemetry.instant("comm_wait", self.label, kind=self.kind.value)
         self._done = True
         self._finish()
