@@ -103,10 +103,12 @@ def compute_span(label: str, phase: str):
                        "start": start, "end": end, "t": end})
 
 
-def comm_span(kind: str, label: str, start: float, end: float, nbytes: int) -> None:
+def comm_span(kind: str, label: str, start: float, end: float, nbytes: int,
+              **fields) -> None:
+    """A collective from issue to completion (`end_at_wait=True`: end seen at wait)."""
     if RECORDER.enabled:
         RECORDER.emit({"type": "comm", "kind": kind, "label": label, "start": start,
-                       "end": end, "bytes": int(nbytes), "t": end})
+                       "end": end, "bytes": int(nbytes), "t": end, **fields})
 
 
 def metric(**values) -> None:

@@ -1,0 +1,53 @@
+"""`nbtrain report` renders a PNG and an HTML page from a real torchrun run."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    run = tmp_path_factory.mktemp("torchrun") / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", os.path.join(HERE, "train_script.py"),
+                           str(run), "4"], env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return run
+
+
+def test_each_rank_writes_jsonl(run_dir):
+    for rank in (0, 1):
+        events = [json.loads(line) for line in open(run_dir / f"rank{rank}.jsonl")]
+        assert events[0]["type"] == "meta" and events[0]["rank"] == rank
+        kinds = {e["type"] for e in events}
+        assert {"compute", "comm", "metric", "memory", "step_end"} <= kinds
+        assert [e["step"] for e in events if e["type"] == "step_end"] == [0, 1, 2, 3]
+
+
+def test_report_renders_png_and_html(run_dir, tmp_path):
+    from matplotlib.image import imread
+
+    png = tmp_path / "report.png"
+    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "report", str(run_dir),
+                           "-o", str(png)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 0, proc.stderr
+    assert "hidden comm" in proc.stdout and len(proc.stdout.splitlines()) == 4
+    pixels = imread(png)
+    assert pixels.shape[0] > 200 and pixels.shape[1] > 800
+    # Not a blank canvas: the panels put many distinct colours on it.
+    assert len({tuple(p) for p in pixels[::4, ::4, :3].reshape(-1, 3).tolist()}) > 50
+
+    from nbtrain.report import main
+
+    html = tmp_path / "report.html"
+    assert main([str(run_dir), "-o", str(html)]) == 0
+    text = html.read_text()
+    assert "data:image/png;base64," in text and "rank  steps" in text
