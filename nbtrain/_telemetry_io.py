@@ -83,12 +83,24 @@ def model_state_bytes(model=None, optimizer=None) -> int | None:
     return n
 
 
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
+def _rss_bytes() -> int:
+    # /proc/self/statm costs ~10x less than building a psutil.Process each step.
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            return int(f.read().split()[1]) * _PAGE_BYTES
+    except OSError:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+
+
 def memory_sample(model=None, optimizer=None) -> dict:
     if model is None and optimizer is None:
         model, optimizer = WATCHED.get()
-    import psutil
-
-    sample = {"rss_bytes": psutil.Process().memory_info().rss,
+    sample = {"rss_bytes": _rss_bytes(),
               "model_state_bytes": model_state_bytes(model, optimizer)}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():

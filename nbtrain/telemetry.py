@@ -40,6 +40,7 @@ class Recorder:
         self._lock = threading.Lock()
         self.step = 0
         self.sinks: list = []  # callables fed every event (JSONL writer)
+        self.progress: dict | None = None  # set by nbtrain.progress on rank 0
 
     def emit(self, event: dict) -> None:
         # Comm spans arrive from the backend's threads: one lock keeps the deque,
@@ -65,7 +66,8 @@ class Recorder:
         """This rank's StepLog summary plus rank, step and the newest sequence number."""
         with self._lock:
             out = self.log.summary(max_points)
-            out.update(rank=io.current_rank(), step=self.step, seq=self.last_seq)
+            out.update(rank=io.current_rank(), step=self.step, seq=self.last_seq,
+                       progress=self.progress)
         return out
 
 
@@ -171,6 +173,11 @@ def stop() -> None:
         RECORDER.sinks = [s for s in RECORDER.sinks if s not in writers]
     for writer in writers:
         writer.close()
+
+
+def summary() -> dict:
+    """This rank's summary (what the dashboard draws): memory, last step, metrics."""
+    return RECORDER.summary()
 
 
 def publish_to_notebook(interval_s: float = 0.25) -> None:

@@ -1,0 +1,91 @@
+"""`nbtrain.progress(iterable)`: a tqdm bar for training loops, on rank 0 only.
+
+In a terminal (torchrun) rank 0 draws an ordinary tqdm bar; in a plain Jupyter
+kernel, tqdm's widget. On an nbtrain engine the bar is drawn in the notebook by
+the dashboard from what rank 0 publishes, and rank 0 also prints a text bar at
+most every `print_s` seconds (one line each, labelled `[rank 0]`). The other
+ranks iterate silently. Each iteration closes a telemetry step if the loop body
+did not (OptimManager.step does), and the bar shows the last recorded loss.
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+from . import telemetry
+
+
+def _rank() -> int:
+    from ._telemetry_io import current_rank
+
+    return current_rank()
+
+
+def _on_engine() -> bool:
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    kernel = getattr(shell, "kernel", None)
+    return getattr(kernel, "engine_id", None) is not None
+
+
+class _Lines:
+    """A file for tqdm that turns each redraw into a line (engine output is by line)."""
+
+    def write(self, text: str) -> None:
+        text = text.replace("\r", "").strip()
+        if text:
+            sys.stdout.write(text + "\n")
+
+    def flush(self) -> None:
+        sys.stdout.flush()
+
+
+def progress(iterable=None, total: int | None = None, desc: str = "train", rank: int = 0,
+             print_s: float = 5.0, **tqdm_kwargs):
+    """Iterate `iterable` with a progress bar on `rank`; yields its items unchanged.
+
+    Args:
+        iterable: the loop's iterable (e.g. `range(steps)` or a DataLoader).
+        total: number of items when `len(iterable)` is not defined.
+        desc: the bar's label.
+        rank: the rank that draws the bar (the others draw nothing).
+        print_s: on engines, seconds between text lines of the bar.
+        **tqdm_kwargs: passed to tqdm.
+    """
+    if total is None and hasattr(iterable, "__len__"):
+        total = len(iterable)
+    if _rank() != rank:
+        yield from _steps(iterable, None)
+        return
+    if _on_engine():
+        from tqdm import tqdm
+
+        bar = tqdm(iterable, total=total, desc=desc, file=_Lines(), mininterval=print_s,
+                   ascii=True, **tqdm_kwargs)
+    else:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(iterable, total=total, desc=desc, **tqdm_kwargs)
+    start = time.monotonic()
+    try:
+        for n, item in enumerate(_steps(bar, bar)):
+            telemetry.RECORDER.progress = {"n": n, "total": total, "desc": desc,
+                                           "rate": n / max(time.monotonic() - start, 1e-9)}
+            yield item
+        telemetry.RECORDER.progress = {"n": bar.n, "total": total, "desc": desc,
+                                       "rate": bar.n / max(time.monotonic() - start, 1e-9)}
+    finally:
+        bar.close()
+
+
+def _steps(iterable, bar):
+    """Yield items; after each loop body, close the telemetry step if nobody did."""
+    for item in iterable:
+        step = telemetry.RECORDER.step
+        yield item
+        if telemetry.RECORDER.step == step:
+            telemetry.next_step()
+        if bar is not None:
+            losses = telemetry.RECORDER.log.metrics
+            if losses and losses[-1].get("loss") is not None:
+                bar.set_postfix(loss=f"{losses[-1]['loss']:.4f}", refresh=False)

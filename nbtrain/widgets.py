@@ -1,0 +1,173 @@
+"""The live dashboard: memory per rank, last step's comm vs compute, loss curve.
+
+It observes and owns no training state: it reads what the engines publish with
+ipyparallel's data publication (`telemetry.publish_to_notebook`, a few times a
+second at most) from the running cell's AsyncResult, while `%%distributed` waits.
+The picture is redrawn at most once per `redraw_s` (matplotlib, same panels as
+`nbtrain report`); the header table of numbers updates on every poll.
+"""
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from .panels import MAX_RANKS_SHOWN, png_bytes
+
+MAX_HISTORY = 5000  # metric points kept per rank in the notebook
+
+_CURRENT: "Dashboard | None" = None
+
+
+def current() -> "Dashboard | None":
+    """The dashboard that `%nbtrain dashboard` or `--dashboard` last displayed."""
+    return _CURRENT
+
+
+def _merge_by_step(old: list, new: list) -> list:
+    """Union of two step-sorted point lists, newer points winning; bounded."""
+    if new and old and _step(new[-1]) < _step(old[-1]):
+        return list(new)  # the step counter went back: fresh ranks, fresh history
+    first = _step(new[0]) if new else None
+    kept = [p for p in old if first is None or _step(p) < first]
+    return (kept + list(new))[-MAX_HISTORY:]
+
+
+def _step(point):
+    return point["step"] if isinstance(point, dict) else point[0]
+
+
+class Dashboard:
+    """An ipywidgets dashboard fed with per-rank telemetry summaries."""
+
+    def __init__(self, redraw_s: float = 1.0):
+        import ipywidgets as w
+
+        self.redraw_s = redraw_s
+        self.summaries: dict[int, dict] = {}
+        self.header = w.HTML(value="<i>waiting for telemetry from the ranks...</i>")
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="rank 0",
+                                      layout=w.Layout(display="none", width="60%"))
+        self.progress_text = w.HTML()
+        self.image = w.Image(format="png", layout=w.Layout(max_width="100%"))
+        self.widget = w.VBox([w.HBox([self.progress, self.progress_text]), self.header,
+                              self.image])
+        self.redraws = 0
+        self._last_redraw = 0.0
+        self._dirty = False
+        self._seen: dict[int, int] = {}
+        # Drawing takes 0.1-1 s (and importing matplotlib seconds): a worker thread
+        # draws so the numbers and the cell's output keep flowing meanwhile.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbtrain-dashboard")
+        self._drawing = self._pool.submit(_warm_up)
+
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def show(self) -> "Dashboard":
+        """Display it and make it the one `%%distributed` cells feed."""
+        global _CURRENT
+        _CURRENT = self
+        self._ipython_display_()
+        return self
+
+    # -- feeding ----------------------------------------------------------------
+    def update(self, by_rank: dict, final: bool = False) -> None:
+        """Merge new summaries {rank: summary}; redraw if due (or `final`)."""
+        for rank, new in by_rank.items():
+            if not new or self._seen.get(rank) == new.get("seq"):
+                continue
+            self._seen[rank] = new.get("seq")
+            old = self.summaries.get(rank, {})
+            merged = dict(new)
+            for key in ("metrics", "overlap"):
+                merged[key] = _merge_by_step(old.get(key, []), new.get(key, []))
+            self.summaries[rank] = merged
+            self._dirty = True
+        if not self._dirty:
+            return
+        self._update_numbers()
+        now = time.monotonic()
+        if final:
+            self._drawing.result()
+            self._draw(copy.deepcopy(self.summaries))
+        elif self._drawing.done() and now - self._last_redraw >= self.redraw_s:
+            self._drawing = self._pool.submit(self._draw, copy.deepcopy(self.summaries))
+
+    def _draw(self, summaries: dict) -> None:
+        self._dirty = False
+        self.image.value = png_bytes(summaries, dpi=72)
+        self.redraws += 1
+        self._last_redraw = time.monotonic()
+
+    def poll(self, ranks: list[int], metadata: list[dict], final: bool = False) -> None:
+        """Read what each rank published into its AsyncResult metadata (`md["data"]`)."""
+        self.update({r: (md.get("data") or {}).get("nbtrain") for r, md in zip(ranks, metadata)},
+                    final=final)
+
+    def refresh(self, cluster) -> None:
+        """Ask every rank for its summary now (only while no cell is running)."""
+        from . import telemetry
+
+        view = cluster.client[[cluster.engine_id(r) for r in range(cluster.world_size)]]
+        summaries = view.apply_sync(telemetry.summary)
+        self.update(dict(enumerate(summaries)), final=True)
+
+    # -- drawing ----------------------------------------------------------------
+    def _update_numbers(self) -> None:
+        rows = []
+        for rank, s in sorted(self.summaries.items()):
+            last = s.get("last_step") or {}
+            losses = [m["loss"] for m in s.get("metrics", []) if m.get("loss") is not None]
+            mem = s.get("memory") or {}
+            rows.append((rank, s.get("step", 0), losses[-1] if losses else None,
+                         last.get("overlap"),
+                         mem.get("cuda_allocated_bytes", mem.get("rss_bytes"))))
+        if len(rows) > MAX_RANKS_SHOWN:
+            rows = _aggregate(rows)
+        cells = "".join(
+            f"<tr><td>{r}</td><td>{step}</td><td>{_fmt(loss, '.4f')}</td>"
+            f"<td>{_fmt(None if ov is None else 100 * ov, '.0f')}%</td>"
+            f"<td>{_fmt(None if mem is None else mem / 2**20, '.0f')} MiB</td></tr>"
+            for r, step, loss, ov, mem in rows)
+        self.header.value = ("<table style='font-family:monospace'><tr><th>rank</th>"
+                             "<th>step</th><th>loss</th><th>hidden comm</th><th>memory</th>"
+                             f"</tr>{cells}</table>")
+        self._update_progress()
+
+    def _update_progress(self) -> None:
+        lead = self.summaries.get(min(self.summaries))
+        prog = (lead or {}).get("progress")
+        if not prog:
+            return
+        self.progress.layout.display = None
+        self.progress.max = max(int(prog.get("total") or prog["n"] or 1), 1)
+        self.progress.value = min(int(prog["n"]), self.progress.max)
+        self.progress.description = prog.get("desc") or "rank 0"
+        total = prog.get("total")
+        rate = prog.get("rate")
+        self.progress_text.value = (f"{prog['n']}/{total if total else '?'}"
+                                    + (f" ({rate:.2f} it/s)" if rate else ""))
+
+
+def _warm_up() -> None:
+    import matplotlib.figure  # noqa: F401  (the first import is the slow part)
+
+
+def _fmt(v, spec) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def _aggregate(rows):
+    """min / median / max of each column over ranks (above MAX_RANKS_SHOWN)."""
+    out = []
+    for name, pick in (("min", min), ("median", statistics.median_low), ("max", max)):
+        cols = []
+        for i in range(1, 5):
+            vals = [row[i] for row in rows if row[i] is not None]
+            cols.append(pick(vals) if vals else None)
+        out.append((name, *cols))
+    return out

@@ -1,0 +1,54 @@
+"""The dashboard in a real kernel (nbclient): its widgets change while the cell runs."""
+import re
+
+import pytest
+
+import dashboard_notebook
+
+
+@pytest.fixture(scope="module")
+def executed(tmp_path_factory):
+    path = tmp_path_factory.mktemp("nb") / "dashboard.ipynb"
+    client = dashboard_notebook.run(str(path))
+    return path, client
+
+
+def _header_steps(updates):
+    """Step numbers shown in the dashboard's table, in the order they were sent."""
+    steps = []
+    for _, _, data in updates:
+        value = data.get("state", {}).get("value")
+        if isinstance(value, str) and "<th>hidden comm</th>" in value:
+            steps.append(max(int(s) for s in re.findall(r"<tr><td>\d+</td><td>(\d+)</td>", value)))
+    return steps
+
+
+def test_dashboard_updates_while_the_cell_runs(executed):
+    path, client = executed
+    cell = dashboard_notebook.TRAIN_CELL
+    during = [u for u in client.updates if u[1] == cell]
+    steps = _header_steps(during)
+    # Several distinct, growing step counts arrived before the cell finished.
+    assert len(set(steps)) >= 4, steps
+    assert steps == sorted(steps) and steps[-1] == dashboard_notebook.STEPS
+    early = [t for t, _, data in during if "value" in data.get("state", {})]
+    assert min(early) < client.cell_done[cell] - 1.0  # not all at the end
+    images = [d for _, _, d in during if "value" in d.get("state", {})
+              and not isinstance(d["state"]["value"], str)]
+    progress = [d["state"]["value"] for _, _, d in during
+                if isinstance(d.get("state", {}).get("value"), int)]
+    assert progress and max(progress) == dashboard_notebook.STEPS
+    assert len(images) >= 0  # image bytes travel as buffers; checked in the stored state
+
+
+def test_widget_state_is_stored_with_the_figure(executed):
+    import nbformat
+
+    nb = nbformat.read(str(executed[0]), as_version=4)
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    models = {m["model_name"] for m in state.values()}
+    assert {"ImageModel", "HTMLModel", "IntProgressModel", "VBoxModel"} <= models
+    image = [m for m in state.values() if m["model_name"] == "ImageModel"][0]
+    assert image["buffers"], "the dashboard's figure was not stored"
+    text = "".join(o.get("text", "") for o in nb.cells[dashboard_notebook.TRAIN_CELL].outputs)
+    assert "[rank 0] train:" in text and "[rank 1]" not in text
