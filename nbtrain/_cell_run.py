@@ -139,8 +139,12 @@ def _publish(data: dict, metadata: dict, r: int) -> None:
         print(f"[rank {r}] {data['text/plain']}")
 
 
-def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stream: bool):
+def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stream: bool,
+             on_poll=None):
     """Execute `code` on `ranks` of `cluster`, streaming output; raise on any failure.
+
+    `on_poll(ranks, metadata, final)`, if given, sees each rank's metadata (with the
+    telemetry the ranks publish, `md["data"]`) at every poll and once at the end.
 
     Returns:
         The ipyparallel AsyncResult (done and successful).
@@ -154,6 +158,8 @@ def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stre
     try:
         while not ar.wait(_POLL_S):
             printer.flush()
+            if on_poll is not None:
+                on_poll(ranks, ar._metadata, False)
             now = time.monotonic()
             if now >= next_check:
                 next_check = now + _DEATH_CHECK_S
@@ -165,6 +171,8 @@ def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stre
         raise
     ar.wait_for_output(1.0)
     printer.flush(final=True)
+    if on_poll is not None:
+        on_poll(ranks, ar._metadata, True)
     _raise_if_dead(cluster, ranks, printer)
     _raise_rank_errors(ar, ranks)
     return ar

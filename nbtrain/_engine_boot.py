@@ -70,6 +70,7 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float) -> dict:
     import nbtrain
 
     ctx = nbtrain.init_distributed(backend=backend, timeout=pg_timeout_s)
+    nbtrain.telemetry.publish_to_notebook()  # feeds the dashboard while cells run
     get_ipython().user_ns.update({"torch": torch, "nbt": nbtrain})
     return {"rank": ctx.rank, "device": str(ctx.device)}
 

@@ -262,8 +262,11 @@ class Cluster:
         return self.ranks[rank]["engine_id"]
 
     def execute(self, code: str, targets=None, timeout: float | None = None,
-                stream: bool = True):
+                stream: bool = True, on_poll=None):
         """Run `code` on the target ranks, streaming each rank's output as it comes.
+
+        `on_poll(ranks, metadata, final)` observes the ranks while the cell runs
+        (the dashboard reads their published telemetry from `metadata`).
 
         Raises:
             RankError: a rank raised; names the rank(s), holds the remote tracebacks.
@@ -281,7 +284,7 @@ class Cluster:
         dead = self.dead_ranks(range(self.world_size))
         if dead:
             raise RankDiedError(dead)
-        return run_cell(self, code, ranks, timeout, stream)
+        return run_cell(self, code, ranks, timeout, stream, on_poll)
 
     def push(self, namespace: dict, targets=None) -> None:
         """Copy the values of `namespace` into the namespace of the target ranks."""

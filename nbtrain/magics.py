@@ -53,7 +53,7 @@ class NbtrainMagics(Magics):
 
     @line_magic
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "status", "pull"],
+    @argument("action", choices=["start", "stop", "restart", "status", "pull", "dashboard"],
               help="what to do with the cluster")
     @argument("name", nargs="?", help="pull: the variable to bring back from the ranks")
     @argument("-n", type=int, default=None, help="start: number of ranks (default: GPUs, or 2)")
@@ -101,6 +101,11 @@ class NbtrainMagics(Magics):
         if args.action == "status":
             print(format_status(_current.status()))
             return None
+        if args.action == "dashboard":
+            from .widgets import Dashboard
+
+            Dashboard().show().refresh(_current)  # later %%distributed cells feed it
+            return None
         if not args.name:
             raise ValueError("usage: %nbtrain pull NAME [-t RANK]")
         targets = args.targets
@@ -115,13 +120,21 @@ class NbtrainMagics(Magics):
               help="seconds after which the cell fails, naming the ranks still busy")
     @argument("--no-stream", dest="stream", action="store_false",
               help="print each rank's output when the cell ends instead of live")
+    @argument("--dashboard", action="store_true",
+              help="show the live telemetry dashboard above the cell's output")
     def distributed(self, line, cell):
         """Run the cell on every rank (or --targets); each rank keeps its namespace."""
         args = parse_argstring(self.distributed, line)
         cluster = current_cluster()
         if cluster is None:
             raise NoClusterError(_NO_CLUSTER)
-        cluster.execute(cell, targets=args.targets, timeout=args.timeout, stream=args.stream)
+        from . import widgets
+
+        if args.dashboard:
+            widgets.Dashboard().show()
+        board = widgets.current()
+        cluster.execute(cell, targets=args.targets, timeout=args.timeout, stream=args.stream,
+                        on_poll=board.poll if board is not None else None)
 
 
 def load_ipython_extension(ipython) -> None:
