@@ -126,12 +126,16 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 
 
 def _issue(kind: CommKind, work, nbytes: int, label: str, async_op: bool,
-           on_done=None) -> CommHandle | None:
+           on_done=None, started: float | None = None) -> CommHandle | None:
     COUNTERS.add(kind, nbytes)
     telemetry.instant("comm_issue", label, kind=kind.value, bytes=nbytes)
     handle = CommHandle(work, kind, nbytes, label, on_done)
     if async_op:
         return handle
+    if started is not None and telemetry.enabled():
+        # A blocking collective is exposed comm: without its span the
+        # hidden-comm share would count only the async (overlappable) ones.
+        telemetry.comm_span(kind.value, label, started, time.perf_counter(), nbytes)
     handle.wait()
     return None
 
@@ -151,9 +155,10 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, *, group=None,
     if output.numel() != shard.numel() * world:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
                          f"{shard.numel()} x {world} = {shard.numel() * world}")
+    started = time.perf_counter()
     work = _all_gather_flat(output, shard, group=group, async_op=async_op)
     return _issue(CommKind.ALL_GATHER, work if async_op else None,
-                  _ring_bytes(output, world), label, async_op)
+                  _ring_bytes(output, world), label, async_op, started=started)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, op: str = "avg",
@@ -173,18 +178,20 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, op: str = "avg",
     if full.numel() != output.numel() * world:
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
                          f"{output.numel()} x {world} = {output.numel() * world}")
+    started = time.perf_counter()
     work = _reduce_scatter_flat(output, full, op=_reduce_op(op), group=group, async_op=async_op)
     return _issue(CommKind.REDUCE_SCATTER, work if async_op else None,
-                  _ring_bytes(full, world), label, async_op, on_done)
+                  _ring_bytes(full, world), label, async_op, on_done, started=started)
 
 
 def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None,
                async_op: bool = False, label: str = "") -> CommHandle | None:
     """In-place all-reduce. Collective: every rank in the group calls this."""
     world = dist.get_world_size(group)
+    started = time.perf_counter()
     work = dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)
     return _issue(CommKind.ALL_REDUCE, work if async_op else None,
-                  2 * _ring_bytes(tensor, world), label, async_op)
+                  2 * _ring_bytes(tensor, world), label, async_op, started=started)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, label: str = "") -> None:

@@ -231,9 +231,11 @@ class Block(nn.Module):
     # -- backward ---------------------------------------------------------------
     def _begin_backward(self) -> None:
         telemetry.instant("compute_begin", self.label, phase="backward")
-        self._bwd_start = time.perf_counter()
         prev = self._prev_block if self.zero_level == ZeroLevel.FULLY_SHARDED else None
         self._gather(prev)
+        # The span starts once the parameters are here: waiting for the gather
+        # is not compute, and counting it as such would inflate hidden comm.
+        self._bwd_start = time.perf_counter()
         self._grads_pending = sum(g.requires_grad for g in self._groups)
         if self._grads_pending == 0:
             PENDING.at_end(self.release)
