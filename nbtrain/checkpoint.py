@@ -255,10 +255,12 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
 
 
 def _remove_other_versions(path: str, keep: str) -> None:
-    # Old versions and folders left by saves that died before their metadata.
+    # Old versions, and folders and metadata drafts left by saves that died.
     for name in os.listdir(path):
         if name.startswith("v-") and name != keep:
             shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        elif name.startswith(META + ".tmp-"):
+            os.remove(os.path.join(path, name))
 
 
 from ._checkpoint_load import load_checkpoint  # noqa: E402  (the reading half)
