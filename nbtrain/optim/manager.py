@@ -100,7 +100,7 @@ class OptimManager:
                                "gradients; call zero_grad() first")
         if self._step_start is None:
             self._step_start = time.perf_counter()
-        self._loss_sum += float(loss.detach())
+        self._loss_sum = self._loss_sum + loss.detach().float()  # no host sync here
         (loss * self.loss_scale).backward()
 
     # -- unscaling, overflow and clipping -------------------------------------------
@@ -132,8 +132,12 @@ class OptimManager:
             out[1] = 0.0  # replicated parameters: every rank holds the same gradient
         return out
 
-    def clip_grad_norm(self, param_groups, max_norm: float, norm_type: float = 2) -> float:
+    def clip_grad_norm(self, param_groups, max_norm: float | None = None,
+                       norm_type: float = 2) -> float:
         """Scales gradients so their global norm is at most `max_norm`; returns the norm.
+
+        `clip_grad_norm(param_groups, max_norm, norm_type)` is BMTrain's form;
+        `clip_grad_norm(max_norm)` clips every parameter of every added optimizer.
 
         The norm is over every shard on every rank (each element counted once), of
         the unscaled gradients, as `torch.nn.utils.clip_grad_norm_` computes it on
@@ -141,6 +145,9 @@ class OptimManager:
 
         Collective: every rank calls this (one all-reduce).
         """
+        if max_norm is None:
+            param_groups, max_norm = [g for o in self.optimizers for g in o.param_groups], \
+                param_groups
         self._unscale()
         norm_type = float(norm_type)
         params = [p for group in param_groups for p in group["params"]]
@@ -167,11 +174,10 @@ class OptimManager:
             return self._found_inf
         ctx = get_context()
         flag = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-        for p in self._params():
-            g = param_grad(p)
-            if g is not None and not bool(torch.isfinite(g).all()):
-                flag.fill_(1.0)
-                break
+        finite = [torch.isfinite(g).all() for g in map(param_grad, self._params())
+                  if g is not None]
+        if finite:  # one device-side reduction: no host sync per parameter
+            flag += (~torch.stack(finite).all()).float()
         C.all_reduce(flag, op="max", label="overflow")  # inf/nan on ANY rank
         return bool(flag.item() > 0)
 
@@ -216,7 +222,8 @@ class OptimManager:
         lr = self.optimizers[0].param_groups[0]["lr"] if self.optimizers else None
         now = time.perf_counter()
         step_time = now - self._step_start if self._step_start is not None else None
-        telemetry.metric(loss=self._loss_sum, lr=lr, loss_scale=scale_used,
+        loss = float(self._loss_sum)
+        telemetry.metric(loss=loss, lr=lr, loss_scale=scale_used,
                          grad_norm=self._grad_norm, skipped=bool(skipped),
                          step_time_s=step_time)
         telemetry.next_step()

@@ -100,9 +100,23 @@ def _overflow():
                 scales=scales, skipped=manager.num_skipped)
 
 
+def _manager_state_dict():
+    """bf16: manager.state_dict() moved to a fresh run continues bit for bit."""
+    a_model, a_opt, a_manager = oc.sharded_setup(dtype=torch.bfloat16, scheduler=True)
+    oc.sharded_train(a_model, a_manager, 3, total=5)
+    b_model, b_opt, b_manager = oc.sharded_setup(dtype=torch.bfloat16, scheduler=True)
+    b_model.load_state_dict(a_model.state_dict(), strict=False)
+    b_manager.load_state_dict(a_manager.state_dict())
+    masters_fp32 = all(st["master"].dtype == torch.float32 for st in b_opt.state.values())
+    a_losses, _ = oc.sharded_train(a_model, a_manager, 2, start=3)
+    b_losses, _ = oc.sharded_train(b_model, b_manager, 2, start=3)
+    equal = all(torch.equal(x, y) for x, y in zip(a_model.parameters(), b_model.parameters()))
+    return dict(equal=equal and a_losses == b_losses, masters_fp32=masters_fp32)
+
+
 def _suite():
     out = dict(parity=_parity(), bf16=_bf16(), clip2=_clip(2.0), clipinf=_clip(math.inf),
-               accum=_accumulate(), overflow=_overflow())
+               accum=_accumulate(), overflow=_overflow(), resume=_manager_state_dict())
     if nbt.rank() != 0:  # only the per-rank overflow verdicts matter beyond rank 0
         return dict(overflow=out["overflow"])
     return out
@@ -154,6 +168,8 @@ def test_optimizer_manager_on_ranks(world_size, references):
 
     # Four accumulated micro-batches equal one batch of four times the size.
     _assert_state_close(res["accum"], references["accum"][2], 1e-5, 1e-5, "accum")
+
+    assert res["resume"] == dict(equal=True, masters_fp32=True)
 
     # inf on one rank: every rank skips, nothing changes, the scale halves then grows.
     for rank, r in enumerate(results):
