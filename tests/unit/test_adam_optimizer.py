@@ -1,0 +1,71 @@
+"""AdamOptimizer in one process: equals torch.optim.AdamW; fp32 master for bf16."""
+import pytest
+import torch
+
+from nbtrain.optim import AdamOffloadOptimizer, AdamOptimizer
+
+HYPER = dict(lr=1e-2, betas=(0.8, 0.95), eps=1e-7, weight_decay=0.1)
+
+
+def _params(dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(n, generator=g).to(dtype)) for n in (7, 130, 1)]
+
+
+def _grads(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(n, generator=g) for n in (7, 130, 1)]
+
+
+@pytest.mark.parametrize("cls", [AdamOptimizer, AdamOffloadOptimizer])
+def test_matches_torch_adamw(cls):
+    ours, ref = _params(), _params()
+    opt, ref_opt = cls(ours, **HYPER), torch.optim.AdamW(ref, **HYPER)
+    for step in range(12):
+        for p, q, g in zip(ours, ref, _grads(step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        if step == 5:  # a parameter without a gradient is left alone, its step count too
+            ours[1].grad = ref[1].grad = None
+        opt.step(), ref_opt.step()
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+    assert opt.state[ours[1]]["step"] == 11
+
+
+def test_bf16_parameters_keep_fp32_master_and_read_main_grad():
+    ours, ref = _params(torch.bfloat16), [torch.nn.Parameter(p.detach().float())
+                                          for p in _params(torch.bfloat16)]
+    opt, ref_opt = AdamOptimizer(ours, **HYPER), torch.optim.AdamW(ref, **HYPER)
+    for step in range(12):
+        for p, q, g in zip(ours, ref, _grads(step)):
+            p.main_grad, q.grad = g.clone(), g.clone()  # fp32 gradient, as a Block leaves it
+        opt.step(), ref_opt.step()
+    for p, q in zip(ours, ref):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32 and p.dtype == torch.bfloat16
+        torch.testing.assert_close(master, q.detach(), atol=1e-6, rtol=1e-6)
+        assert torch.equal(p.detach(), master.to(torch.bfloat16))
+    opt.zero_grad()
+    assert all(p.main_grad is None and p.grad is None for p in ours)
+
+
+def test_state_dict_keeps_fp32_state_for_bf16_parameters():
+    params = _params(torch.bfloat16)
+    opt = AdamOptimizer(params, **HYPER)
+    for p, g in zip(params, _grads(0)):
+        p.grad = g.to(torch.bfloat16)
+    opt.step()
+    other = AdamOptimizer(params, lr=5.0)
+    other.load_state_dict(opt.state_dict())
+    assert other.param_groups[0]["lr"] == HYPER["lr"]
+    for p in params:
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert other.state[p][key].dtype == torch.float32
+            assert torch.equal(other.state[p][key], opt.state[p][key])
+
+
+def test_rejects_bad_hyperparameters():
+    with pytest.raises(ValueError, match="betas"):
+        AdamOptimizer(_params(), betas=(0.9, 1.0))
+    with pytest.raises(ValueError, match="lr"):
+        AdamOptimizer(_params(), lr=-1.0)
