@@ -12,3 +12,15 @@ os.environ["OMP_NUM_THREADS"] = "1"
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dist"))  # ranks.py, cases.py
 ARTIFACTS = os.path.join(os.path.dirname(HERE), "artifacts")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def dashboard_run(tmp_path_factory):
+    """The dashboard notebook, executed once by nbclient: (path, recording client)."""
+    import dashboard_notebook
+
+    path = tmp_path_factory.mktemp("nb") / "dashboard.ipynb"
+    return path, dashboard_notebook.run(str(path))
