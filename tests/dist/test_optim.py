@@ -96,8 +96,12 @@ def _overflow():
         manager.backward(model.loss(xs[s, rows], ys[s, rows]))
         manager.step()
         scales.append(manager.loss_scale)
+    metrics = nbt.telemetry.RECORDER.snapshot("metric")[-4:]
     return dict(applied=applied, unchanged=unchanged, scale_after_skip=scale_after_skip,
-                scales=scales, skipped=manager.num_skipped)
+                scales=scales, skipped=manager.num_skipped,
+                metric_skipped=[m["skipped"] for m in metrics],
+                metric_scales=[m["loss_scale"] for m in metrics],
+                metric_keys=set(metrics[0]))
 
 
 def _manager_state_dict():
@@ -178,3 +182,7 @@ def test_optimizer_manager_on_ranks(world_size, references):
         assert ov["scale_after_skip"] == 2.0**9, rank
         assert ov["scales"] == [2.0**9, 2.0**9, 2.0**10], rank
         assert ov["skipped"] == 1, rank
+        assert ov["metric_skipped"] == [True, False, False, False], rank
+        assert ov["metric_scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9], rank
+        assert {"loss", "lr", "loss_scale", "grad_norm", "skipped",
+                "step_time_s"} <= ov["metric_keys"], rank
