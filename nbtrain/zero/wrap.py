@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from . import coalesced
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
 from .parameter import DistributedParameter, attach_state_dict_hooks
@@ -46,7 +47,9 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
 def _gather_hook(module, args):
     for name, param in module._parameters.items():
         if isinstance(param, DistributedParameter):
-            module.__dict__[name] = param.gather()  # shadows the Parameter in forward
+            full = coalesced.GATHERED.get(id(param))  # gathered by the root's forward
+            # Shadows the Parameter in forward.
+            module.__dict__[name] = param.gather() if full is None else full
 
 
 def _restore_hook(module, args, output):
@@ -55,8 +58,10 @@ def _restore_hook(module, args, output):
             module.__dict__.pop(name, None)
 
 
-def _shard_loose_parameters(model: nn.Module) -> None:
+def _shard_loose_parameters(model: nn.Module) -> list[DistributedParameter]:
+    """Converts parameters outside Blocks; returns those the hooks gather (unique)."""
     converted: dict[int, DistributedParameter] = {}
+    hooked: dict[int, DistributedParameter] = {}
     for module in model.modules():
         if isinstance(module, Block):
             continue
@@ -76,6 +81,10 @@ def _shard_loose_parameters(model: nn.Module) -> None:
             module.register_forward_pre_hook(_gather_hook)
             module.register_forward_hook(_restore_hook, always_call=True)
             module._nbtrain_gather_hooks = True
+        if changed:
+            hooked.update((id(p), p) for p in module._parameters.values()
+                          if isinstance(p, DistributedParameter))
+    return list(hooked.values())
 
 
 def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
@@ -101,5 +110,11 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, blocks)
-    _shard_loose_parameters(model)
+    loose = _shard_loose_parameters(model)
+    model._nbtrain_loose_params = loose
+    if loose and not getattr(model, "_nbtrain_root_hooks", False):
+        # Before the root's own gather hook: one collective for all of them.
+        model.register_forward_pre_hook(coalesced.root_pre_hook, prepend=True)
+        model.register_forward_hook(coalesced.root_post_hook, always_call=True)
+        model._nbtrain_root_hooks = True
     return model
