@@ -43,6 +43,33 @@ def live_clusters() -> list["Cluster"]:
     return list(_LIVE)
 
 
+def stop_leftover_clusters(ipython_dir: str | None = None) -> list[str]:
+    """Stops nbtrain clusters left running, by cluster id; returns the ids stopped.
+
+    Clusters of this process are stopped directly; clusters that other processes
+    (notebook kernels) started are found by their cluster files under
+    `ipython_dir` (default $IPYTHONDIR) and stopped through ipyparallel. Only
+    nbtrain's own clusters (ids starting "nbtrain-") are touched.
+    """
+    import glob
+
+    import ipyparallel as ipp
+
+    stopped = []
+    for cluster in live_clusters():
+        stopped.append(cluster.cluster_id)
+        cluster.stop()
+    root = ipython_dir or os.environ.get("IPYTHONDIR") or os.path.expanduser("~/.ipython")
+    for path in glob.glob(os.path.join(root, "profile_*", "security", "cluster-nbtrain-*.json")):
+        try:
+            leftover = ipp.Cluster.from_file(path)
+            stopped.append(leftover.cluster_id)
+            leftover.stop_cluster_sync()
+        except Exception as err:  # a half-written file of a cluster that never started
+            print(f"nbtrain: could not stop the cluster of {path}: {err}")
+    return stopped
+
+
 class Cluster:
     """N ranks in ipyparallel engines, each with torch.distributed initialised.
 

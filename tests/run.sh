@@ -16,4 +16,7 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     python3 -m pip install -q mpi4py || echo "note: mpi4py not installed; the MPI test will skip"
 fi
 export OMP_NUM_THREADS=1
-python3 -m pytest -q -ra "$@"
+# Everything by default: the tests, and every tutorial and research notebook executed
+# by nbval (errors fail; outputs are not compared). Arguments narrow the run.
+if [ "$#" -eq 0 ]; then set -- tests tutorials notebooks; fi
+python3 -m pytest -q -ra --nbval-lax "$@"

@@ -1,7 +1,6 @@
 """Shared setup for the notebook tests: a private IPython/Jupyter home, one thread
 per rank, and a teardown that stops any cluster a failing test left behind, by its
 cluster id (never by process name)."""
-import glob
 import os
 import tempfile
 
@@ -15,19 +14,9 @@ import pytest  # noqa: E402
 
 
 def _stop_leftover_clusters():
-    from nbtrain.cluster import live_clusters
+    from nbtrain.cluster import stop_leftover_clusters
 
-    for cluster in live_clusters():  # started in this process
-        cluster.stop()
-    import ipyparallel as ipp
-
-    # Started in kernels by nbclient: each cluster file names one cluster id.
-    pattern = os.path.join(os.environ["IPYTHONDIR"], "profile_*", "security", "cluster-nbtrain-*.json")
-    for path in glob.glob(pattern):
-        try:
-            ipp.Cluster.from_file(path).stop_cluster_sync()
-        except Exception:
-            pass
+    stop_leftover_clusters(os.environ["IPYTHONDIR"])
 
 
 @pytest.fixture(scope="module", autouse=True)
