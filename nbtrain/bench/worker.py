@@ -16,9 +16,9 @@ import torch.distributed as dist
 import nbtrain as nbt
 from nbtrain import telemetry
 from nbtrain.models import GPTConfig
+from nbtrain.overlap import comm_overlap
 
 from . import engines
-from .overlap import hidden_fraction
 
 
 def _rss_bytes(field: str) -> int:
@@ -46,6 +46,17 @@ def _peak(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return _rss_bytes("VmHWM")
+
+
+def hidden_fraction(events: list[dict]) -> float | None:
+    """HTA comm/comp overlap of one step's telemetry events (nbtrain.overlap).
+
+    Compute spans are the blocks' forward and backward; work outside blocks
+    (embedding, head, loss, optimizer) has none, so comm under it counts as
+    exposed and the share is a lower bound.
+    """
+    return comm_overlap([(e["start"], e["end"]) for e in events if e["type"] == "comm"],
+                        [(e["start"], e["end"]) for e in events if e["type"] == "compute"])
 
 
 def batches(cfg: GPTConfig, steps: int, batch_per_rank: int, world: int, seed: int):
