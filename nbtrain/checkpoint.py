@@ -14,7 +14,9 @@ its flattened value: a Block's flat buffer (whose order does not depend on the w
 size) or a DistributedParameter's flattened tensor. Rank s of S holds elements
 [s * ceil(n / S), min((s + 1) * ceil(n / S), n)), so a loader of any world size M
 computes which saved files overlap its own slice and reads only those ranges.
-Optimizer state tensors shaped like their parameter are stored the same way.
+Optimizer state tensors shaped like their parameter are stored the same way;
+scalar state (step counts), hyper-parameters, schedules and the loss scale are the
+same on every rank and go into meta.json from rank 0.
 
 Atomicity: each file is written to a temporary name, fsynced and renamed; meta.json
 is replaced last. A save that dies anywhere before that rename leaves the previous
@@ -76,12 +78,26 @@ def _write_json(path: str, value: dict, stage: str = "") -> None:
     _commit(tmp, path, stage)
 
 
-def _all_ok(ok: bool, what: str) -> None:
-    """Raises on every rank if any rank failed. Collective (one all-reduce)."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=get_context().device)
+def _agreed(what: str, fn, run_here: bool = True):
+    """Runs `fn` on this rank (if `run_here`), then every rank learns whether all
+    succeeded, so no rank moves on (to the metadata, or out of the save) alone.
+
+    The failing rank re-raises its own error; the others raise a RuntimeError.
+    Collective: every rank calls this (one all-reduce).
+    """
+    result, error = None, None
+    if run_here:
+        try:
+            result = fn()
+        except Exception as exc:  # reported to the peers first, then re-raised
+            error = exc
+    flag = torch.tensor([0.0 if error is not None else 1.0], device=get_context().device)
     C.all_reduce(flag, op="min", label="checkpoint")
+    if error is not None:
+        raise error
     if flag.item() < 1.0:
-        raise RuntimeError(f"{what} failed on at least one rank; see that rank's error")
+        raise RuntimeError(f"{what} failed on another rank; see that rank's error")
+    return result
 
 
 # -- consolidated ------------------------------------------------------------------
@@ -92,19 +108,10 @@ def save(model: torch.nn.Module, path: str) -> None:
     Collective: every rank calls this (the shards are gathered); rank 0 writes.
     """
     state = model.state_dict()
-    ok = True
-    if get_context().rank == 0:
-        try:
-            # Clones: safetensors refuses tensors that share memory (tied weights).
-            _write_tensors(path, {k: v.detach().cpu().contiguous().clone()
-                                  for k, v in state.items()})
-        except Exception:
-            ok = False
-            raise
-        finally:
-            _all_ok(ok, "nbtrain.save")
-    else:
-        _all_ok(ok, "nbtrain.save")
+    # Clones: safetensors refuses tensors that share memory (tied weights).
+    _agreed("nbtrain.save", lambda: _write_tensors(
+        path, {k: v.detach().cpu().contiguous().clone() for k, v in state.items()}),
+        run_here=get_context().rank == 0)
 
 
 def load(model: torch.nn.Module, path: str, strict: bool = True):
@@ -215,8 +222,8 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
     token = torch.tensor([time.time_ns() % (2**62)], dtype=torch.int64, device=ctx.device)
     C.broadcast(token, src=0, label="checkpoint.token")  # one version name on every rank
     version = f"v-{int(token.item()):x}"
-    ok, meta = True, None
-    try:
+
+    def write_shard() -> dict:
         os.makedirs(os.path.join(path, version), exist_ok=True)
         entries = _entries(model)
         tensors = {f"model/{e.name}": e.local(e.param) for e in entries}
@@ -235,23 +242,15 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
                 "manager": None if optim_manager is None else optim_manager.scalar_state()}
         _write_tensors(os.path.join(path, version, f"rank{ctx.rank:05d}.safetensors"),
                        tensors, stage="shard")
-    except Exception:
-        ok = False
-        raise
-    finally:
-        _all_ok(ok, "save_checkpoint (shards)")  # every shard is on disk before the metadata
-    ok = True
-    if ctx.rank == 0:
-        try:
-            _write_json(os.path.join(path, META), meta, stage="meta")
-            _remove_other_versions(path, version)
-        except Exception:
-            ok = False
-            raise
-        finally:
-            _all_ok(ok, "save_checkpoint (metadata)")
-    else:
-        _all_ok(ok, "save_checkpoint (metadata)")
+        return meta
+
+    def write_meta() -> None:
+        _write_json(os.path.join(path, META), meta, stage="meta")
+        _remove_other_versions(path, version)
+
+    # Every shard is on disk before the metadata names them.
+    meta = _agreed("save_checkpoint (shards)", write_shard)
+    _agreed("save_checkpoint (metadata)", write_meta, run_here=ctx.rank == 0)
 
 
 def _remove_other_versions(path: str, keep: str) -> None:

@@ -214,8 +214,7 @@ class OptimManager:
                                       self.max_loss_scale)
                 self.steps_since_rescale = 0
         self._emit(skipped, scale_used)
-        self._reset_step_state()
-        self._unscaled = True  # until zero_grad: another step must not unscale again
+        self._reset_step_state()  # the next backward starts a new step
         return not skipped
 
     def _emit(self, skipped: bool, scale_used: float) -> None:
