@@ -19,30 +19,38 @@ from ranks import run_ranks
 HALF, TOTAL = 10, 20
 
 
-def _setup(dtype=torch.float32):
-    return oc.sharded_setup(dtype=dtype, loss_scale=2.0**12, scheduler=True,
-                            loss_scale_steps=7)
+def _setup(variant: str):
+    """variant: "torch.float32" or "torch.bfloat16" (AdamOptimizer), or "torch_adamw"
+    (torch.optim.AdamW on the shards: its tensor `step` and moments reshard too)."""
+    if variant == "torch_adamw":
+        model = nbt.wrap(cases.plain_model())
+        opt = torch.optim.AdamW(model.parameters(), **oc.HYPER)
+        manager = nbt.optim.OptimManager()
+        manager.add_optimizer(opt, nbt.lr_scheduler.Linear(opt, 1e-3, 3, 30))
+        return model, opt, manager
+    return oc.sharded_setup(dtype=getattr(torch, variant.split(".")[1]), loss_scale=2.0**12,
+                            scheduler=True, loss_scale_steps=7)
 
 
-def _run_a(folder, dtypes=(torch.float32, torch.bfloat16)):
+def _run_a(folder, variants=("torch.float32", "torch.bfloat16")):
     out = {}
-    for dtype in dtypes:
-        model, opt, manager = _setup(dtype)
+    for variant in variants:
+        model, opt, manager = _setup(variant)
         oc.sharded_train(model, manager, HALF, total=TOTAL)
-        nbt.save_checkpoint(os.path.join(folder, str(dtype)), model, manager, step=HALF)
+        nbt.save_checkpoint(os.path.join(folder, variant), model, manager, step=HALF)
         losses, _ = oc.sharded_train(model, manager, HALF, start=HALF, total=TOTAL)
-        out[str(dtype)] = dict(state=model.state_dict(), losses=losses,
-                               scale=manager.loss_scale, lr=opt.param_groups[0]["lr"])
-        if dtype == torch.float32:
+        out[variant] = dict(state=model.state_dict(), losses=losses,
+                            scale=manager.loss_scale, lr=opt.param_groups[0]["lr"])
+        if variant == "torch.float32":
             nbt.save(model, os.path.join(folder, "model.safetensors"))
     return out if nbt.rank() == 0 else None
 
 
-def _run_b(folders, dtypes=("torch.float32",), check_mismatch=False):
+def _run_b(folders, variants=("torch.float32",), check_mismatch=False):
     out = {"mismatch": _mismatch(folders[0]) if check_mismatch else None}
     for folder in folders:
-        for dtype in dtypes:
-            model, opt, manager = _setup(getattr(torch, dtype.split(".")[1]))
+        for dtype in variants:
+            model, opt, manager = _setup(dtype)
             meta = nbt.load_checkpoint(os.path.join(folder, dtype), model, manager)
             losses, _ = oc.sharded_train(model, manager, HALF, start=meta["step"], total=TOTAL)
             out[(folder, dtype)] = dict(state=model.state_dict(), losses=losses,
@@ -74,8 +82,9 @@ def saved(tmp_path_factory):
     results = {}
     for world in (1, 2, 3):
         folder = str(root / f"w{world}")
-        dtypes = (torch.float32,) if world == 3 else (torch.float32, torch.bfloat16)
-        results[world] = (folder, run_ranks(_run_a, world, folder, dtypes, timeout_s=240)[0])
+        variants = {1: ("torch.float32", "torch.bfloat16"), 3: ("torch.float32",),
+                    2: ("torch.float32", "torch.bfloat16", "torch_adamw")}[world]
+        results[world] = (folder, run_ranks(_run_a, world, folder, variants, timeout_s=240)[0])
     return results
 
 
@@ -114,7 +123,8 @@ def test_resume_same_world_is_bitwise_and_reshards(saved):
 @pytest.fixture(scope="module")
 def resharded(saved):
     """Runs B at world 3 from the world-2 checkpoint and at world 1 from world 3's."""
-    return {(2, 3): run_ranks(_run_b, 3, [saved[2][0]], timeout_s=240)[0],
+    return {(2, 3): run_ranks(_run_b, 3, [saved[2][0]], ("torch.float32", "torch_adamw"),
+                              timeout_s=240)[0],
             (3, 1): run_ranks(_run_b, 1, [saved[3][0]], ("torch.float32",), True,
                               timeout_s=240)[0]}
 
@@ -130,6 +140,11 @@ def test_resharding(saved, resharded, saved_world, load_world):
                    f"{saved_world} -> {load_world}")
     _assert_states(res[(folder, "consolidated")], ref["torch.float32"]["state"], True,
                    f"consolidated {saved_world} -> {load_world}")
+    if (folder, "torch_adamw") in res:
+        got, want = res[(folder, "torch_adamw")], ref["torch_adamw"]
+        assert got["lr"] == want["lr"]
+        _assert_states(got["state"], want["state"], False, f"torch AdamW {saved_world} -> "
+                       f"{load_world}")
 
 
 def test_consolidated_file_is_plain_safetensors(saved):
