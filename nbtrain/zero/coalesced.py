@@ -75,6 +75,10 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
 
 
 def root_pre_hook(module, args) -> None:
+    # The first block's all-gather is issued first, so it runs under this
+    # gather and the embedding's compute instead of after them.
+    for block in getattr(module, "_nbtrain_first_blocks", ()):
+        block.prefetch()
     GATHERED.update(gather_all(module._nbtrain_loose_params))
 
 

@@ -103,6 +103,7 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     level = ZeroLevel.parse(zero_level)
     lists = _layer_lists(model)
     _check_no_ties_across(model, lists)
+    first_blocks = []
     for name, ml in lists:
         blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}",
                                              reduce_dtype=reduce_dtype)
@@ -110,8 +111,10 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, blocks)
+        first_blocks.append(blocks[0])
     loose = _shard_loose_parameters(model)
     model._nbtrain_loose_params = loose
+    model._nbtrain_first_blocks = first_blocks
     if loose and not getattr(model, "_nbtrain_root_hooks", False):
         # Before the root's own gather hook: one collective for all of them.
         model.register_forward_pre_hook(coalesced.root_pre_hook, prepend=True)
