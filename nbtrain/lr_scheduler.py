@@ -29,7 +29,8 @@ class WarmupLRScheduler:
         if warmup_iter < 0 or num_iter < 0:
             raise ValueError(f"warmup_iter={warmup_iter} and num_iter={num_iter} must be >= 0")
         self.optimizer = optimizer
-        self.start_lr, self.warmup_iter, self.end_iter = float(start_lr), int(warmup_iter), int(end_iter)
+        self.start_lr = float(start_lr)
+        self.warmup_iter, self.end_iter = int(warmup_iter), int(end_iter)
         self.num_iter = int(num_iter)
         self._current_lr = None
         self.step(self.num_iter)
@@ -96,7 +97,8 @@ class Cosine(WarmupLRScheduler):
     """Warmup, then half a cosine from `start_lr` to 0 at `end_iter` (0 after)."""
 
     def decay_lr(self, num_iter: int) -> float:
-        progress = min(1.0, (num_iter - self.warmup_iter) / max(1, self.end_iter - self.warmup_iter))
+        span = max(1, self.end_iter - self.warmup_iter)
+        progress = min(1.0, (num_iter - self.warmup_iter) / span)
         return max(0.0, self.start_lr * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 

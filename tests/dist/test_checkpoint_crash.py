@@ -10,7 +10,6 @@ import signal
 import tempfile
 import time
 
-import pytest
 import torch
 
 import optim_cases as oc
