@@ -94,10 +94,12 @@ class CommHandle:
             self._stamp_at_wait = True
             return
 
+        step = telemetry.RECORDER.step  # the callback may run after the step ended
+
         def _stamp(_):
             self.finished_at = time.perf_counter()
             telemetry.comm_span(self.kind.value, self.label, self.issued_at,
-                                self.finished_at, self.nbytes)
+                                self.finished_at, self.nbytes, step=step)
         fut.then(_stamp)
 
     def is_completed(self) -> bool:
