@@ -161,7 +161,7 @@ def start_publisher(recorder, interval_s: float) -> None:
     from IPython import get_ipython
     from ipyparallel.datapub import publish_data
 
-    state = {"last": None, "lock": threading.Lock()}
+    state = {"last": recorder.last_seq, "lock": threading.Lock()}
 
     def publish_if_changed():
         with state["lock"]:

@@ -37,6 +37,9 @@ class StepLog:
     def feed(self, event: dict) -> None:
         kind = event["type"]
         if kind in ("compute", "comm"):
+            closed = self.last_step["step"] if self.last_step else None
+            if closed is not None and event.get("step", 0) <= closed:
+                return  # completed after its step was summarised: too late to count
             if len(self._spans) < MAX_SPANS_PER_STEP:
                 self._spans.append(event)
         elif kind == "metric":

@@ -29,9 +29,11 @@ for step in progress(range({STEPS}), desc="train"):
     opt.step()
     telemetry.metric(loss=loss.detach(), lr=opt.param_groups[0]["lr"], loss_scale=1.0)
     time.sleep(0.25)  # a step long enough to watch: the dashboard must move meanwhile""",
+    "%nbtrain dashboard",
     "%nbtrain stop",
 ]
 TRAIN_CELL = 2
+DASHBOARD_CELL = 3
 
 
 class RecordingClient(NotebookClient):

@@ -43,7 +43,11 @@ def test_widget_state_is_stored_with_the_figure(executed):
     state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
     models = {m["model_name"] for m in state.values()}
     assert {"ImageModel", "HTMLModel", "IntProgressModel", "VBoxModel"} <= models
-    image = [m for m in state.values() if m["model_name"] == "ImageModel"][0]
-    assert image["buffers"], "the dashboard's figure was not stored"
+    images = [m for m in state.values() if m["model_name"] == "ImageModel"]
+    # One from `%%distributed --dashboard`, one from `%nbtrain dashboard` afterwards.
+    assert len(images) == 2 and all(m["buffers"] for m in images), "a figure was not stored"
+    later = nb.cells[dashboard_notebook.DASHBOARD_CELL].outputs
+    assert [o["output_type"] for o in later] == ["display_data"]
+    assert "application/vnd.jupyter.widget-view+json" in later[0]["data"]
     text = "".join(o.get("text", "") for o in nb.cells[dashboard_notebook.TRAIN_CELL].outputs)
     assert "[rank 0] train:" in text and "[rank 1]" not in text

@@ -47,7 +47,11 @@ def test_two_rank_step_events_in_order_and_nested():
     for labels, events, summary, state_bytes in run_ranks(_recorded_step, 2):
         seqs = [e["seq"] for e in events]
         assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
-        assert {e["step"] for e in events} == {1}
+        # A collective's completion callback can run after its step ended; it keeps
+        # the step it was issued in.
+        late = [e for e in events if e["step"] != 1]
+        assert all(e["type"] == "comm" and e["step"] == 0 for e in late), late
+        events = [e for e in events if e["step"] == 1]
         assert _compute_nesting(events, "forward") == labels
         assert _compute_nesting(events, "backward") == labels[::-1]
         # Every communication span follows its issue and lies inside the step.
@@ -58,8 +62,9 @@ def test_two_rank_step_events_in_order_and_nested():
         comm = [e for e in events if e["type"] == "comm"]
         assert {e["kind"] for e in comm} >= {"all_gather", "reduce_scatter"}
         for e in comm:
-            first_issue = issued[(e["label"], e["kind"])][0]
-            assert first_issue["seq"] < e["seq"] and first_issue["t"] <= e["start"] + 1e-6
+            # Blocking collectives record their issue instant on return, just
+            # before their span; asynchronous ones long before it.
+            assert issued[(e["label"], e["kind"])][0]["seq"] < e["seq"]
             assert e["start"] <= e["end"] and e["bytes"] > 0
         tail = [e["type"] for e in events[-3:]]
         assert tail == ["metric", "memory", "step_end"], tail
