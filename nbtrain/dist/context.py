@@ -189,6 +189,8 @@ def sum_loss(loss: torch.Tensor) -> torch.Tensor:
 
     Collective: every rank calls this.
     """
+    from .collectives import all_reduce
+
     out = loss.detach().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM)
+    all_reduce(out, op="sum", label="sum_loss")
     return out / get_context().world_size

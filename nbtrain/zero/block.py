@@ -117,6 +117,7 @@ class Block(nn.Module):
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         self._build_groups(entries, ctx, reduce_dtype)
+        self.register_load_state_dict_post_hook(Block._drop_own_keys)
         self._bwd_start = 0.0
         self._grads_pending = 0
 
@@ -292,6 +293,15 @@ class Block(nn.Module):
                                      "in the model")
                 group.load_full(index, value.to(group.shard.dtype))
         unexpected_keys[:] = [k for k in unexpected_keys if k not in own]
+        # The module's own submodules load after this and would call our keys
+        # unexpected (their Parameters moved here): the post-hook drops them.
+        self._loaded_keys = own
+
+    @staticmethod
+    def _drop_own_keys(block, incompatible_keys) -> None:
+        own = getattr(block, "_loaded_keys", set())
+        incompatible_keys.unexpected_keys[:] = [k for k in incompatible_keys.unexpected_keys
+                                                if k not in own]
 
     # -- deferred initialisation ------------------------------------------------
     def init_parameters(self, prefix: str = "") -> None:

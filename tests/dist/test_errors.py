@@ -65,6 +65,20 @@ def test_state_dict_round_trip_into_plain_model():
         torch.testing.assert_close(v, reference[k])
 
 
+def test_plain_state_dict_loads_strictly_into_a_wrapped_model():
+    from nbtrain.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=31, hidden=8, heads=2, layers=2, seq_len=4)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    torch.manual_seed(1)
+    sharded = nbt.wrap(GPT(cfg))
+    result = sharded.load_state_dict(plain.state_dict(), strict=True)
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    for k, v in plain.state_dict().items():
+        torch.testing.assert_close(sharded.state_dict()[k], v)
+
+
 def test_init_distributed_twice_returns_same_context():
     assert nbt.init_distributed() is nbt.init_distributed()
     assert nbt.world_size() == 1 and nbt.rank() == 0
