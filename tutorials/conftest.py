@@ -1,10 +1,9 @@
 """Executing the tutorials under `pytest --nbval-lax`: a private IPython/Jupyter home
-for the kernels, and, after the run, any cluster a failing notebook left behind is
-stopped by its cluster id (never by process name)."""
+for the kernels, and, when a notebook's cells are done, any cluster it left behind
+(a failing notebook never reaches its `%nbtrain stop`) is stopped by its cluster id,
+never by process name."""
 import os
 import tempfile
-
-import pytest
 
 _HOME = tempfile.mkdtemp(prefix="nbtrain-nbval-")
 for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "MPLCONFIGDIR"):
@@ -12,10 +11,11 @@ for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "MPLCONFIGDIR"):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _stop_clusters_left_behind():
-    yield
+def pytest_runtest_teardown(item, nextitem):
+    # nbval items are notebook cells, not fixtures users: a hook sees them all.
+    if nextitem is not None and nextitem.parent is item.parent:
+        return
     from nbtrain.cluster import stop_leftover_clusters
 
     for cluster_id in stop_leftover_clusters(os.environ["IPYTHONDIR"]):
-        print(f"stopped cluster {cluster_id}, left running by a notebook")
+        print(f"\nstopped cluster {cluster_id}, left running by {item.parent.name}")
