@@ -29,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _train(args: argparse.Namespace) -> None:
-    """Runs on every rank (see nbtrain.launch.run_local)."""
+    """Runs on every rank (see nbtrain.launch.run_ranks)."""
     import torch
 
     import nbtrain as nbt
@@ -82,7 +82,7 @@ def summarise(losses: list[float]) -> tuple[float, float]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from nbtrain.launch import default_world_size, run_local
+    from nbtrain.launch import default_world_size, run_ranks
 
     ranks = args.ranks or default_world_size()
     if ranks < 1 or args.steps < 1:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nbtrain demo: {args.model_size} GPT, ZeRO-3, {ranks} rank(s), {args.steps} steps, "
           f"output in {args.out}", flush=True)
     start = time.perf_counter()
-    run_local(_train, ranks, args)
+    run_ranks(_train, ranks, args, seed=args.seed, timeout_s=24 * 3600)
     elapsed = time.perf_counter() - start
 
     with open(os.path.join(args.out, "losses.json")) as f:

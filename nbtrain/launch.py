@@ -1,79 +1,146 @@
-"""Run a function on N local ranks, as torchrun would, from Python.
+"""Run a function on N local ranks and collect what each returns.
 
-Used by `nbtrain demo` and `nbtrain bench`. Each rank is a fresh process (spawn)
-with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT
-in its environment, so `init_distributed()` inside it behaves exactly as under
-torchrun. The rendezvous listens on loopback only.
+Used by `nbtrain demo`, `nbtrain bench` and the test suite. Ranks are forked from
+a forkserver that has already imported torch, FSDP2 and nbtrain, so a launch
+costs about a second rather than a fresh interpreter per rank. They rendezvous
+through a file in a private temporary folder (nothing listens on a port), each
+has RANK, WORLD_SIZE and LOCAL_RANK set and `nbtrain.init_distributed()` done
+before the function runs (nccl with CUDA, else gloo), and one compute thread.
+Results travel back by value (torch.save), so a rank may exit before the parent
+reads them. A rank still alive after a failure or the deadline is killed through
+its own process handle, never by name.
 """
 from __future__ import annotations
 
+import io
 import os
-import socket
+import queue as queue_mod
+import tempfile
 import time
 import traceback
+from datetime import timedelta
 
+import torch
 import torch.multiprocessing as mp
 
+# torch._dynamo is imported by the first torch.optim.Optimizer (8-12 s per process
+# on a loaded 2-core machine); FSDP2 by the benchmark. Preloaded once, in the server.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "nbtrain")
+_CTX = None
 
-def free_port() -> int:
-    """A free TCP port on 127.0.0.1 (bound, read, released)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(list(PRELOAD))
+    return _CTX
 
 
 def default_world_size() -> int:
     """One rank per GPU, else 2 CPU ranks."""
-    import torch
-
     return torch.cuda.device_count() or 2
 
 
-def _entry(rank, fn, world_size, port, args, errors):
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import torch
+def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, results):
+    # One compute thread per rank: 2 ranks on 2 cores otherwise fight gloo's
+    # threads for the cores.
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_RANK=str(rank))
+    import torch.distributed as dist
 
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    import nbtrain
+    from nbtrain.dist.context import _pick_backend
+
+    torch.set_num_threads(1)
     try:
-        fn(*args)
-    except BaseException:
-        errors.put((rank, traceback.format_exc()))
-        raise
+        dist.init_process_group(_pick_backend(backend), init_method=f"file://{init_file}",
+                                rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        nbtrain.init_distributed(seed=seed)
+        buf = io.BytesIO()
+        torch.save(fn(*args), buf)
+        results.put((rank, "ok", buf.getvalue()))
+    except BaseException:  # report everything, KeyboardInterrupt included
+        results.put((rank, "error", traceback.format_exc()))
     finally:
-        import nbtrain
-
         nbtrain.dist.shutdown()
 
 
-def run_local(fn, world_size: int, *args) -> None:
-    """Runs `fn(*args)` on `world_size` local ranks; raises if any rank fails.
+def run_ranks(fn, world_size: int, *args, seed: int = 0, backend: str | None = None,
+              timeout_s: float = 600.0, pg_timeout_s: float | None = None) -> list:
+    """Runs `fn(*args)` on ranks 0..world_size-1; returns the results by rank.
 
-    `fn` must be importable (module level). On failure every rank is ended by
-    its own process handle.
+    Args:
+        fn: an importable (module-level) function.
+        world_size: number of ranks, >= 1.
+        seed: given to `init_distributed` on every rank.
+        backend: "nccl", "gloo" or None (nccl with CUDA, else gloo).
+        timeout_s: the whole run's deadline.
+        pg_timeout_s: process-group timeout (default min(timeout_s, 60)): how
+            long a rank waits in a collective for a peer that never comes.
+
+    Raises:
+        AssertionError: a rank raised; the message holds its traceback.
+        RuntimeError / TimeoutError: a rank died, or the deadline passed.
+    """
+    pg_timeout_s = pg_timeout_s or min(timeout_s, 60.0)
+    with tempfile.TemporaryDirectory(prefix="nbtrain-ranks-") as tmp:
+        procs, results = spawn_ranks(fn, world_size, *args, init_file=os.path.join(tmp, "rdv"),
+                                     seed=seed, backend=backend, pg_timeout_s=pg_timeout_s)
+        try:
+            return _collect(procs, results, timeout_s)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+
+
+def spawn_ranks(fn, world_size: int, *args, init_file: str, seed: int = 0,
+                backend: str | None = None, pg_timeout_s: float = 60.0):
+    """Starts the ranks and returns (processes, results queue) without waiting.
+
+    The building block of `run_ranks`, for callers that watch or end ranks
+    themselves (by their process handles). Each rank puts (rank, "ok", bytes of
+    torch.save(value)) or (rank, "error", traceback) on the queue.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one rank")
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, fn, world_size, port, args, errors),
-                         daemon=False) for r in range(world_size)]
+    ctx = _context()
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, init_file, backend, seed,
+                                              pg_timeout_s, args, results), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
-    try:
-        while any(p.is_alive() for p in procs):
-            if any(p.exitcode not in (None, 0) for p in procs):
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.is_alive() and any(q.exitcode not in (None, 0) for q in procs):
-                p.kill()
-            p.join()
-    failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-    if failed:
-        detail = errors.get()[1] if not errors.empty() else ""
-        raise RuntimeError(f"rank(s) {[r for r, _ in failed]} failed "
-                           f"(exit codes {[c for _, c in failed]})\n{detail}")
+    return procs, results
+
+
+def _collect(procs, results, timeout_s: float) -> list:
+    world_size = len(procs)
+    out, errors = {}, {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} "
+                               f"did not finish within {timeout_s} s")
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except queue_mod.Empty:
+            dead = [r for r, p in enumerate(procs) if not p.is_alive()
+                    and p.exitcode not in (None, 0) and r not in out and r not in errors]
+            if dead:
+                raise RuntimeError(f"rank(s) {dead} died with exit codes "
+                                   f"{[procs[r].exitcode for r in dead]}") from None
+            continue
+        if status == "ok":
+            out[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        else:
+            errors[rank] = value
+    if errors:
+        first = min(errors)
+        raise AssertionError(f"rank(s) {sorted(errors)} raised; rank {first}:\n{errors[first]}")
+    return [out[r] for r in range(world_size)]

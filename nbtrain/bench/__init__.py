@@ -21,7 +21,8 @@ import time
 
 from . import report
 from .engines import ENGINES
-from .launch import launch
+from ..launch import run_ranks
+from .worker import run_rank
 
 __all__ = ["main", "run"]
 
@@ -69,7 +70,10 @@ def run(ranks: int, settings: dict, log=print) -> dict:
         order = ENGINES[k % len(ENGINES):] + ENGINES[:k % len(ENGINES)]
         for engine in order:
             start = time.perf_counter()
-            rounds[engine].append(launch({**settings, "engine": engine}, ranks))
+            spec = {**settings, "engine": engine}
+            backend = "nccl" if spec["device"] == "cuda" else "gloo"
+            rounds[engine].append(run_ranks(run_rank, ranks, spec, seed=spec["seed"],
+                                            backend=backend, timeout_s=spec["timeout_s"]))
             log(f"round {k + 1}/{settings['rounds']} {engine}: "
                 f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
     runs = {e: report.summarize(e, rounds[e], ranks) for e in ENGINES}

@@ -6,9 +6,7 @@ the next step, and its time is the slowest rank's (an all-reduce of max).
 from __future__ import annotations
 
 import gc
-import os
 import time
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -67,20 +65,17 @@ def batches(cfg: GPTConfig, steps: int, batch_per_rank: int, world: int, seed: i
             torch.randint(0, cfg.vocab_size, shape, generator=g))
 
 
-def run_rank(spec: dict, rank: int, world: int, init_file: str) -> dict:
-    """Trains `spec["engine"]` for warmup + steps steps; returns this rank's numbers."""
-    torch.set_num_threads(1)
-    backend = "nccl" if spec["device"] == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=spec["timeout_s"]))
-    try:
-        return _train(spec, rank, world)
-    finally:
-        nbt.dist.shutdown()
+def run_rank(spec: dict) -> dict:
+    """Trains `spec["engine"]` for warmup + steps steps; returns this rank's numbers.
+
+    Runs on every rank under `nbtrain.launch.run_ranks` (process group ready).
+    """
+    ctx = nbt.get_context()
+    return _train(spec, ctx.rank, ctx.world_size)
 
 
 def _train(spec: dict, rank: int, world: int) -> dict:
-    ctx = nbt.init_distributed(seed=spec["seed"])
+    ctx = nbt.get_context()
     device, engine = ctx.device, spec["engine"]
     cfg = GPTConfig.preset(spec["model_size"])
     baseline = _rss_bytes("VmRSS") if device.type == "cpu" else torch.cuda.memory_allocated()

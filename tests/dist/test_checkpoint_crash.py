@@ -15,7 +15,7 @@ import torch
 import optim_cases as oc
 import nbtrain as nbt
 import nbtrain.checkpoint
-import ranks
+from nbtrain.launch import spawn_ranks
 from ranks import run_ranks
 
 WORLD = 2
@@ -66,14 +66,8 @@ def _verify(folder):
 def _kill_during_save(folder, victim, stage):
     with tempfile.TemporaryDirectory(prefix="nbtrain-crash-") as tmp:
         marker = os.path.join(tmp, "victim.pid")
-        results = ranks._CTX.Queue()
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ranks._CTX.Process(target=ranks._child, daemon=True,
-                                    args=(_crash_save, r, WORLD, init_file, 30.0,
-                                          (folder, victim, stage, marker), results))
-                 for r in range(WORLD)]
-        for p in procs:
-            p.start()
+        procs, _ = spawn_ranks(_crash_save, WORLD, folder, victim, stage, marker,
+                               init_file=os.path.join(tmp, "rendezvous"), pg_timeout_s=30.0)
         try:
             deadline = time.monotonic() + 90
             while not os.path.exists(marker):
