@@ -1,7 +1,8 @@
 """ZeRO sharding: partition maths, DistributedParameter, Block, TransformerBlockList, wrap."""
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
-from .parameter import DistributedModule, DistributedParameter, ParameterInitializer, init_parameters
+from .init import init_parameters
+from .parameter import DistributedModule, DistributedParameter, ParameterInitializer
 from .wrap import wrap
 from .utils import full_named_grads
 

@@ -33,7 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from .. import telemetry
 from ..dist.context import get_context
 from .flat import PENDING, FlatGroup
-from .parameter import DistributedParameter, init_full
+from .init import init_range
+from .parameter import DistributedParameter
 from .partition import FlatLayout
 
 
@@ -305,13 +306,19 @@ class Block(nn.Module):
 
     # -- deferred initialisation ------------------------------------------------
     def init_parameters(self, prefix: str = "") -> None:
+        """Runs the deferred initialisers of this rank's part of every parameter."""
         for group, inits in zip(self._groups, self._init_methods):
-            entries = group.entries
-            for index, (slot, entry, init) in enumerate(zip(group.layout.slots, entries, inits)):
-                if init is not None:
-                    full = init_full(prefix + entry.names[0], slot.shape, group.shard.dtype,
-                                     group.shard.device, init)
-                    group.load_full(index, full)
+            begin, end = group.layout.shard_range(group.rank)
+            for slot, entry, init in zip(group.layout.slots, group.entries, inits):
+                part = slot.local_part(begin, end)
+                if init is None or part is None:
+                    continue
+                lo, hi = part
+                values = init_range(prefix + entry.names[0], slot.shape, group.shard.dtype,
+                                    group.shard.device, init, lo - slot.offset,
+                                    hi - slot.offset)
+                with torch.no_grad():
+                    group.shard[lo - begin:hi - begin].copy_(values)
 
     def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Gathered gradients by parameter name (None-grads skipped). Collective."""

@@ -13,8 +13,6 @@ Where they are used:
 """
 from __future__ import annotations
 
-import zlib
-
 import torch
 from torch import nn
 
@@ -174,45 +172,3 @@ class DistributedModule(nn.Module):
             if isinstance(param, DistributedParameter):
                 return param.gather()
         return super().__getattr__(name)
-
-
-# -- deferred initialisation --------------------------------------------------
-
-def _seed_for(name: str) -> int:
-    # Depends only on the seed and the parameter's name: the same on every rank
-    # and for every world size.
-    return (get_context().seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
-
-
-def init_full(name: str, shape, dtype, device, init_method) -> torch.Tensor:
-    """Runs `init_method` on a fresh full-shape tensor with a name-derived seed."""
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(_seed_for(name))
-        full = torch.empty(shape, dtype=dtype, device=device)
-        with torch.no_grad():
-            init_method(full)
-    return full
-
-
-def init_parameters(model: nn.Module) -> None:
-    """Runs every deferred `init_method` (BMTrain's `init_parameters`).
-
-    Each parameter's initial value depends only on the seed given to
-    `init_distributed` and the parameter's name, so the gathered model is the
-    same at every world size. One full parameter is materialised at a time; each
-    rank keeps only its own slice.
-
-    Collective-free: every rank computes its slice locally.
-    """
-    from .block import Block  # a Block initialises the parameters it absorbed
-
-    for prefix, module in model.named_modules():
-        base = prefix + "." if prefix else ""
-        if isinstance(module, Block):
-            module.init_parameters(base)
-            continue
-        for name, param in module._parameters.items():
-            if isinstance(param, DistributedParameter) and param.init_method is not None:
-                full = init_full(base + name, param.full_shape, param.dtype, param.device,
-                                 param.init_method)
-                param.load_full_(full, base + name)
