@@ -38,16 +38,16 @@ def _parity():
                 loss_scale=manager.loss_scale, skipped=manager.num_skipped)
 
 
-def _bf16():
-    model, opt, manager = oc.sharded_setup(dtype=torch.bfloat16)
+def _half(dtype):
+    model, opt, manager = oc.sharded_setup(dtype=dtype)
     losses, _ = oc.sharded_train(model, manager, STEPS)
     masters_ok = True
     for group in opt.param_groups:
         for p in group["params"]:
             master = opt.state[p]["master"]
-            masters_ok &= (p.dtype == torch.bfloat16 and master.dtype == torch.float32
+            masters_ok &= (p.dtype == dtype and master.dtype == torch.float32
                            and opt.state[p]["exp_avg"].dtype == torch.float32
-                           and torch.equal(p.detach(), master.to(torch.bfloat16)))
+                           and torch.equal(p.detach(), master.to(dtype)))
     flat_main_grad = any(getattr(g.shard, "main_grad", None) is not None
                          for b in model.layers for g in b.groups)
     return dict(losses=losses, state=model.state_dict(), masters_ok=masters_ok,
@@ -119,7 +119,7 @@ def _manager_state_dict():
 
 
 def _suite():
-    out = dict(parity=_parity(), bf16=_bf16(), clip2=_clip(2.0), clipinf=_clip(math.inf),
+    out = dict(parity=_parity(), bf16=_half(torch.bfloat16), fp16=_half(torch.float16), clip2=_clip(2.0), clipinf=_clip(math.inf),
                accum=_accumulate(), overflow=_overflow(), resume=_manager_state_dict())
     if nbt.rank() != 0:  # only the per-rank overflow verdicts matter beyond rank 0
         return dict(overflow=out["overflow"])
@@ -163,6 +163,12 @@ def test_optimizer_manager_on_ranks(world_size, references):
                           for k, v in ref_state.items()]).mean()
     print(f"bf16 vs fp32 after {STEPS} steps: mean |dparam| {mean_err:.2e}")
     assert mean_err < 2e-3, mean_err
+
+    # fp16 parameters (10 mantissa bits), same master/reduction scheme, loss-scaled.
+    fp = res["fp16"]
+    assert fp["masters_ok"] and fp["flat_main_grad_fp32"]
+    assert fp["losses"] == pytest.approx(ref_losses, rel=5e-3)
+    _assert_state_close(fp["state"], ref_state, 5e-3, 5e-3, "fp16")
 
     # clip_grad_norm equals torch.nn.utils.clip_grad_norm_ on the plain model.
     for key in ("clip2", "clipinf"):
