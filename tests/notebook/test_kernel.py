@@ -12,7 +12,7 @@ import pytest
 from nbclient import NotebookClient
 from nbformat.v4 import new_code_cell, new_notebook
 
-from .conftest import wait_gone
+from procs import wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

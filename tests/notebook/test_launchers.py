@@ -6,7 +6,7 @@ import pytest
 from nbtrain._launchers import slurm_script
 from nbtrain.cluster import Cluster
 
-from .conftest import wait_gone
+from procs import wait_gone
 
 TRAIN = """
 model = torch.nn.Linear(4, 1)

@@ -18,7 +18,7 @@ from IPython.utils.capture import capture_output
 from nbtrain import magics
 from nbtrain._cell_run import CellTimeoutError, NoClusterError, RankDiedError, RankError
 
-from .conftest import wait_gone
+from procs import wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
