@@ -173,6 +173,11 @@ def check_ce_inputs(logits, target, reduction, label_smoothing, op):
     if logits.dim() < 1 or logits.shape[:-1] != target.shape:
         raise ValueError(f"{op}: logits {tuple(logits.shape)} must be target's shape "
                          f"{tuple(target.shape)} plus a class dimension")
+    check_loss_options(op, reduction, label_smoothing)
+
+
+def check_loss_options(op, reduction, label_smoothing):
+    """The reduction and smoothing checks every cross-entropy entry point shares."""
     if reduction not in REDUCTIONS:
         raise ValueError(f"{op}: reduction={reduction!r}; expected one of {', '.join(REDUCTIONS)}")
     if not 0.0 <= label_smoothing <= 1.0:

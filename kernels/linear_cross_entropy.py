@@ -13,8 +13,8 @@ so backward recomputes each chunk's logits (one extra GEMM) with the rows scaled
 import torch
 import torch.nn.functional as F
 
-from .cross_entropy import (LOGIT_DTYPES, REDUCTIONS, TARGET_DTYPES, ce_rows_triton,
-                            cross_entropy_torch, reduce_rows)
+from .cross_entropy import (LOGIT_DTYPES, TARGET_DTYPES, ce_rows_triton,
+                            check_loss_options, cross_entropy_torch, reduce_rows)
 
 CHUNK_LOGITS = 1 << 26
 
@@ -141,7 +141,4 @@ def check_lce_inputs(hidden, weight, bias, target, reduction, label_smoothing):
     if hidden.shape[:-1] != target.shape:
         raise ValueError(f"{op}: hidden {tuple(hidden.shape)} must be target's shape "
                          f"{tuple(target.shape)} plus a hidden dimension")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction={reduction!r}; expected one of {', '.join(REDUCTIONS)}")
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"{op}: label_smoothing={label_smoothing} is outside [0, 1]")
+    check_loss_options(op, reduction, label_smoothing)
