@@ -5,8 +5,9 @@ Importing nbtrain imports neither triton, ipywidgets nor ipyparallel; the notebo
 layer (`Cluster`, the magics, the dashboard) loads on first use.
 """
 from . import telemetry
-from .dist import (get_context, init_distributed, print_rank, rank, sum_loss, synchronize,
+from .comm import (get_context, init_distributed, print_rank, rank, sum_loss, synchronize,
                    world_size)
+from .comm.config import config
 from .zero import (Block, DistributedModule, DistributedParameter, ParameterInitializer,
                    TransformerBlockList, init_parameters, wrap)
 
@@ -14,22 +15,29 @@ __version__ = "0.1.0"
 
 __all__ = [
     "init_distributed", "get_context", "rank", "world_size", "synchronize", "print_rank",
-    "sum_loss", "DistributedParameter", "DistributedModule", "ParameterInitializer",
-    "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry",
+    "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
+    "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
     "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
-    "Cluster", "inspect",
+    "inspect", "Cluster", "DistributedError", "RankError", "RankDiedError", "CellTimeoutError",
 ]
 
 _LAZY = {
-    "Cluster": ("nbtrain.cluster", "Cluster"),
     "save": ("nbtrain.checkpoint", "save"),
     "load": ("nbtrain.checkpoint", "load"),
     "save_checkpoint": ("nbtrain.checkpoint", "save_checkpoint"),
     "load_checkpoint": ("nbtrain.checkpoint", "load_checkpoint"),
     "optim": ("nbtrain.optim", None),
-    "lr_scheduler": ("nbtrain.lr_scheduler", None),
-    "loss": ("nbtrain.loss", None),
+    "lr_scheduler": ("nbtrain.optim.lr_scheduler", None),
+    "loss": ("nbtrain.nn.loss", None),
+    "nn": ("nbtrain.nn", None),
     "inspect": ("nbtrain.inspect", None),
+    "progress": ("nbtrain.telemetry.progress", "progress"),
+    # The notebook layer imports ipyparallel: loaded when first used.
+    "Cluster": ("nbtrain.notebook", "Cluster"),
+    "DistributedError": ("nbtrain.notebook.errors", "DistributedError"),
+    "RankError": ("nbtrain.notebook.errors", "RankError"),
+    "RankDiedError": ("nbtrain.notebook.errors", "RankDiedError"),
+    "CellTimeoutError": ("nbtrain.notebook.errors", "CellTimeoutError"),
 }
 
 
@@ -46,12 +54,12 @@ def __getattr__(name):
 
 def load_ipython_extension(ipython):
     """`%load_ext nbtrain`: registers %nbtrain and %%distributed."""
-    from .magics import load_ipython_extension as _load
+    from .notebook.magics import load_ipython_extension as _load
 
     _load(ipython)
 
 
 def unload_ipython_extension(ipython):
-    from .magics import unload_ipython_extension as _unload
+    from .notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)

@@ -11,7 +11,7 @@ import sys
 COMMANDS = {
     "demo": ("nbtrain.demo", "train a small GPT with ZeRO-3 on local ranks"),
     "bench": ("nbtrain.bench", "compare nbtrain ZeRO-3/ZeRO-2 with FSDP2 and DDP"),
-    "report": ("nbtrain.report", "render a telemetry run folder to PNG or HTML"),
+    "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
 }
 
 

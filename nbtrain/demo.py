@@ -34,9 +34,9 @@ def _train(args: argparse.Namespace) -> None:
 
     import nbtrain as nbt
     from nbtrain import telemetry
-    from nbtrain.data import VOCAB_SIZE, BatchSampler, stdlib_corpus
+    from nbtrain.models.data import VOCAB_SIZE, BatchSampler, stdlib_corpus
     from nbtrain.models import GPT, GPTConfig
-    from nbtrain.progress import progress
+    from nbtrain import progress
 
     ctx = nbt.init_distributed(seed=args.seed)
     run_dir = os.path.join(args.out, "telemetry")

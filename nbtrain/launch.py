@@ -50,7 +50,7 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
     import torch.distributed as dist
 
     import nbtrain
-    from nbtrain.dist.context import _pick_backend
+    from nbtrain.comm.context import _pick_backend
 
     torch.set_num_threads(1)
     try:
@@ -64,7 +64,7 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
     except BaseException:  # report everything, KeyboardInterrupt included
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        nbtrain.dist.shutdown()
+        nbtrain.comm.shutdown()
 
 
 def run_ranks(fn, world_size: int, *args, seed: int = 0, backend: str | None = None,

@@ -15,7 +15,7 @@ def pytest_runtest_teardown(item, nextitem):
     # nbval items are notebook cells, not fixtures users: a hook sees them all.
     if nextitem is not None and nextitem.parent is item.parent:
         return
-    from nbtrain.cluster import stop_leftover_clusters
+    from nbtrain.notebook.cluster import stop_leftover_clusters
 
     for cluster_id in stop_leftover_clusters(os.environ["IPYTHONDIR"]):
         print(f"\nstopped cluster {cluster_id}, left running by {item.parent.name}")

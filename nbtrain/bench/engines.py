@@ -4,7 +4,7 @@ Each builder returns the model to train; all four train with torch.optim.AdamW
 and the same fp32 dtype policy. Wire bytes are counted per rank as a ring moves
 them (a buffer of B bytes costs B x (N-1)/N for an all-gather or reduce-scatter,
 twice that for an all-reduce): nbtrain's own collectives count themselves
-(nbtrain.dist.COUNTERS); FSDP2's collectives are counted by wrapping the
+(nbtrain.comm.COUNTERS); FSDP2's collectives are counted by wrapping the
 torch.distributed functions it calls; DDP's by a communication hook on its
 gradient buckets. All three are measured, none is the theory.
 """
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import nbtrain as nbt
-from nbtrain.dist import COUNTERS
+from nbtrain.comm import COUNTERS
 from nbtrain.models import GPT, GPTConfig
 
 ENGINES = ("zero3", "zero2", "fsdp2", "ddp")

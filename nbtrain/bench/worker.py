@@ -14,7 +14,7 @@ import torch.distributed as dist
 import nbtrain as nbt
 from nbtrain import telemetry
 from nbtrain.models import GPTConfig
-from nbtrain.overlap import comm_overlap
+from nbtrain.telemetry.overlap import comm_overlap
 
 from . import engines
 

@@ -19,9 +19,8 @@ import time
 
 import torch
 
-from .. import telemetry
-from ..dist import collectives as C
-from ..dist.context import get_context
+from ..comm import collectives as C, events
+from ..comm.context import get_context
 from ..zero.parameter import DistributedParameter
 from .adam import param_grad, clear_grad
 
@@ -222,10 +221,10 @@ class OptimManager:
         now = time.perf_counter()
         step_time = now - self._step_start if self._step_start is not None else None
         loss = float(self._loss_sum)
-        telemetry.metric(loss=loss, lr=lr, loss_scale=scale_used,
+        events.metric(loss=loss, lr=lr, loss_scale=scale_used,
                          grad_norm=self._grad_norm, skipped=bool(skipped),
                          step_time_s=step_time)
-        telemetry.next_step()
+        events.end_step()
         self._step_start = None
 
     # -- state ------------------------------------------------------------------------

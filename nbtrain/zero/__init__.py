@@ -4,7 +4,7 @@ from .blocklist import TransformerBlockList
 from .init import init_parameters
 from .parameter import DistributedModule, DistributedParameter, ParameterInitializer
 from .wrap import wrap
-from .utils import full_named_grads
+from .views import full_named_grads
 
 __all__ = ["Block", "ZeroLevel", "TransformerBlockList", "DistributedModule",
            "DistributedParameter", "ParameterInitializer", "init_parameters", "wrap",

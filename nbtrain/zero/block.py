@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from .. import telemetry
-from ..dist.context import get_context
+from ..comm import events
+from ..comm.context import get_context
 from .flat import PENDING, FlatGroup
 from .init import init_range
 from .parameter import DistributedParameter
@@ -207,7 +207,7 @@ class Block(nn.Module):
     def forward(self, *args, **kwargs):
         self._gather(self._next_block)
         fulls = [g.full_tensor() for g in self._groups]
-        with telemetry.compute_span(self.label, "forward"):
+        with events.compute_span(self.label, "forward"):
             if self.use_checkpoint and torch.is_grad_enabled():
                 out = checkpoint(self._run, fulls, args, kwargs, use_reentrant=False)
             else:
@@ -232,7 +232,7 @@ class Block(nn.Module):
 
     # -- backward ---------------------------------------------------------------
     def _begin_backward(self) -> None:
-        telemetry.instant("compute_begin", self.label, phase="backward")
+        events.instant("compute_begin", self.label, phase="backward")
         prev = self._prev_block if self.zero_level == ZeroLevel.FULLY_SHARDED else None
         self._gather(prev)
         # The span starts once the parameters are here: waiting for the gather
@@ -247,11 +247,7 @@ class Block(nn.Module):
         self._grads_pending -= 1
         if self._grads_pending > 0:
             return
-        if telemetry.enabled():
-            end = time.perf_counter()
-            telemetry.RECORDER.emit({"type": "compute", "label": self.label,
-                                     "phase": "backward", "start": self._bwd_start,
-                                     "end": end, "t": end})
+        events.compute(self.label, "backward", self._bwd_start, time.perf_counter())
         self.release()
 
     # -- state dict -------------------------------------------------------------
@@ -322,7 +318,7 @@ class Block(nn.Module):
 
     def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Gathered gradients by parameter name (None-grads skipped). Collective."""
-        from ..dist import collectives as C
+        from ..comm import collectives as C
 
         out = {}
         for group in self._groups:

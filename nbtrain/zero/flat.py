@@ -20,7 +20,7 @@ from collections import deque
 import torch
 from torch import nn
 
-from ..dist import collectives as C
+from ..comm import collectives as C
 from .partition import FlatLayout
 
 

@@ -19,7 +19,7 @@ import zlib
 import torch
 from torch import nn
 
-from ..dist.context import get_context
+from ..comm.context import get_context
 
 CHUNK_NUMEL = 1 << 16  # 256 KiB of fp32 per draw: a rank overshoots its shard by < 2 chunks
 _INIT = nn.init

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..dist import collectives as C
-from ..dist.context import get_context
+from ..comm import collectives as C
+from ..comm.context import get_context
 from .partition import shard_numel
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from . import coalesced
+from . import loose
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
 from .parameter import DistributedParameter, attach_state_dict_hooks
@@ -47,7 +47,7 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
 def _gather_hook(module, args):
     for name, param in module._parameters.items():
         if isinstance(param, DistributedParameter):
-            full = coalesced.GATHERED.get(id(param))  # gathered by the root's forward
+            full = loose.GATHERED.get(id(param))  # gathered by the root's forward
             # Shadows the Parameter in forward.
             module.__dict__[name] = param.gather() if full is None else full
 
@@ -112,12 +112,12 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, blocks)
         first_blocks.append(blocks[0])
-    loose = _shard_loose_parameters(model)
-    model._nbtrain_loose_params = loose
+    loose_params = _shard_loose_parameters(model)
+    model._nbtrain_loose_params = loose_params
     model._nbtrain_first_blocks = first_blocks
-    if loose and not getattr(model, "_nbtrain_root_hooks", False):
+    if loose_params and not getattr(model, "_nbtrain_root_hooks", False):
         # Before the root's own gather hook: one collective for all of them.
-        model.register_forward_pre_hook(coalesced.root_pre_hook, prepend=True)
-        model.register_forward_hook(coalesced.root_post_hook, always_call=True)
+        model.register_forward_pre_hook(loose.root_pre_hook, prepend=True)
+        model.register_forward_hook(loose.root_post_hook, always_call=True)
         model._nbtrain_root_hooks = True
     return model

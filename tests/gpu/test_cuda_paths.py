@@ -13,23 +13,23 @@ pytestmark = [pytest.mark.gpu,
 
 @pytest.fixture(scope="module")
 def nccl_world():
-    if nbt.dist.is_initialized():
-        nbt.dist.shutdown()
+    if nbt.comm.is_initialized():
+        nbt.comm.shutdown()
     ctx = nbt.init_distributed(backend="nccl")
     yield ctx
-    nbt.dist.shutdown()
+    nbt.comm.shutdown()
 
 
 def test_nccl_world_of_one(nccl_world):
     assert nccl_world.backend == "nccl" and nccl_world.device.type == "cuda"
     x = torch.ones(4, device=nccl_world.device)
-    nbt.dist.all_reduce(x)
+    nbt.comm.all_reduce(x)
     assert x.tolist() == [1.0] * 4
 
 
 def test_gather_waits_on_stream_not_host(nccl_world):
     """wait() orders the compute stream after the collective without a host sync."""
-    from nbtrain.dist import all_gather
+    from nbtrain.comm import all_gather
 
     dev = nccl_world.device
     shard = torch.randn(1 << 20, device=dev)

@@ -4,7 +4,7 @@ import torch
 
 import nbtrain.kernels as K
 from kernel_testing import DEVICE, TOL, dtypes_for_device
-from nbtrain.loss import FusedCrossEntropy
+from nbtrain.nn.loss import FusedCrossEntropy
 
 SHAPES = [((5,), 1000), ((2,), 50257), ((3, 7), 129)]
 

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 
 
 def _stop_leftover_clusters():
-    from nbtrain.cluster import stop_leftover_clusters
+    from nbtrain.notebook.cluster import stop_leftover_clusters
 
     stop_leftover_clusters(os.environ["IPYTHONDIR"])
 

@@ -17,7 +17,7 @@ from procs import wait_gone
 pytestmark = pytest.mark.timeout(240)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 START = ["%load_ext nbtrain", "%nbtrain start -n 2",
-         "import nbtrain.magics as _m\nprint('PIDS', *_m.current_cluster().pids())"]
+         "import nbtrain.notebook.magics as _m\nprint('PIDS', *_m.current_cluster().pids())"]
 
 
 def text_of(cell):

@@ -3,8 +3,8 @@ import shutil
 
 import pytest
 
-from nbtrain._launchers import slurm_script
-from nbtrain.cluster import Cluster
+from nbtrain.notebook.launchers import slurm_script
+from nbtrain.notebook.cluster import Cluster
 
 from procs import wait_gone
 

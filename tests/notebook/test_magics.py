@@ -16,7 +16,7 @@ import pytest
 from IPython.utils.capture import capture_output
 
 from nbtrain import magics
-from nbtrain._cell_run import CellTimeoutError, NoClusterError, RankDiedError, RankError
+from nbtrain.notebook.cell_run import CellTimeoutError, NoClusterError, RankDiedError, RankError
 
 from procs import wait_gone
 

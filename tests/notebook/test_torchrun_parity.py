@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from nbtrain._engine_boot import free_port
+from nbtrain.notebook.engine_boot import free_port
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -13,7 +13,7 @@ CELLS = [
     """%%distributed
 import time
 from nbtrain.models import GPT, GPTConfig
-from nbtrain.progress import progress
+from nbtrain import progress
 from nbtrain import telemetry
 torch.set_num_threads(1)
 cfg = GPTConfig(hidden=32, heads=4, layers=3, seq_len=16, vocab_size=64)

@@ -48,7 +48,7 @@ def main(rounds: int = 6, steps_per_block: int = 5) -> None:
     events = len([e for e in telemetry.RECORDER.snapshot() if e["step"] == telemetry.RECORDER.step - 1])
     nbt.print_rank(f"step time on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
                    f"overhead {100 * (on / off - 1):+.2f}% ({events} events per step)")
-    nbt.dist.shutdown()
+    nbt.comm.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from conftest import ARTIFACTS
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 PACKAGES = {"@jupyter-widgets/html-manager@1.0.15": "embed-amd.js", "requirejs@2.3.8": "require.js"}
-COMPUTE_RGB = (0x4C, 0x72, 0xB0)  # nbtrain.panels.COMPUTE_COLOR
+COMPUTE_RGB = (0x4C, 0x72, 0xB0)  # nbtrain.telemetry.panels.COMPUTE_COLOR
 COMM_RGB = (0xDD, 0x84, 0x52)     # COMM_COLOR (drawn at alpha 0.7 over white)
 
 

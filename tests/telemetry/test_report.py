@@ -45,7 +45,7 @@ def test_report_renders_png_and_html(run_dir, tmp_path):
     # Not a blank canvas: the panels put many distinct colours on it.
     assert len({tuple(p) for p in pixels[::4, ::4, :3].reshape(-1, 3).tolist()}) > 50
 
-    from nbtrain.report import main
+    from nbtrain.telemetry.report import main
 
     html = tmp_path / "report.html"
     assert main([str(run_dir), "-o", str(html)]) == 0

@@ -33,7 +33,7 @@ def main(run_dir: str, steps: int) -> None:
                          skipped=False, step_time_s=time.perf_counter() - start)
         telemetry.next_step()
     telemetry.stop()
-    nbt.dist.shutdown()
+    nbt.comm.shutdown()
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ from nbtrain.zero.init import CHUNK_NUMEL, init_range
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
-    if nbt.dist.is_initialized():
+    if nbt.comm.is_initialized():
         yield
         return
     nbt.init_distributed(seed=3)
     yield
-    nbt.dist.shutdown()
+    nbt.comm.shutdown()
 
 
 INITS = [

@@ -1,8 +1,8 @@
 """The overlap metric on hand-built spans (HTA's comm/comp overlap)."""
 import pytest
 
-from nbtrain.overlap import comm_overlap, intersection, merge, total
-from nbtrain.steplog import StepLog
+from nbtrain.telemetry.overlap import comm_overlap, intersection, merge, total
+from nbtrain.telemetry.steplog import StepLog
 
 
 def test_no_overlap_is_zero():

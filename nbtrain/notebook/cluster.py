@@ -3,7 +3,7 @@
 `Cluster` starts N ipyparallel engines, gives each one its torchrun variables
 (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT) and runs
 `nbtrain.init_distributed()` on all of them, so torch.distributed is ready before
-the first cell. The magics in `nbtrain.magics` are a thin layer over this class.
+the first cell. The magics in `nbtrain.notebook.magics` are a thin layer over this class.
 
 Security: the controller listens on 127.0.0.1 unless `controller_ip` says
 otherwise, and every message is signed with the key ipyparallel generates per
@@ -22,9 +22,10 @@ import weakref
 
 import psutil
 
-from . import _engine_boot
-from ._cell_run import DistributedError, RankDiedError, run_cell
-from ._launchers import LAUNCHERS, engine_config
+from . import engine_boot as _engine_boot
+from .cell_run import run_cell
+from .errors import DistributedError, RankDiedError
+from .launchers import LAUNCHERS, engine_config
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 _STOP_GRACE_S = 5.0
@@ -82,7 +83,7 @@ class Cluster:
         start_timeout_s: how long to wait for engines to register and rendezvous.
         pg_timeout_s: torch.distributed process-group timeout on the ranks.
         slurm: options for the slurm launcher (nodes, ntasks_per_node,
-            gpus_per_task, partition, account, time); see `nbtrain._launchers`.
+            gpus_per_task, partition, account, time); see `nbtrain.notebook.launchers`.
         profile_dir: ipyparallel profile directory (default: ipyparallel's).
     """
 
@@ -204,7 +205,7 @@ class Cluster:
 
     def _start_watchdog(self) -> None:
         # Own session: a Ctrl-C in the notebook must not reach it.
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_watchdog.py")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py")
         self._watchdog = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE,
                                           text=True, start_new_session=True)
 
@@ -346,7 +347,7 @@ class Cluster:
             rows.append(row)
         return rows
 
-    # ------------------------------------------------- used by nbtrain._cell_run
+    # ------------------------------------------------- used by nbtrain.notebook.cell_run
     def dead_ranks(self, ranks) -> list[int]:
         """Ranks whose engine process has exited (or unregistered, for remote hosts)."""
         registered = set(self.client.ids) if self.client is not None else set()

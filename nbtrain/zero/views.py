@@ -34,8 +34,8 @@ def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _gather_grad(param: DistributedParameter) -> torch.Tensor:
-    from ..dist import collectives as C
-    from ..dist.context import get_context
+    from ..comm import collectives as C
+    from ..comm.context import get_context
 
     world = get_context().world_size
     flat = torch.empty(param.numel() * world, dtype=param.grad.dtype, device=param.device)

@@ -1,6 +1,6 @@
 """How much the interactive cluster costs over bare ipyparallel, measured in one run.
 
-    python -m nbtrain.cluster_bench [--ranks 2] [--cells 30]
+    python -m nbtrain.bench.cluster [--ranks 2] [--cells 30]
 
 1. Start: `%nbtrain start -n N` until ready, against a bare
    `ipp.Cluster(n=N).start_and_connect_sync()` plus the same torch work on every
@@ -28,7 +28,7 @@ def bare_start_s(n: int) -> float:
     """Seconds for bare ipyparallel to start N engines with gloo initialised."""
     import ipyparallel as ipp
 
-    from ._engine_boot import free_port
+    from ..notebook.engine_boot import free_port
 
     tic = time.perf_counter()
     cluster = ipp.Cluster(n=n, controller_ip="127.0.0.1", log_level=40)
@@ -58,7 +58,7 @@ def empty_cell_s(shell, cells: int) -> tuple[float, float]:
     """Median seconds of an empty `%%distributed` and an empty `%%px` cell."""
     from IPython.utils.capture import capture_output
 
-    from .magics import current_cluster
+    from ..notebook.magics import current_cluster
 
     view = current_cluster().client[:]
     view.block = True  # %%px waits for the engines, as %%distributed does

@@ -8,12 +8,12 @@ import nbtrain as nbt
 
 @pytest.fixture(scope="module", autouse=True)
 def world_of_one():
-    if nbt.dist.is_initialized():
+    if nbt.comm.is_initialized():
         yield
         return
     nbt.init_distributed()
     yield
-    nbt.dist.shutdown()
+    nbt.comm.shutdown()
 
 
 @pytest.mark.parametrize("level", [0, 1, 4, "three"])
@@ -85,7 +85,7 @@ def test_init_distributed_twice_returns_same_context():
 
 
 def test_bad_backend_names_the_value():
-    from nbtrain.dist.context import _pick_backend
+    from nbtrain.comm.context import _pick_backend
 
     with pytest.raises(ValueError, match="backend='mpi'"):
         _pick_backend("mpi")

@@ -1,9 +1,10 @@
-"""Per-rank telemetry recorder: compute spans, communication spans, metrics, memory.
+"""The telemetry layer: per-rank recorder, sinks, step log, overlap metric, report, panels.
 
-Block and TransformerBlockList report compute spans (per block, forward and
-backward), the collectives module reports communication spans (issue to
-completion, with bytes) and issue/wait instants, OptimManager reports step
-metrics and closes the step (`next_step`), and `sample_memory` adds memory.
+The engine (comm, zero, optim) publishes events through `nbtrain.comm.events`;
+importing this package subscribes the recorder to them. Blocks report compute
+spans (per block, forward and backward), the collectives report communication
+spans (issue to completion, with bytes) and issue/wait instants, OptimManager
+reports step metrics and closes the step, and `sample_memory` adds memory.
 Every event carries a sequence number taken from one counter, so the order of
 events is exact even when clocks are coarse: tests check the overlap structure
 from sequence numbers, not from timings.
@@ -20,9 +21,10 @@ import itertools
 import threading
 import time
 from collections import deque
-from contextlib import contextmanager
 
-from . import _telemetry_io as io
+from ..comm import events
+from ..comm.events import comm_span, compute_span, instant, metric
+from . import sinks as io
 from .steplog import StepLog
 
 DEFAULT_MAX_EVENTS = 50_000  # about 20 MB of dicts; a step of a 12-block model is ~100
@@ -32,15 +34,25 @@ class Recorder:
     """Bounded, thread-safe event log for one rank."""
 
     def __init__(self, max_events: int = DEFAULT_MAX_EVENTS):
-        self.enabled = True
         self.events: deque = deque(maxlen=max_events)
         self.log = StepLog()
         self._seq = itertools.count()
         self.last_seq = -1
         self._lock = threading.Lock()
-        self.step = 0
         self.sinks: list = []  # callables fed every event (JSONL writer)
         self.progress: dict | None = None  # set by nbtrain.progress on rank 0
+
+    @property
+    def step(self) -> int:
+        """The step events are recorded under (the engine's step counter)."""
+        return events.HUB.step
+
+    def __call__(self, event: dict) -> None:
+        """The subscriber: a step's end is preceded by a memory sample of that step."""
+        if event["type"] == "step_end":
+            self.emit({"type": "memory", "t": event["t"], "step": event["step"],
+                       **io.memory_sample()})
+        self.emit(event)
 
     def emit(self, event: dict) -> None:
         # Comm spans arrive from the backend's threads: one lock keeps the deque,
@@ -59,8 +71,8 @@ class Recorder:
 
     def snapshot(self, type: str | None = None) -> list[dict]:  # noqa: A002 (event field name)
         with self._lock:
-            events = list(self.events)
-        return events if type is None else [e for e in events if e["type"] == type]
+            out = list(self.events)
+        return out if type is None else [e for e in out if e["type"] == type]
 
     def summary(self, max_points: int | None = 300) -> dict:
         """This rank's StepLog summary plus rank, step and the newest sequence number."""
@@ -72,64 +84,22 @@ class Recorder:
 
 
 RECORDER = Recorder()
+events.subscribe(RECORDER)
 
 
 def enabled() -> bool:
-    return RECORDER.enabled
+    """True when events are being recorded on this rank."""
+    return events.active()
 
 
 def set_enabled(flag: bool) -> None:
     """The one switch: False stops all recording on this rank."""
-    RECORDER.enabled = bool(flag)
-
-
-def instant(name: str, label: str, **fields) -> None:
-    if RECORDER.enabled:
-        RECORDER.emit({"type": name, "label": label, "t": time.perf_counter(), **fields})
-
-
-@contextmanager
-def compute_span(label: str, phase: str):
-    """Times a block's compute; `phase` is "forward", "backward" or "recompute"."""
-    if not RECORDER.enabled:
-        yield
-        return
-    RECORDER.emit({"type": "compute_begin", "label": label, "phase": phase,
-                   "t": time.perf_counter()})
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        end = time.perf_counter()
-        RECORDER.emit({"type": "compute", "label": label, "phase": phase,
-                       "start": start, "end": end, "t": end})
-
-
-def comm_span(kind: str, label: str, start: float, end: float, nbytes: int,
-              **fields) -> None:
-    """A collective from issue to completion (`end_at_wait=True`: end seen at wait)."""
-    if RECORDER.enabled:
-        RECORDER.emit({"type": "comm", "kind": kind, "label": label, "start": start,
-                       "end": end, "bytes": int(nbytes), "t": end, **fields})
-
-
-def metric(**values) -> None:
-    """A training-step metric (loss, lr, loss_scale, grad_norm, skipped, step_time_s...).
-
-    Tensors are converted with `.item()` (one device sync per call, once a step).
-    """
-    if RECORDER.enabled:
-        values = {k: (v.item() if hasattr(v, "item") else v) for k, v in values.items()}
-        RECORDER.emit({"type": "metric", "t": time.perf_counter(), **values})
+    events.set_enabled(flag)
 
 
 def next_step() -> int:
-    """Closes the current step: samples memory, records its end, advances the counter."""
-    if RECORDER.enabled:
-        sample_memory()
-        RECORDER.emit({"type": "step_end", "t": time.perf_counter()})
-    RECORDER.step += 1
-    return RECORDER.step
+    """Closes the current step (with a memory sample) and advances the step counter."""
+    return events.end_step()
 
 
 def watch(model=None, optimizer=None) -> None:
@@ -148,7 +118,7 @@ def sample_memory(model=None, optimizer=None) -> dict:
     state) of `model`/`optimizer`, or of those given to `watch`.
     """
     sample = io.memory_sample(model, optimizer)
-    if RECORDER.enabled:
+    if events.active():
         RECORDER.emit({"type": "memory", "t": time.perf_counter(), **sample})
     return sample
 

@@ -17,4 +17,4 @@ if ctx.rank == 0:
     print("LOSSES", json.dumps({"world": ctx.world_size, "backend": ctx.backend,
                                 "losses": losses}))
 nbt.synchronize()
-nbt.dist.shutdown()
+nbt.comm.shutdown()

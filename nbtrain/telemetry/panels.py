@@ -1,6 +1,6 @@
 """The three telemetry panels, drawn with matplotlib from per-rank summaries.
 
-Shared by the live dashboard (`nbtrain.widgets`) and `nbtrain report`, so the
+Shared by the live dashboard (`nbtrain.notebook.dashboard`) and `nbtrain report`, so the
 notebook and a torchrun run show the same pictures. Input: {rank: summary} as
 made by `StepLog.summary()`. Above `MAX_RANKS_SHOWN` ranks, memory and timelines
 show the min / median / max ranks and the loss a median with a min-max band.

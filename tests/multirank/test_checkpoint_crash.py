@@ -1,9 +1,9 @@
 """A rank killed (SIGKILL, by PID) in the middle of save_checkpoint leaves the previous
 checkpoint loadable and intact.
 
-The victim rank pauses at a named point inside the save (a test-only hook in
-nbtrain.checkpoint), reports its PID through a marker file, and the test kills that
-PID. Its peer fails in the save's next collective; the test reaps it by handle.
+The victim rank pauses just before one of the save's renames (this test replaces
+`os.replace` inside the rank process), reports its PID through a marker file, and
+the test kills that PID. Its peer fails in the save's next collective; the test reaps it by handle.
 """
 import os
 import signal
@@ -14,7 +14,6 @@ import torch
 
 import optim_cases as oc
 import nbtrain as nbt
-import nbtrain.checkpoint
 from nbtrain.launch import spawn_ranks
 from ranks import run_ranks
 
@@ -43,14 +42,20 @@ def _crash_save(folder, victim, stage, marker):
     meta = nbt.load_checkpoint(folder, model, manager)
     oc.sharded_train(model, manager, 2, start=meta["step"], total=10)  # now differs
 
-    def pause_here(where):
+    real_replace = os.replace
+
+    def pause_before_rename(src, dst):
+        name = os.path.basename(dst)
+        where = "meta" if name == "meta.json" else "shard" if name.endswith(".safetensors") \
+            else None
         if where == stage and nbt.rank() == victim:
             with open(marker + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
-            os.replace(marker + ".tmp", marker)
+            real_replace(marker + ".tmp", marker)
             time.sleep(120)  # the test kills this process long before
+        real_replace(src, dst)
 
-    nbtrain.checkpoint._HOOK = pause_here
+    os.replace = pause_before_rename  # in this rank's process only
     nbt.save_checkpoint(folder, model, manager, step=meta["step"] + 2)
     return "saved"  # never reached on the victim
 

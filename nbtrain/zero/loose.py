@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..dist import collectives as C
-from ..dist.context import get_context
+from ..comm import collectives as C
+from ..comm.context import get_context
 from .parameter import DistributedParameter
 
 # id(parameter) -> gathered full tensor, filled for the length of a root forward.

@@ -16,8 +16,8 @@ from __future__ import annotations
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ._cell_run import NoClusterError
-from ._launchers import LAUNCHERS
+from .errors import NoClusterError
+from .launchers import LAUNCHERS
 from .cluster import Cluster
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
@@ -102,7 +102,7 @@ class NbtrainMagics(Magics):
             print(format_status(_current.status()))
             return None
         if args.action == "dashboard":
-            from .widgets import Dashboard
+            from .dashboard import Dashboard
 
             Dashboard().show().refresh(_current)  # later %%distributed cells feed it
             return None
@@ -128,7 +128,7 @@ class NbtrainMagics(Magics):
         cluster = current_cluster()
         if cluster is None:
             raise NoClusterError(_NO_CLUSTER)
-        from . import widgets
+        from . import dashboard as widgets
 
         if args.dashboard:
             widgets.Dashboard().show()

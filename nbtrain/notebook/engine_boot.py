@@ -1,4 +1,4 @@
-"""Functions that run inside ipyparallel engines, sent by `nbtrain.cluster`.
+"""Functions that run inside ipyparallel engines, sent by `nbtrain.notebook.cluster`.
 
 They are pickled by reference, so every engine imports this module: keep it free of
 ipyparallel and of anything slow. Each returns plain dicts so that the client needs
@@ -93,7 +93,7 @@ def stats() -> dict:
 def shutdown() -> None:
     """Destroy the process group before the engine exits (frees the rendezvous port)."""
     try:
-        from nbtrain.dist import shutdown as dist_shutdown
+        from nbtrain.comm import shutdown as dist_shutdown
 
         dist_shutdown()
     except Exception:  # the engine is going away; a broken group must not block that

@@ -12,11 +12,11 @@ from __future__ import annotations
 import sys
 import time
 
-from . import telemetry
+from .. import telemetry
 
 
 def _rank() -> int:
-    from ._telemetry_io import current_rank
+    from .sinks import current_rank
 
     return current_rank()
 

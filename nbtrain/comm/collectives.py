@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from .. import telemetry
+from . import events
 
 # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older
 # torch has only the former. Pick once here.
@@ -78,7 +78,7 @@ class CommHandle:
         self.issued_at = time.perf_counter()
         self.finished_at: float | None = None
         self._stamp_at_wait = False
-        if work is not None and telemetry.enabled():
+        if work is not None and events.active():
             self._record_completion()
         if self._done:
             self._finish()
@@ -94,11 +94,11 @@ class CommHandle:
             self._stamp_at_wait = True
             return
 
-        step = telemetry.RECORDER.step  # the callback may run after the step ended
+        step = events.HUB.step  # the callback may run after the step ended
 
         def _stamp(_):
             self.finished_at = time.perf_counter()
-            telemetry.comm_span(self.kind.value, self.label, self.issued_at,
+            events.comm_span(self.kind.value, self.label, self.issued_at,
                                 self.finished_at, self.nbytes, step=step)
         fut.then(_stamp)
 
@@ -111,9 +111,9 @@ class CommHandle:
         self._work.wait()
         if self._stamp_at_wait:
             self.finished_at = time.perf_counter()
-            telemetry.comm_span(self.kind.value, self.label, self.issued_at,
+            events.comm_span(self.kind.value, self.label, self.issued_at,
                                 self.finished_at, self.nbytes, end_at_wait=True)
-        telemetry.instant("comm_wait", self.label, kind=self.kind.value)
+        events.instant("comm_wait", self.label, kind=self.kind.value)
         self._done = True
         self._finish()
 
@@ -130,14 +130,14 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 def _issue(kind: CommKind, work, nbytes: int, label: str, async_op: bool,
            on_done=None, started: float | None = None) -> CommHandle | None:
     COUNTERS.add(kind, nbytes)
-    telemetry.instant("comm_issue", label, kind=kind.value, bytes=nbytes)
+    events.instant("comm_issue", label, kind=kind.value, bytes=nbytes)
     handle = CommHandle(work, kind, nbytes, label, on_done)
     if async_op:
         return handle
-    if started is not None and telemetry.enabled():
+    if started is not None and events.active():
         # A blocking collective is exposed comm: without its span the
         # hidden-comm share would count only the async (overlappable) ones.
-        telemetry.comm_span(kind.value, label, started, time.perf_counter(), nbytes)
+        events.comm_span(kind.value, label, started, time.perf_counter(), nbytes)
     handle.wait()
     return None
 

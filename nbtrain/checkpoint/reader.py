@@ -1,4 +1,4 @@
-"""Reading a sharded checkpoint at any world size (the loading half of checkpoint.py).
+"""`load_checkpoint`: a sharded checkpoint read back at any world size.
 
 A loader at world size M needs, for each parameter, the real elements of its own
 slice; the checkpoint's meta.json gives the saving world size S, and the same
@@ -8,13 +8,13 @@ range is read with safetensors' lazy slicing, so a rank reads what it keeps.
 from __future__ import annotations
 
 import json
-import math
 import os
 
 import torch
 from safetensors import safe_open
 
-from .checkpoint import META, _entries
+from ..zero.partition import shard_range
+from .layout import META, local_entries
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
@@ -42,10 +42,9 @@ class _Reader:
         if kind == "replicated":
             sources = [(0, 0, numel)]
         else:
-            n = math.ceil(numel / self.world) if numel else 1
-            sources = [(s, s * n, min((s + 1) * n, numel)) for s in range(self.world)]
+            sources = [(s, *shard_range(numel, self.world, s)) for s in range(self.world)]
         for rank, lo, hi in sources:
-            a, b = max(lo, begin), min(hi, end)
+            a, b = max(lo, begin), min(hi, end, numel)
             if a < b:
                 piece = self.file(rank).get_slice(key)[a - lo:b - lo]
                 out[a - begin:b - begin].copy_(piece)
@@ -125,7 +124,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> di
         meta = json.load(f)
     reader = _Reader(path, meta)
     reader.kinds = {name: p["kind"] for name, p in meta["params"].items()}
-    entries = _entries(model)
+    entries = local_entries(model)
     for entry in entries:
         _check_fits(entry, meta["params"].get(entry.name))
     for entry in entries:

@@ -4,7 +4,7 @@ import torch
 
 import cases
 import nbtrain as nbt
-from nbtrain.dist import COUNTERS, all_gather, all_reduce, reduce_scatter
+from nbtrain.comm import COUNTERS, all_gather, all_reduce, reduce_scatter
 from ranks import run_ranks
 
 
@@ -57,6 +57,6 @@ def test_zero3_step_bytes_match_theory():
 
 def test_reduce_op_is_validated():
     with pytest.raises(ValueError, match="op='mean'"):
-        from nbtrain.dist.collectives import _reduce_op
+        from nbtrain.comm.collectives import _reduce_op
 
         _reduce_op("mean")

@@ -1,4 +1,6 @@
-"""Process setup and collectives: the only place nbtrain talks to other ranks."""
+"""The comm layer: process setup, collectives, and the events they publish.
+
+The only place nbtrain talks to other ranks. It imports nothing else of nbtrain."""
 from .context import (DistContext, get_context, init_distributed, is_initialized, print_rank,
                       rank, shutdown, sum_loss, synchronize, world_size)
 from .collectives import COUNTERS, CommHandle, CommKind, all_gather, all_reduce, broadcast, reduce_scatter

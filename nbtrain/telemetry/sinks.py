@@ -19,14 +19,14 @@ _FLUSH_EVERY_EVENTS = 4096
 
 def current_rank() -> int:
     """This process's rank: nbtrain's context if initialised, else $RANK, else 0."""
-    ctx = sys.modules.get("nbtrain.dist.context")
+    ctx = sys.modules.get("nbtrain.comm.context")
     if ctx is not None and ctx.is_initialized():
         return ctx.get_context().rank
     return int(os.environ.get("RANK", "0"))
 
 
 def _world_size() -> int:
-    ctx = sys.modules.get("nbtrain.dist.context")
+    ctx = sys.modules.get("nbtrain.comm.context")
     if ctx is not None and ctx.is_initialized():
         return ctx.get_context().world_size
     return int(os.environ.get("WORLD_SIZE", "1"))

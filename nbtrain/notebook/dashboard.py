@@ -13,7 +13,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .panels import MAX_RANKS_SHOWN, png_bytes
+from ..telemetry.panels import MAX_RANKS_SHOWN, png_bytes
 
 MAX_HISTORY = 5000  # metric points kept per rank in the notebook
 
@@ -110,7 +110,7 @@ class Dashboard:
 
     def refresh(self, cluster) -> None:
         """Ask every rank for its summary now (only while no cell is running)."""
-        from . import telemetry
+        from .. import telemetry
 
         view = cluster.client[[cluster.engine_id(r) for r in range(cluster.world_size)]]
         summaries = view.apply_sync(telemetry.summary)

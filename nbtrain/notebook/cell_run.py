@@ -10,70 +10,14 @@ import re
 import sys
 import time
 
+from .errors import (RESTART_HINT, CellTimeoutError, DistributedError, NoClusterError,
+                     RankDiedError, RankError)
+
 _POLL_S = 0.05           # output latency; an empty cell returns as soon as it is done
 _DEATH_CHECK_S = 0.5     # how often engine processes are checked while a cell runs
 _INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks get to raise KeyboardInterrupt
-_RESTART_HINT = "Run `%nbtrain restart` (or Cluster.restart()) for fresh ranks."
-_INTERNAL_FRAME = re.compile(r"site-packages/(ipyparallel|ipykernel|IPython)/|/nbtrain/_engine_boot")
+_INTERNAL_FRAME = re.compile(r"site-packages/(ipyparallel|ipykernel|IPython)/|/nbtrain/notebook/engine_boot")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
-
-
-class DistributedError(RuntimeError):
-    """A `%%distributed` cell failed; IPython shows `_render_traceback_`, not our frames."""
-
-    def _render_traceback_(self):
-        return str(self).splitlines()
-
-
-class NoClusterError(DistributedError):
-    """There is no running cluster to send a cell to."""
-
-
-class RankError(DistributedError):
-    """One or more ranks raised. `tracebacks` maps rank -> remote traceback lines."""
-
-    def __init__(self, tracebacks: dict[int, list[str]], summaries: dict[int, str]):
-        self.ranks = sorted(tracebacks)
-        self.tracebacks = tracebacks
-        names = ", ".join(str(r) for r in self.ranks)
-        lines = [f"{'rank' if len(self.ranks) == 1 else 'ranks'} {names} raised:"]
-        for r in self.ranks:
-            lines.append(f"[rank {r}] {summaries[r]}")
-        message = "\n".join(lines)
-        super().__init__(message)
-
-    def _render_traceback_(self):
-        out = str(self).splitlines()[:1]
-        for r in self.ranks:
-            out.append(f"--- rank {r} ---")
-            out.extend(self.tracebacks[r])
-        return out
-
-
-class RankDiedError(DistributedError):
-    """A rank's engine process exited while a cell ran (OOM killer, SIGKILL, crash)."""
-
-    def __init__(self, ranks: list[int]):
-        self.ranks = sorted(ranks)
-        who = ", ".join(f"rank {r}" for r in self.ranks)
-        super().__init__(f"{who} died while the cell ran (killed, out of memory or crashed). "
-                         f"The other ranks cannot finish a collective without it. {_RESTART_HINT}")
-
-
-class CellTimeoutError(DistributedError, TimeoutError):
-    """A cell outlived its timeout; `busy` are the ranks that were still running."""
-
-    def __init__(self, timeout_s: float, busy: list[int], stuck: list[int]):
-        self.busy, self.stuck = sorted(busy), sorted(stuck)
-        names = ", ".join(str(r) for r in self.busy)
-        msg = f"cell timed out after {timeout_s:g} s; still busy: rank(s) {names}."
-        if self.stuck:
-            msg += (f" Rank(s) {', '.join(map(str, self.stuck))} did not respond to an interrupt: "
-                    "a rank blocked in a collective (all_reduce, barrier, ...) cannot be "
-                    f"interrupted. {_RESTART_HINT}")
-        else:
-            msg += " They were interrupted and the cluster is usable."
-        super().__init__(msg)
 
 
 def trim_traceback(lines: list[str]) -> list[str]:
@@ -212,7 +156,7 @@ def _on_interrupt(cluster, ar, ranks, printer) -> None:
     if stuck:
         cluster.mark_stuck(ar)
         print(f"rank(s) {', '.join(map(str, stuck))} did not stop: a rank blocked in a collective "
-              f"cannot be interrupted. {_RESTART_HINT}", file=sys.stderr)
+              f"cannot be interrupted. {RESTART_HINT}", file=sys.stderr)
 
 
 def _raise_rank_errors(ar, ranks: list[int]) -> None:

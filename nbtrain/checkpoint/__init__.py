@@ -1,0 +1,6 @@
+"""The checkpoint layer: one consolidated safetensors file, or sharded and reshardable N -> M."""
+from .consolidated import load, save
+from .reader import load_checkpoint
+from .writer import save_checkpoint
+
+__all__ = ["save", "load", "save_checkpoint", "load_checkpoint"]

@@ -1,0 +1,128 @@
+"""The sharded checkpoint's layout, shared by its save and load, and atomic writes.
+
+`save_checkpoint(path, model, optim_manager, step)` writes a directory:
+
+    path/meta.json              written last, names the version folder below
+    path/v-<token>/rank00000.safetensors ... one file per rank
+
+Every parameter is stored as the real (unpadded) elements of this rank's slice of
+its flattened value: a Block's flat buffer (whose order does not depend on the world
+size) or a DistributedParameter's flattened tensor, cut by the one partition rule
+(`nbtrain.zero.partition.shard_range`). A loader of any world size M computes which
+saved files overlap its own slice and reads only those ranges. Optimizer state
+tensors shaped like their parameter are stored the same way; scalar state (step
+counts), hyper-parameters, schedules and the loss scale are the same on every rank
+and go into meta.json from rank 0.
+
+Atomicity: each file is written to a temporary name, fsynced and renamed; meta.json
+is replaced last. A save that dies anywhere before that rename leaves the previous
+meta.json pointing at the previous, untouched version folder.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import save_file
+
+from ..comm import collectives as C
+from ..comm.context import get_context
+from ..zero.block import Block
+from ..zero.parameter import DistributedParameter
+from ..zero.partition import shard_range
+
+META = "meta.json"
+FORMAT_VERSION = 1
+
+
+# -- atomic files ------------------------------------------------------------------
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _commit(tmp: str, final: str) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    _fsync_dir(os.path.dirname(os.path.abspath(final)))
+
+
+def write_tensors(path: str, tensors: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    save_file(tensors, tmp)
+    _commit(tmp, path)
+
+
+def write_json(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1)
+    _commit(tmp, path)
+
+
+def agreed(what: str, fn, run_here: bool = True):
+    """Runs `fn` on this rank (if `run_here`), then every rank learns whether all
+    succeeded, so no rank moves on (to the metadata, or out of the save) alone.
+
+    The failing rank re-raises its own error; the others raise a RuntimeError.
+    Collective: every rank calls this (one all-reduce).
+    """
+    result, error = None, None
+    if run_here:
+        try:
+            result = fn()
+        except Exception as exc:  # reported to the peers first, then re-raised
+            error = exc
+    flag = torch.tensor([0.0 if error is not None else 1.0], device=get_context().device)
+    C.all_reduce(flag, op="min", label="checkpoint")
+    if error is not None:
+        raise error
+    if flag.item() < 1.0:
+        raise RuntimeError(f"{what} failed on another rank; see that rank's error")
+    return result
+
+
+# -- what each rank stores ------------------------------------------------------------
+
+class Entry:
+    """One local parameter: its name, where its real elements sit, how it is laid out."""
+
+    def __init__(self, name, param, numel, kind, begin, end, layout_info):
+        self.name, self.param, self.numel, self.kind = name, param, numel, kind
+        self.begin, self.end = begin, min(end, numel)  # real elements held here
+        self.layout_info = layout_info  # JSON: the shapes a loader must match
+
+    @property
+    def local_numel(self) -> int:
+        return max(0, self.end - self.begin)
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().reshape(-1)[: self.local_numel].cpu().contiguous().clone()
+
+
+def local_entries(model: torch.nn.Module) -> list[Entry]:
+    ctx = get_context()
+    groups = {id(g.shard): g for m in model.modules() if isinstance(m, Block) for g in m.groups}
+    out = []
+    for name, p in model.named_parameters():
+        group = groups.get(id(p))
+        if group is not None:
+            prefix = name.rpartition(".")[0]
+            slots = [[f"{prefix}.{s.name}" if prefix else s.name, list(s.shape)]
+                     for s in group.layout.slots]
+            begin, end = group.layout.shard_range(ctx.rank)
+            out.append(Entry(name, p, group.layout.numel, "flat", begin, end, slots))
+        elif isinstance(p, DistributedParameter):
+            begin, end = shard_range(p.full_numel, ctx.world_size, ctx.rank)
+            out.append(Entry(name, p, p.full_numel, "sharded", begin, end,
+                             [[name, list(p.full_shape)]]))
+        else:  # replicated on every rank: rank 0 stores it
+            end = p.numel() if ctx.rank == 0 else 0
+            out.append(Entry(name, p, p.numel(), "replicated", 0, end, [[name, list(p.shape)]]))
+    return out

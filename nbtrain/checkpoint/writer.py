@@ -1,0 +1,102 @@
+"""`save_checkpoint`: model, optimizer state, schedules and loss scale, as shards.
+
+The layout is described in `layout.py`; `reader.py` reads it back at any world size.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import torch
+
+from ..comm import collectives as C
+from ..comm.context import get_context
+from .layout import FORMAT_VERSION, META, agreed, local_entries, write_json, write_tensors
+
+
+def _scalar(value):
+    if torch.is_tensor(value):
+        return {"value": value.item(), "tensor_dtype": str(value.dtype).replace("torch.", "")}
+    return {"value": value}
+
+
+def _optim_part(opt, entries_by_id: dict, tensors: dict, index: int) -> dict:
+    groups, scalars, tensor_keys = [], {}, {}
+    for group in opt.param_groups:
+        names = []
+        for p in group["params"]:
+            entry = entries_by_id.get(id(p))
+            if entry is None:
+                raise ValueError("save_checkpoint: the optimizer holds a parameter that is "
+                                 "not in the model")
+            names.append(entry.name)
+            state = opt.state.get(p, {})
+            scalars[entry.name] = {}
+            tensor_keys[entry.name] = {}
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.numel() == p.numel() and value.dim() > 0:
+                    tensors[f"optim{index}/{entry.name}/{key}"] = entry.local(value)
+                    tensor_keys[entry.name][key] = str(value.dtype).replace("torch.", "")
+                else:
+                    scalars[entry.name][key] = _scalar(value)
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": names})
+    return {"param_groups": groups, "scalars": scalars, "tensor_keys": tensor_keys}
+
+
+# -- sharded save -----------------------------------------------------------------------
+
+def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=None) -> None:
+    """Writes model, optimizer state, schedules, loss scale and `step` as shards.
+
+    Args:
+        path: a directory (created if needed); a previous checkpoint there is
+            replaced only once the new one is complete.
+        model: the sharded model.
+        optim_manager: an OptimManager whose optimizers (and schedules) to save.
+        step: any JSON value, returned by `load_checkpoint` as meta["step"].
+
+    Collective: every rank calls this; each writes its own file, rank 0 the metadata.
+    """
+    ctx = get_context()
+    token = torch.tensor([time.time_ns() % (2**62)], dtype=torch.int64, device=ctx.device)
+    C.broadcast(token, src=0, label="checkpoint.token")  # one version name on every rank
+    version = f"v-{int(token.item()):x}"
+
+    def write_shard() -> dict:
+        os.makedirs(os.path.join(path, version), exist_ok=True)
+        entries = local_entries(model)
+        tensors = {f"model/{e.name}": e.local(e.param) for e in entries}
+        by_id = {id(e.param): e for e in entries}
+        optims = [] if optim_manager is None else [
+            _optim_part(opt, by_id, tensors, i) for i, opt in enumerate(optim_manager.optimizers)]
+        if ctx.rank == 0:
+            buffers = {n: b for n, b in model.named_buffers()}
+            tensors.update({f"buffer/{n}": b.detach().cpu().contiguous().clone()
+                            for n, b in buffers.items()})
+        meta = {"format": FORMAT_VERSION, "world_size": ctx.world_size, "step": step,
+                "version": version, "buffers": sorted(dict(model.named_buffers())),
+                "params": {e.name: {"kind": e.kind, "numel": e.numel, "shapes": e.layout_info}
+                           for e in entries},
+                "optimizers": optims,
+                "manager": None if optim_manager is None else optim_manager.scalar_state()}
+        write_tensors(os.path.join(path, version, f"rank{ctx.rank:05d}.safetensors"), tensors)
+        return meta
+
+    def write_meta() -> None:
+        write_json(os.path.join(path, META), meta)
+        _remove_other_versions(path, version)
+
+    # Every shard is on disk before the metadata names them.
+    meta = agreed("save_checkpoint (shards)", write_shard)
+    agreed("save_checkpoint (metadata)", write_meta, run_here=ctx.rank == 0)
+
+
+def _remove_other_versions(path: str, keep: str) -> None:
+    # Old versions, and folders and metadata drafts left by saves that died.
+    for name in os.listdir(path):
+        if name.startswith("v-") and name != keep:
+            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+        elif name.startswith(META + ".tmp-"):
+            os.remove(os.path.join(path, name))

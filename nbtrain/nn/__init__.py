@@ -1,0 +1,1 @@
+"""Layers and losses under BMTrain's `bmt.nn` / `bmt.loss` names."""

@@ -1,0 +1,65 @@
+"""The errors a `%%distributed` cell (or `Cluster.execute`) raises; users catch these.
+
+All are `DistributedError`s, which IPython shows without nbtrain's own frames.
+"""
+from __future__ import annotations
+
+RESTART_HINT = "Run `%nbtrain restart` (or Cluster.restart()) for fresh ranks."
+
+
+class DistributedError(RuntimeError):
+    """A `%%distributed` cell failed; IPython shows `_render_traceback_`, not our frames."""
+
+    def _render_traceback_(self):
+        return str(self).splitlines()
+
+
+class NoClusterError(DistributedError):
+    """There is no running cluster to send a cell to."""
+
+
+class RankError(DistributedError):
+    """One or more ranks raised. `tracebacks` maps rank -> remote traceback lines."""
+
+    def __init__(self, tracebacks: dict[int, list[str]], summaries: dict[int, str]):
+        self.ranks = sorted(tracebacks)
+        self.tracebacks = tracebacks
+        names = ", ".join(str(r) for r in self.ranks)
+        lines = [f"{'rank' if len(self.ranks) == 1 else 'ranks'} {names} raised:"]
+        for r in self.ranks:
+            lines.append(f"[rank {r}] {summaries[r]}")
+        message = "\n".join(lines)
+        super().__init__(message)
+
+    def _render_traceback_(self):
+        out = str(self).splitlines()[:1]
+        for r in self.ranks:
+            out.append(f"--- rank {r} ---")
+            out.extend(self.tracebacks[r])
+        return out
+
+
+class RankDiedError(DistributedError):
+    """A rank's engine process exited while a cell ran (OOM killer, SIGKILL, crash)."""
+
+    def __init__(self, ranks: list[int]):
+        self.ranks = sorted(ranks)
+        who = ", ".join(f"rank {r}" for r in self.ranks)
+        super().__init__(f"{who} died while the cell ran (killed, out of memory or crashed). "
+                         f"The other ranks cannot finish a collective without it. {RESTART_HINT}")
+
+
+class CellTimeoutError(DistributedError, TimeoutError):
+    """A cell outlived its timeout; `busy` are the ranks that were still running."""
+
+    def __init__(self, timeout_s: float, busy: list[int], stuck: list[int]):
+        self.busy, self.stuck = sorted(busy), sorted(stuck)
+        names = ", ".join(str(r) for r in self.busy)
+        msg = f"cell timed out after {timeout_s:g} s; still busy: rank(s) {names}."
+        if self.stuck:
+            msg += (f" Rank(s) {', '.join(map(str, self.stuck))} did not respond to an interrupt: "
+                    "a rank blocked in a collective (all_reduce, barrier, ...) cannot be "
+                    f"interrupted. {RESTART_HINT}")
+        else:
+            msg += " They were interrupted and the cluster is usable."
+        super().__init__(msg)
