@@ -145,6 +145,31 @@ def stop() -> None:
         writer.close()
 
 
+def gathered_peak(events: list[dict] | None = None) -> int:
+    """Most blocks gathered at once in `events` (default: the recorder's).
+
+    Read from the `gather` / `release` events of each block's flat groups, whose
+    labels are "<block label>.<group index>". ZeRO-3 keeps it at 2 (the block
+    computing and the one prefetched); ZeRO-2 keeps every block until backward.
+    """
+    events = RECORDER.snapshot() if events is None else events
+    live: dict[str, set] = {}
+    peak = 0
+    for event in events:
+        if event["type"] not in ("gather", "release"):
+            continue
+        block, _, group = event["label"].rpartition(".")
+        groups = live.setdefault(block, set())
+        if event["type"] == "gather":
+            groups.add(group)
+        else:
+            groups.discard(group)
+        if not groups:
+            del live[block]
+        peak = max(peak, len(live))
+    return peak
+
+
 def summary() -> dict:
     """This rank's summary (what the dashboard draws): memory, last step, metrics."""
     return RECORDER.summary()

@@ -2,10 +2,12 @@
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
 from .init import init_parameters
-from .parameter import DistributedModule, DistributedParameter, ParameterInitializer
+from .module import DistributedModule
+from .parameter import DistributedParameter, ParameterInitializer
+from .root import ModelRoot
 from .wrap import wrap
 from .views import full_named_grads
 
 __all__ = ["Block", "ZeroLevel", "TransformerBlockList", "DistributedModule",
            "DistributedParameter", "ParameterInitializer", "init_parameters", "wrap",
-           "full_named_grads"]
+           "full_named_grads", "ModelRoot"]

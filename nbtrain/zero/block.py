@@ -22,7 +22,6 @@ Names add no level: the block shares the module's submodules and buffers, and
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 
 import torch
@@ -32,10 +31,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ..comm import events
 from ..comm.context import get_context
-from .flat import PENDING, FlatGroup
+from .flat import FlatGroup
 from .init import init_range
 from .parameter import DistributedParameter
 from .partition import FlatLayout
+from .reducer import GradReducer
 
 
 class ZeroLevel(enum.IntEnum):
@@ -51,9 +51,6 @@ class ZeroLevel(enum.IntEnum):
         except (ValueError, TypeError):
             raise ValueError(f"zero_level={value!r}: use 2 (keep parameters gathered from "
                              "forward to backward) or 3 (gather again for backward)") from None
-
-
-_LABELS = itertools.count()
 
 
 class _ParamEntry:
@@ -89,7 +86,9 @@ class Block(nn.Module):
         module: any nn.Module with at least one parameter.
         zero_level: 2 or 3 (see ZeroLevel).
         use_checkpoint: recompute the module's activations in backward.
-        label: name used in telemetry (defaults to "block<k>").
+        label: name used in telemetry. By default the module's class name until
+            the block joins a model (`wrap`, a DistributedModule's first forward),
+            which names it by its path in the model ("layers.3").
         reduce_dtype: dtype gradients are reduce-scattered in (None: the
             parameters' own). torch.float32 for bf16/fp16 parameters keeps the
             averaged gradient in fp32 as each shard's `main_grad`.
@@ -112,7 +111,10 @@ class Block(nn.Module):
         object.__setattr__(self, "_next_block", None)
         object.__setattr__(self, "_prev_block", None)
         self.zero_level, self.use_checkpoint = level, bool(use_checkpoint)
-        self.label = label or f"block{next(_LABELS)}"
+        self.label = label or type(module).__name__
+        self.auto_label = label is None
+        # Until a model adopts this block, it reduces through a queue of its own.
+        self.reducer = GradReducer()
         # Share, not copy: the block adds no level to names.
         self._modules = module._modules
         self._buffers = module._buffers
@@ -144,7 +146,7 @@ class Block(nn.Module):
                                        zip(group_entries, values)], ctx.world_size)
             group = FlatGroup(layout, values, rank=ctx.rank, device=ctx.device, dtype=dtype,
                               requires_grad=requires_grad, label=f"{self.label}.{i}",
-                              owner_id=id(self), grad_dtype=reduce_dtype)
+                              reducer=self.reducer, grad_dtype=reduce_dtype)
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             self.register_parameter(f"flat_param_{i}", group.shard)
@@ -168,6 +170,16 @@ class Block(nn.Module):
     @property
     def groups(self) -> list[FlatGroup]:
         return self._groups
+
+    def join(self, reducer: GradReducer, label: str | None = None) -> None:
+        """Makes this block reduce through `reducer` (its model's) and, if it was
+        not named explicitly, renames it `label`. Local."""
+        self.reducer = reducer
+        if label is not None and self.auto_label:
+            self.label = label
+        for i, group in enumerate(self._groups):
+            group.reducer = reducer
+            group.label = f"{self.label}.{i}"
 
     def __getattr__(self, name):
         try:
@@ -240,7 +252,7 @@ class Block(nn.Module):
         self._bwd_start = time.perf_counter()
         self._grads_pending = sum(g.requires_grad for g in self._groups)
         if self._grads_pending == 0:
-            PENDING.at_end(self.release)
+            self.reducer.at_end(self.release)
 
     def _grad_ready(self) -> None:
         """Called by each trainable group's backward, before its reduce-scatter."""

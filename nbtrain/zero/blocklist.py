@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import nn
 
 from .block import Block
+from .reducer import GradReducer
 
 
 class TransformerBlockList(nn.ModuleList):
@@ -27,6 +28,9 @@ class TransformerBlockList(nn.ModuleList):
     def __init__(self, modules=None):
         blocks = [m if isinstance(m, Block) else Block(m) for m in (modules or [])]
         super().__init__(blocks)
+        reducer = GradReducer()  # one queue for the list; its model's replaces it
+        for i, block in enumerate(blocks):
+            block.join(reducer, label=str(i))
         for prev, nxt in zip(blocks, blocks[1:]):
             object.__setattr__(prev, "_next_block", nxt)
             object.__setattr__(nxt, "_prev_block", prev)

@@ -9,19 +9,21 @@ A group owns:
 
 Gradients: the `_GatherFlat` autograd function turns the shard into the full
 buffer in forward; in backward it reduce-scatters (average, DDP semantics) the
-full gradient asynchronously and returns nothing. The result is added into
-`shard.grad` when the collective completes: at the latest when the next
-reduce-scatter is issued or when the backward pass ends.
+full gradient asynchronously through the model's `GradReducer` and returns
+nothing. The result is added into `shard.grad` when the collective completes: at
+the latest when the next reduction is issued or when the backward pass ends.
+
+A group publishes `gather` and `release` events (with its label), so how many
+blocks are gathered at once can be read from the event stream.
 """
 from __future__ import annotations
-
-from collections import deque
 
 import torch
 from torch import nn
 
-from ..comm import collectives as C
+from ..comm import collectives as C, events
 from .partition import FlatLayout
+from .reducer import GradReducer
 
 
 
@@ -33,75 +35,13 @@ def _restore_version(tensor: torch.Tensor, version: int) -> None:
     torch._C._autograd._unsafe_set_version_counter((tensor,), (version,))
 
 
-class _PendingGrads:
-    """Reduce-scatters in flight, oldest first, finished in order."""
-
-    def __init__(self):
-        self.queue: deque = deque()
-        self.end_callbacks: list = []
-        self.callback_queued = False
-
-    def add(self, handle, finish) -> None:
-        self.finish_all()  # the previous one had this block's compute to hide behind
-        self.queue.append((handle, finish))
-        self._queue_end_callback()
-
-    def at_end(self, fn) -> None:
-        """Runs `fn` when the current backward pass ends (call from backward)."""
-        self.end_callbacks.append(fn)
-        self._queue_end_callback()
-
-    def _queue_end_callback(self) -> None:
-        if not self.callback_queued:
-            # Runs when the whole backward pass ends: nothing stays in flight.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.callback_queued = True
-
-    def finish_all(self) -> None:
-        while self.queue:
-            handle, finish = self.queue.popleft()
-            handle.wait()
-            finish()
-
-    def _end_of_backward(self) -> None:
-        self.callback_queued = False
-        self.finish_all()
-        callbacks, self.end_callbacks = self.end_callbacks, []
-        for fn in callbacks:
-            fn()
-
-
-PENDING = _PendingGrads()
-
-
-class _AliveTracker:
-    """Counts gathered groups per owner; tests read the peak (memory bound)."""
-
-    def __init__(self):
-        self.owners: dict = {}
-        self.peak = 0
-
-    def update(self, owner_id, group_id, gathered: bool) -> None:
-        groups = self.owners.setdefault(owner_id, set())
-        (groups.add if gathered else groups.discard)(group_id)
-        if not groups:
-            del self.owners[owner_id]
-        self.peak = max(self.peak, len(self.owners))
-
-    def reset(self) -> None:
-        self.peak = len(self.owners)
-
-
-ALIVE = _AliveTracker()
-
-
 class FlatGroup:
     """One flat, sharded buffer for parameters that share dtype and requires_grad."""
 
     def __init__(self, layout: FlatLayout, full_values: list[torch.Tensor], *, rank: int,
                  device: torch.device, dtype: torch.dtype, requires_grad: bool, label: str,
-                 owner_id: int = 0, grad_dtype: torch.dtype | None = None):
-        self.layout, self.label, self.owner_id = layout, label, owner_id
+                 reducer: GradReducer, grad_dtype: torch.dtype | None = None):
+        self.layout, self.label, self.reducer = layout, label, reducer
         self.rank, self.requires_grad = rank, requires_grad
         self.grad_dtype = grad_dtype or dtype
         begin, end = layout.shard_range(rank)
@@ -135,7 +75,7 @@ class FlatGroup:
         with torch.no_grad():
             self._handle = C.all_gather(self.full, self.shard.detach(), async_op=True,
                                         label=self.label)
-        ALIVE.update(self.owner_id, id(self), True)
+        events.instant("gather", self.label)
 
     def wait_gather(self) -> None:
         """Blocks until `full` holds every rank's data (gathers now if needed)."""
@@ -154,7 +94,7 @@ class FlatGroup:
         if self.gathered:
             self.full.untyped_storage().resize_(0)
             self.gathered = False
-            ALIVE.update(self.owner_id, id(self), False)
+            events.instant("release", self.label)
 
     # -- autograd -----------------------------------------------------------
     def full_tensor(self) -> torch.Tensor:
@@ -199,7 +139,7 @@ class FlatGroup:
                 shard.grad.add_(out)
             if on_done is not None:
                 on_done()
-        PENDING.add(handle, finish)
+        self.reducer.add(handle, finish)
 
     # -- whole-tensor access (state dicts, checkpoints) ----------------------
     def gather_copy(self) -> torch.Tensor:

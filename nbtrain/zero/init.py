@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..comm.context import get_context
+from .partition import shard_range
 
 CHUNK_NUMEL = 1 << 16  # 256 KiB of fp32 per draw: a rank overshoots its shard by < 2 chunks
 _INIT = nn.init
@@ -118,8 +119,8 @@ def init_parameters(model: nn.Module) -> None:
             continue
         for name, param in module._parameters.items():
             if isinstance(param, DistributedParameter) and param.init_method is not None:
-                begin = ctx.rank * param.numel()
-                stop = min(begin + param.numel(), param.full_numel)
+                begin, end = shard_range(param.full_numel, ctx.world_size, ctx.rank)
+                stop = min(end, param.full_numel)
                 if stop > begin:
                     values = init_range(base + name, param.full_shape, param.dtype,
                                         param.device, param.init_method, begin, stop)

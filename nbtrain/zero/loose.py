@@ -22,10 +22,6 @@ from ..comm import collectives as C
 from ..comm.context import get_context
 from .parameter import DistributedParameter
 
-# id(parameter) -> gathered full tensor, filled for the length of a root forward.
-GATHERED: dict[int, torch.Tensor] = {}
-
-
 class _GatherMany(torch.autograd.Function):
     """Shards of several DistributedParameters -> their full tensors, one collective."""
 
@@ -74,14 +70,38 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
     return out
 
 
-def root_pre_hook(module, args) -> None:
-    # The first block's all-gather is issued first, so it runs under this
-    # gather and the embedding's compute instead of after them.
-    for block in getattr(module, "_nbtrain_first_blocks", ()):
-        block.prefetch()
-    GATHERED.update(gather_all(module._nbtrain_loose_params))
+class LooseParams:
+    """A model's DistributedParameters outside blocks, gathered once per root forward.
 
+    The root's forward gathers them all (one collective per dtype) into `gathered`;
+    each module that owns some reads its full tensors from there during its own
+    forward (`module_pre_forward`) instead of gathering them one by one.
+    """
 
-def root_post_hook(module, args, output) -> None:
-    for p in module._nbtrain_loose_params:
-        GATHERED.pop(id(p), None)
+    def __init__(self, params: list[DistributedParameter], first_blocks=()):
+        self.params = params
+        self.first_blocks = list(first_blocks)
+        self.gathered: dict[int, torch.Tensor] = {}  # id(param) -> full tensor
+
+    def root_pre_forward(self, module, args) -> None:
+        # The first block's all-gather is issued first, so it runs under this
+        # gather and the embedding's compute instead of after them.
+        for block in self.first_blocks:
+            block.prefetch()
+        self.gathered.update(gather_all(self.params))
+
+    def root_post_forward(self, module, args, output) -> None:
+        self.gathered.clear()
+
+    def module_pre_forward(self, module, args) -> None:
+        for name, param in module._parameters.items():
+            if isinstance(param, DistributedParameter):
+                full = self.gathered.get(id(param))
+                # Shadows the Parameter for the length of this module's forward.
+                module.__dict__[name] = param.gather() if full is None else full
+
+    @staticmethod
+    def module_post_forward(module, args, output) -> None:
+        for name, param in module._parameters.items():
+            if isinstance(param, DistributedParameter):
+                module.__dict__.pop(name, None)

@@ -6,10 +6,10 @@ each rank stores ceil(numel / world) elements of the flattened tensor, and the
 full tensor is gathered on use, with a reduce-scatter of its gradient in backward.
 
 Where they are used:
-  * in a `DistributedModule`, reading `self.weight` inside forward returns the
-    gathered tensor (BMTrain's behaviour);
+  * in a `DistributedModule` (module.py), reading `self.weight` inside forward
+    returns the gathered tensor (BMTrain's behaviour);
   * in any other module (after `wrap`), a forward pre-hook gathers the module's
-    own distributed parameters for the duration of its forward.
+    own distributed parameters for the duration of its forward (loose.py).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from .partition import shard_numel
+from .partition import shard_range
 
 
 class ParameterInitializer:
@@ -37,13 +37,12 @@ class ParameterInitializer:
 
 def _local_slice(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     """This rank's padded slice of `full` flattened (a copy)."""
-    n = shard_numel(full.numel(), world)
+    begin, end = shard_range(full.numel(), world, rank)
     flat = full.detach().reshape(-1)
-    out = torch.zeros(n, dtype=full.dtype, device=full.device)
-    begin = rank * n
-    end = min(begin + n, flat.numel())
-    if end > begin:
-        out[: end - begin].copy_(flat[begin:end])
+    out = torch.zeros(end - begin, dtype=full.dtype, device=full.device)
+    stop = min(end, flat.numel())
+    if stop > begin:
+        out[: stop - begin].copy_(flat[begin:stop])
     return out
 
 
@@ -152,23 +151,3 @@ def attach_state_dict_hooks(module: nn.Module) -> None:
     module._register_state_dict_hook(_save_hook)
     module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
     module._nbtrain_sd_hooks = True
-
-
-class DistributedModule(nn.Module):
-    """nn.Module whose DistributedParameters read as full tensors inside forward.
-
-    `self.weight` returns the gathered tensor (a collective), as in BMTrain.
-    `state_dict()` returns full tensors; `load_state_dict()` takes full tensors.
-    """
-
-    def __init__(self):
-        super().__init__()
-        attach_state_dict_hooks(self)
-
-    def __getattr__(self, name):
-        params = self.__dict__.get("_parameters")
-        if params is not None:
-            param = params.get(name)
-            if isinstance(param, DistributedParameter):
-                return param.gather()
-        return super().__getattr__(name)

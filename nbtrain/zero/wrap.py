@@ -8,12 +8,15 @@ stay one shared parameter.
 """
 from __future__ import annotations
 
+from functools import partial
+
 from torch import nn
 
-from . import loose
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
+from .loose import LooseParams
 from .parameter import DistributedParameter, attach_state_dict_hooks
+from .root import ModelRoot
 
 
 def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -44,21 +47,7 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
                              "list; untie it or keep that layer list out of wrap()")
 
 
-def _gather_hook(module, args):
-    for name, param in module._parameters.items():
-        if isinstance(param, DistributedParameter):
-            full = loose.GATHERED.get(id(param))  # gathered by the root's forward
-            # Shadows the Parameter in forward.
-            module.__dict__[name] = param.gather() if full is None else full
-
-
-def _restore_hook(module, args, output):
-    for name, param in module._parameters.items():
-        if isinstance(param, DistributedParameter):
-            module.__dict__.pop(name, None)
-
-
-def _shard_loose_parameters(model: nn.Module) -> list[DistributedParameter]:
+def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[DistributedParameter]:
     """Converts parameters outside Blocks; returns those the hooks gather (unique)."""
     converted: dict[int, DistributedParameter] = {}
     hooked: dict[int, DistributedParameter] = {}
@@ -78,8 +67,8 @@ def _shard_loose_parameters(model: nn.Module) -> list[DistributedParameter]:
             changed = True
         if changed and not getattr(module, "_nbtrain_gather_hooks", False):
             attach_state_dict_hooks(module)
-            module.register_forward_pre_hook(_gather_hook)
-            module.register_forward_hook(_restore_hook, always_call=True)
+            module.register_forward_pre_hook(partial(_module_pre_forward, root))
+            module.register_forward_hook(LooseParams.module_post_forward, always_call=True)
             module._nbtrain_gather_hooks = True
         if changed:
             hooked.update((id(p), p) for p in module._parameters.values()
@@ -112,12 +101,29 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, blocks)
         first_blocks.append(blocks[0])
-    loose_params = _shard_loose_parameters(model)
-    model._nbtrain_loose_params = loose_params
-    model._nbtrain_first_blocks = first_blocks
-    if loose_params and not getattr(model, "_nbtrain_root_hooks", False):
+    root = ModelRoot.of(model)
+    if root.data_parallel is not None:  # a DistributedModule: its plain parameters are gone
+        root.data_parallel.remove()
+        root.data_parallel = None
+    root.adopt_blocks(model)
+    root.loose = LooseParams(_shard_loose_parameters(model, root), first_blocks)
+    if root.loose.params and not getattr(model, "_nbtrain_root_hooks", False):
         # Before the root's own gather hook: one collective for all of them.
-        model.register_forward_pre_hook(loose.root_pre_hook, prepend=True)
-        model.register_forward_hook(loose.root_post_hook, always_call=True)
+        model.register_forward_pre_hook(partial(_root_pre_forward, root), prepend=True)
+        model.register_forward_hook(partial(_root_post_forward, root), always_call=True)
         model._nbtrain_root_hooks = True
     return model
+
+
+# Hooks read the root's current LooseParams, so wrapping again never leaves a
+# hook bound to a stale one.
+def _root_pre_forward(root: ModelRoot, module, args) -> None:
+    root.loose.root_pre_forward(module, args)
+
+
+def _root_post_forward(root: ModelRoot, module, args, output) -> None:
+    root.loose.root_post_forward(module, args, output)
+
+
+def _module_pre_forward(root: ModelRoot, module, args) -> None:
+    root.loose.module_pre_forward(module, args)

@@ -4,7 +4,6 @@ import torch
 import cases
 import nbtrain as nbt
 from nbtrain import telemetry
-from nbtrain.zero import flat
 from ranks import run_ranks
 
 
@@ -14,9 +13,9 @@ def _one_step_events(zero_level):
     xs, ys = cases.batches(nbt.world_size(), 1)
     model.loss(xs[0, :2], ys[0, :2]).backward()  # warm-up step, not recorded
     telemetry.RECORDER.clear()
-    flat.ALIVE.reset()
     model.loss(xs[0, :2], ys[0, :2]).backward()
-    return labels, telemetry.RECORDER.snapshot(), flat.ALIVE.peak
+    events = telemetry.RECORDER.snapshot()
+    return labels, events, telemetry.gathered_peak(events)
 
 
 def _first(events, **match):

@@ -1,0 +1,164 @@
+"""Data-parallel gradients for the plain parameters of a DistributedModule.
+
+A BMTrain-style model often keeps its embedding, final norm and head as plain
+`nn.Embedding` / `nn.LayerNorm` / `nn.Linear` outside its Blocks. Every rank holds
+them whole, so their gradients must be averaged over ranks exactly as DDP does,
+or each rank steps on its own gradient and the replicas drift apart silently.
+
+`DataParallelGrads` does it DDP's way:
+  * parameters are packed into buckets of at most `bucket_numel` elements, in
+    reverse order of registration (backward reaches the head first);
+  * a hook after each parameter's gradient is accumulated marks it ready; a full
+    bucket is all-reduced asynchronously through the model's `GradReducer`, so it
+    overlaps the rest of backward. Buckets are issued strictly in index order on
+    every rank, so ranks whose graphs finish parameters in another order still
+    agree on the order of collectives;
+  * when backward ends, buckets not yet issued (parameters without a gradient on
+    this rank) are issued. Each bucket carries one count per parameter of the
+    ranks that had a gradient: a parameter no rank used keeps `grad = None`, as in
+    plain PyTorch, and one used on some ranks only gets the average over all.
+
+Gradient accumulation over several backward passes reduces the accumulated
+gradient each time: the mean of (already averaged + new local) is the already
+averaged part plus the mean of the new part, so the result is exact.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from ..comm.context import get_context
+from .reducer import GradReducer
+
+BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
+
+
+class _Bucket:
+    def __init__(self, index: int, params: list[nn.Parameter]):
+        self.index, self.params = index, params
+        self.numel = sum(p.numel() for p in params)
+        self.ready: set[int] = set()
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == len(self.params)
+
+
+class DataParallelGrads:
+    """Averages gradients of replicated parameters over the ranks (bucketed, async).
+
+    Args:
+        params: the trainable parameters that every rank holds whole.
+        reducer: the model's reduction queue.
+        bucket_numel: most elements per bucket.
+    """
+
+    def __init__(self, params: list[nn.Parameter], reducer: GradReducer,
+                 bucket_numel: int = BUCKET_NUMEL):
+        self.reducer = reducer
+        self.buckets = _make_buckets(params, bucket_numel)
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._next = 0
+        self._armed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
+                       for b in self.buckets for p in b.params]
+
+    def remove(self) -> None:
+        """Detaches the gradient hooks (the parameters get a new owner)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- backward ---------------------------------------------------------------
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._armed:
+            self._armed = True
+            self.reducer.at_end(self._flush)
+        self._bucket_of[id(param)].ready.add(id(param))
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._issue(self.buckets[self._next])
+
+    def _flush(self) -> None:
+        while self._next < len(self.buckets):
+            self._issue(self.buckets[self._next])
+        self._next, self._armed = 0, False
+        for bucket in self.buckets:
+            bucket.ready.clear()
+
+    def _issue(self, bucket: _Bucket) -> None:
+        self._next = bucket.index + 1
+        ref = bucket.params[0]
+        # Layout: every parameter's gradient back to back, then one count each.
+        flat = torch.zeros(bucket.numel + len(bucket.params), dtype=ref.dtype,
+                           device=ref.device)
+        offset = 0
+        for i, p in enumerate(bucket.params):
+            if p.grad is not None:
+                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                flat[bucket.numel + i] = 1
+            offset += p.numel()
+        handle = C.all_reduce(flat, op="sum", async_op=True, label=f"dp.bucket{bucket.index}")
+        world = get_context().world_size
+
+        def finish():
+            grads = flat[:bucket.numel].div_(world)
+            counts = flat[bucket.numel:].tolist()
+            start = 0
+            for p, count in zip(bucket.params, counts):
+                value = grads[start:start + p.numel()].view_as(p)
+                start += p.numel()
+                if count == 0:
+                    continue  # no rank produced a gradient: leave None, as torch does
+                if p.grad is None:
+                    p.grad = value
+                else:
+                    p.grad.copy_(value)
+        self.reducer.add(handle, finish)
+
+
+def _make_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[_Bucket]:
+    buckets, current, numel, key = [], [], 0, None
+    for p in reversed(params):
+        p_key = (p.dtype, p.device)
+        if current and (p_key != key or numel + p.numel() > bucket_numel):
+            buckets.append(_Bucket(len(buckets), current))
+            current, numel = [], 0
+        current.append(p)
+        numel += p.numel()
+        key = p_key
+    if current:
+        buckets.append(_Bucket(len(buckets), current))
+    return buckets
+
+
+def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]]) -> None:
+    """Raises if any parameter's value differs between ranks, naming the first one.
+
+    Compares per-parameter fingerprints (sum and a position-weighted sum, in fp64)
+    with one max and one min all-reduce: bytes independent of the model's size.
+
+    Collective: every rank calls this with the same names in the same order.
+    """
+    if not named_params:
+        return
+    ctx = get_context()
+    prints = torch.zeros(len(named_params), 2, dtype=torch.float64, device=ctx.device)
+    with torch.no_grad():
+        for i, (_, p) in enumerate(named_params):
+            flat = p.detach().reshape(-1).to(torch.float64)
+            weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+            prints[i, 0] = flat.sum()
+            prints[i, 1] = (flat * (weights.remainder_(1009) + 1)).sum()
+    high, low = prints.clone(), prints.clone()
+    C.all_reduce(high, op="max", label="dp.check")
+    C.all_reduce(low, op="min", label="dp.check")
+    differ = (high != low).any(dim=1).nonzero().flatten().tolist()
+    if differ:
+        names = [named_params[i][0] for i in differ]
+        raise ValueError(
+            f"parameter {names[0]!r} has different values on different ranks "
+            f"({len(names)} differ: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}). "
+            "Plain parameters of a DistributedModule are replicated: build the model after "
+            "nbtrain.init_distributed(seed=...) on every rank with the same seed, or load the "
+            "same weights everywhere.")

@@ -1,0 +1,165 @@
+"""Plain parameters outside Blocks in a DistributedModule get data-parallel gradients.
+
+A BMTrain-style model with a plain nn.Embedding, nn.LayerNorm and nn.Linear head
+around sharded Blocks, trained on 2 and 3 ranks, equals one plain process on the
+concatenated batch: with torch.optim.AdamW, with OptimManager + AdamOptimizer, and
+with SGD + momentum (which, unlike Adam, sees the gradient's scale: a sum where a
+mean belongs would fail here).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import nbtrain as nbt
+from nbtrain import telemetry
+from nbtrain.comm import COUNTERS
+from nbtrain.optim import AdamOptimizer, OptimManager
+from ranks import run_ranks
+
+VOCAB, HIDDEN, SEQ, ROWS_PER_RANK, STEPS = 37, 12, 5, 2, 10
+
+
+class Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, h):
+        return h + torch.tanh(self.fc(h))
+
+
+class PlainLM(nn.Module):
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.layers = nn.ModuleList(Layer() for _ in range(3))
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+
+    def loss(self, x, y):
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return F.cross_entropy(self.head(self.norm(h)).flatten(0, 1), y.flatten())
+
+
+class ShardedLM(nbt.DistributedModule):
+    """The same model the BMTrain way: plain modules outside, Blocks inside."""
+
+    dp_bucket_numel = 520  # head + norm fill the first bucket, the embedding the second
+
+    def __init__(self, plain: PlainLM, zero_level: int = 3):
+        super().__init__()
+        self.embed, self.norm, self.head = plain.embed, plain.norm, plain.head
+        self.layers = nbt.TransformerBlockList([nbt.Block(m, zero_level) for m in plain.layers])
+
+    def forward(self, x, y):
+        return PlainLM.loss(self, x, y)
+
+    loss = forward
+
+
+def batches(world: int, seed: int = 7):
+    g = torch.Generator().manual_seed(seed)
+    shape = (STEPS, world * ROWS_PER_RANK, SEQ)
+    return torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "manager":
+        return AdamOptimizer(params, lr=1e-2, eps=1e-6, weight_decay=0.01)
+    return torch.optim.AdamW(params, lr=1e-2, eps=1e-6, weight_decay=0.01)
+
+
+def train(model, kind: str, xs, ys, rows=slice(None), reduce=lambda loss: loss):
+    opt = make_optimizer(kind, model.parameters())
+    manager = None
+    if kind == "manager":
+        manager = OptimManager(loss_scale=2.0**10)
+        manager.add_optimizer(opt)
+    losses = []
+    for s in range(STEPS):
+        loss = model.loss(xs[s, rows], ys[s, rows])
+        if manager is None:
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        else:
+            manager.zero_grad()
+            manager.backward(loss)
+            manager.step()
+        losses.append(reduce(loss).item())
+    return losses
+
+
+def plain_run(world: int, kind: str):
+    model = PlainLM()
+    xs, ys = batches(world)
+    losses = train(model, "adamw" if kind == "manager" else kind, xs, ys)
+    return losses, model.state_dict()
+
+
+def sharded_run(kind: str, zero_level: int):
+    model = ShardedLM(PlainLM(), zero_level)
+    xs, ys = batches(nbt.world_size())
+    rows = slice(nbt.rank() * ROWS_PER_RANK, (nbt.rank() + 1) * ROWS_PER_RANK)
+    losses = train(model, kind, xs, ys, rows, reduce=nbt.sum_loss)
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind,zero_level", [("adamw", 3), ("manager", 2), ("sgd", 3)])
+def test_plain_parameters_train_like_one_process(world, kind, zero_level):
+    ref_losses, ref_state = plain_run(world, kind)
+    for losses, state in run_ranks(sharded_run, world, kind, zero_level):
+        assert losses == pytest.approx(ref_losses, abs=1e-5)
+        assert state.keys() == ref_state.keys()
+        for name, value in ref_state.items():
+            torch.testing.assert_close(state[name], value, atol=1e-5, rtol=0, msg=name)
+
+
+def _reduction_events():
+    model = ShardedLM(PlainLM())
+    xs, ys = batches(nbt.world_size())
+    rows = slice(nbt.rank() * ROWS_PER_RANK, (nbt.rank() + 1) * ROWS_PER_RANK)
+    model.loss(xs[0, rows], ys[0, rows]).backward()  # first forward checks the replicas
+    telemetry.RECORDER.clear()
+    COUNTERS.reset()
+    model.loss(xs[1, rows], ys[1, rows]).backward()
+    grads_set = all(p.grad is not None for p in (model.embed.weight, model.head.weight))
+    return telemetry.RECORDER.snapshot(), COUNTERS.snapshot(), grads_set
+
+
+def test_buckets_are_async_overlapped_and_counted():
+    for events, counters, grads_set in run_ranks(_reduction_events, 2):
+        assert grads_set
+        issues = {e["label"]: e["seq"] for e in events
+                  if e["type"] == "comm_issue" and e["label"].startswith("dp.bucket")}
+        assert sorted(issues) == ["dp.bucket0", "dp.bucket1"]
+        # The head's bucket is reduced while the blocks are still in backward.
+        last_block = [e for e in events if e["type"] == "compute_begin"
+                      and e.get("phase") == "backward" and e["label"] == "layers.0"]
+        assert last_block and issues["dp.bucket0"] < last_block[0]["seq"]
+        # Each bucket: its gradients plus one count per parameter, all-reduced (2x ring).
+        head_norm = VOCAB * HIDDEN + VOCAB + 2 * HIDDEN + 4
+        embed = VOCAB * HIDDEN + 1
+        assert counters["calls"]["all_reduce"] == 2
+        assert counters["bytes"]["all_reduce"] == 2 * (head_norm + embed) * 4 // 2
+
+
+def _different_init():
+    plain = PlainLM()
+    if nbt.rank() == 1:
+        with torch.no_grad():
+            plain.norm.bias.add_(1.0)
+    model = ShardedLM(plain)
+    model.loss(torch.zeros(1, SEQ, dtype=torch.long), torch.zeros(1, SEQ, dtype=torch.long))
+
+
+def test_ranks_with_different_initial_values_are_refused():
+    with pytest.raises(AssertionError, match="'norm.bias' has different values on different"):
+        run_ranks(_different_init, 2)
