@@ -1,0 +1,249 @@
+"""Statistics of a sharded model's parameters and of chosen activations (BMTrain's bmt.inspect).
+
+    print(format_summary(inspect_model(model, "layers.0.*")))
+    with inspect_tensor() as inspector:
+        loss = model.loss(x, y)         # the model calls record_tensor(h, "hidden")
+        loss.backward()
+    print(format_summary(inspector.get_summary()))
+
+Every statistic describes the whole tensor, never one rank's shard, and is reduced
+rather than gathered: each rank takes its own real (unpadded) elements in float64
+and three all-reduces combine them: [count, sum], max (with -min), then the sum of
+squared deviations from the global mean (a two-pass variance). `std` is unbiased,
+as `torch.std`. Every rank gets the same numbers.
+
+Collective (every rank calls it at the same point, with the same arguments):
+`inspect_model`; leaving an `inspect_tensor` block without an exception; the
+inspector's `summary()` / `get_summary()` / iteration if a tensor was recorded or
+a gradient arrived since the last summary (else they return the list already
+made). `record_tensor` and `format_summary` are local.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+
+import torch
+from torch import nn
+
+from .comm import collectives as C
+from .comm.context import get_context
+from .zero.block import Block
+from .zero.parameter import DistributedParameter
+from .zero.partition import shard_range
+
+__all__ = ["inspect_model", "inspect_tensor", "record_tensor", "format_summary"]
+
+_STATS = ("mean", "std", "max", "min")
+
+
+def _reduce_stats(parts: list[torch.Tensor | None]) -> list[dict | None]:
+    """Statistics of the union over ranks of each item's local elements. Collective.
+
+    Args:
+        parts: per item, this rank's elements (any shape and dtype), or None for
+            none. Every rank passes the same number of items. Each is copied to
+            float64 one at a time, never all at once.
+
+    Returns:
+        Per item {"count", "mean", "std", "max", "min"}, or None if no rank has any.
+    """
+    if not parts:
+        return []
+    device = get_context().device
+    parts = [p.detach().reshape(-1) if p is not None and p.numel() else None for p in parts]
+    sums = torch.zeros(len(parts), 2, dtype=torch.float64, device=device)
+    extremes = torch.full((len(parts), 2), -math.inf, dtype=torch.float64, device=device)
+    for i, p in enumerate(parts):
+        if p is not None:
+            sums[i, 0], sums[i, 1] = p.numel(), p.sum(dtype=torch.float64)
+            extremes[i, 0], extremes[i, 1] = p.max(), -p.min()
+    C.all_reduce(sums, op="sum", label="inspect.sum")
+    C.all_reduce(extremes, op="max", label="inspect.max")
+    means = sums[:, 1] / sums[:, 0]
+    squares = torch.zeros(len(parts), dtype=torch.float64, device=device)
+    for i, p in enumerate(parts):  # two passes: no cancellation in sum(x^2) - n mean^2
+        if p is not None:
+            squares[i] = (p.to(device, torch.float64) - means[i]).square().sum()
+    C.all_reduce(squares, op="sum", label="inspect.var")
+    out = []
+    for (count, _), mean, sq, (mx, neg_mn) in zip(sums.tolist(), means.tolist(),
+                                                  squares.tolist(), extremes.tolist()):
+        count = int(count)
+        std = math.sqrt(sq / (count - 1)) if count > 1 else math.nan  # as torch.std
+        out.append({"count": count, "mean": mean, "std": std, "max": mx, "min": -neg_mn}
+                   if count else None)
+    return out
+
+
+def _summaries(items: list[tuple]) -> tuple[list[dict], list[int]]:
+    """(name, shape, local values, local grad) -> summary dicts and the element
+    count of each (over all ranks). Collective."""
+    stats = _reduce_stats([v for _, _, v, _ in items] + [g for _, _, _, g in items])
+    out, counts = [], []
+    for (name, shape, _, _), value, grad in zip(items, stats, stats[len(items):]):
+        entry = {"name": name, "shape": shape}
+        entry.update((k, value[k] if value else math.nan) for k in _STATS)
+        if grad is not None:
+            entry.update(("grad_" + k, grad[k]) for k in _STATS)
+        out.append(entry)
+        counts.append(value["count"] if value else 0)
+    return out, counts
+
+
+def _model_params(model: nn.Module) -> list[list]:
+    """[names, full shape, local values, local grad] per distinct parameter."""
+    ctx = get_context()
+    params, by_id = [], {}
+    for prefix, module in model.named_modules():
+        base = prefix + "." if prefix else ""
+        if isinstance(module, Block):  # its module's parameters live in flat groups
+            for group in module.groups:
+                begin, end = group.layout.shard_range(ctx.rank)
+                grad = getattr(group.shard, "main_grad", None)
+                grad = group.shard.grad if grad is None else grad
+                for slot, entry in zip(group.layout.slots, group.entries):
+                    lo, hi = slot.local_part(begin, end) or (begin, begin)
+                    cut = slice(lo - begin, hi - begin)
+                    params.append([[base + n for n in entry.names], slot.shape,
+                                   group.shard.detach()[cut],
+                                   None if grad is None else grad.detach()[cut]])
+            continue
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            if id(param) in by_id:  # tied: one more name for the same parameter
+                by_id[id(param)][0].append(base + name)
+                continue
+            grad = param.grad
+            if isinstance(param, DistributedParameter):
+                begin, _ = shard_range(param.full_numel, ctx.world_size, ctx.rank)
+                real = max(0, min(param.numel(), param.full_numel - begin))  # no padding
+                shape = tuple(param.full_shape)
+            else:
+                real = param.numel() if ctx.rank == 0 else 0  # replicated: rank 0's copy
+                shape = tuple(param.shape)
+            by_id[id(param)] = [[base + name], shape, param.detach().reshape(-1)[:real],
+                                None if grad is None else grad.detach().reshape(-1)[:real]]
+            params.append(by_id[id(param)])
+    return params
+
+
+def inspect_model(model: nn.Module, param_name: str = "*") -> list[dict]:
+    """Statistics of every parameter whose name matches `param_name`. Collective.
+
+    Args:
+        model: a plain or sharded model (Blocks, DistributedParameters, wrap()).
+        param_name: an fnmatch pattern over the plain model's names, as in
+            `model.state_dict()`, e.g. "layers.0.*".
+
+    Returns:
+        One dict per distinct parameter, in the model's order: name (its first
+        name matching the pattern; a tied parameter appears once), shape (full),
+        mean, std, max, min of the full tensor and, when it has a gradient,
+        grad_mean, grad_std, grad_max, grad_min of the full gradient.
+    """
+    items = []
+    for names, shape, values, grad in _model_params(model):
+        name = next((n for n in names if fnmatch.fnmatchcase(n, param_name)), None)
+        if name is not None:
+            items.append((name, shape, values, grad))
+    return _summaries(items)[0]
+
+
+class TensorInspector:
+    """What `inspect_tensor()` yields: the tensors recorded inside its block.
+
+    A recorded tensor's summary describes every rank's tensor concatenated along
+    dim 0 (a 0-d tensor: one element per rank); shape is (sum of dim 0, *rest).
+    Its grad_* statistics, present when it required grad and a backward reached
+    it, describe each rank's gradient of its own loss, concatenated the same way.
+    """
+
+    def __init__(self):
+        self._records, self._summary, self._stale = [], [], False  # lists of dicts
+
+    def __enter__(self) -> "TensorInspector":
+        _ACTIVE.append(self)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        _ACTIVE.remove(self)
+        if exc_type is None:  # after an error other ranks may never get here
+            self.summary()
+
+    def _record(self, x: torch.Tensor, name: str) -> None:
+        record = {"name": name, "value": x.detach(), "grad": None}
+        if x.requires_grad:
+            def keep_grad(grad, record=record):
+                record["grad"] = grad.detach()
+                self._stale = True
+            x.register_hook(keep_grad)
+        self._records.append(record)
+        self._stale = True
+
+    def summary(self) -> list[dict]:
+        """Summary dicts of the recorded tensors, in recording order.
+
+        Collective when something was recorded or a gradient arrived since the
+        last summary: every rank must have recorded the same tensors in order.
+        """
+        if self._stale:
+            n = len(self._records)
+            count = torch.tensor([n, -n], device=get_context().device)
+            C.all_reduce(count, op="max", label="inspect.count")
+            if count.tolist() != [n, -n]:  # every rank raises
+                raise RuntimeError(f"inspect_tensor: ranks recorded {-int(count[1])} to "
+                                   f"{int(count[0])} tensors; each must record the same ones")
+            items = [(r["name"], tuple(r["value"].shape), r["value"], r["grad"])
+                     for r in self._records]
+            self._summary, counts = _summaries(items)
+            for entry, total in zip(self._summary, counts):  # shape after concatenation
+                shape = entry["shape"] or (1,)  # 0-d: one element per rank
+                rest = math.prod(shape[1:])
+                entry["shape"] = (total // rest if rest else shape[0], *shape[1:])
+            self._stale = False
+        return self._summary
+
+    get_summary = summary  # BMTrain's name
+
+    def __iter__(self):
+        return iter(self.summary())
+
+
+_ACTIVE: list[TensorInspector] = []
+
+
+def inspect_tensor() -> TensorInspector:
+    """A context manager; `record_tensor` calls inside it are summarised on exit."""
+    return TensorInspector()
+
+
+def record_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
+    """Records `x` (any tensor in forward) in every open `inspect_tensor` block. Local.
+
+    Outside a block, and while backward recomputes a checkpointed forward, it
+    records nothing. The tensor is read when the summary is made, not copied now.
+    Returns `x` unchanged.
+    """
+    task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+    if _ACTIVE and task() == -1:  # -1: not inside a backward pass
+        for inspector in _ACTIVE:
+            inspector._record(x, name)
+    return x
+
+
+def format_summary(summary: list[dict]) -> str:
+    """A fixed-width table of summary dicts; grad columns appear when any has them."""
+    columns = list(_STATS)
+    if any("grad_mean" in s for s in summary):
+        columns += ["grad_" + k for k in _STATS]
+    shapes = [str(tuple(s["shape"])) for s in summary]
+    name_w = max([len("name")] + [len(s["name"]) for s in summary])
+    shape_w = max([len("shape")] + [len(s) for s in shapes])
+    header = f"{'name':<{name_w}}  {'shape':<{shape_w}}" + "".join(f"  {c:>10}" for c in columns)
+    lines = [header, "-" * len(header)]
+    for s, shape in zip(summary, shapes):
+        cells = "".join(f"  {s[c]:>10.3e}" if c in s else f"  {'':>10}" for c in columns)
+        lines.append(f"{s['name']:<{name_w}}  {shape:<{shape_w}}{cells}")
+    return "\n".join(lines)
