@@ -18,8 +18,8 @@ __all__ = [
     "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
     "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
     "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
-    "inspect", "Cluster", "DistributedError", "RankError", "RankDiedError", "CellTimeoutError",
-]
+    "inspect",
+]  # the notebook layer's names (Cluster, the errors) load lazily and stay out of `import *`
 
 _LAZY = {
     "save": ("nbtrain.checkpoint", "save"),
