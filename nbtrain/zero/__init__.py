@@ -1,12 +1,11 @@
 """ZeRO sharding: partition maths, DistributedParameter, Block, TransformerBlockList, wrap."""
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
-from .init import init_parameters
 from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
 from .root import ModelRoot
 from .wrap import wrap
-from .views import full_named_grads
+from .views import full_named_grads, init_parameters
 
 __all__ = ["Block", "ZeroLevel", "TransformerBlockList", "DistributedModule",
            "DistributedParameter", "ParameterInitializer", "init_parameters", "wrap",

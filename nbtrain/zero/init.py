@@ -20,7 +20,6 @@ import torch
 from torch import nn
 
 from ..comm.context import get_context
-from .partition import shard_range
 
 CHUNK_NUMEL = 1 << 16  # 256 KiB of fp32 per draw: a rank overshoots its shard by < 2 chunks
 _INIT = nn.init
@@ -100,29 +99,3 @@ def init_range(name: str, shape, dtype, device, init_method, start: int,
             a, b = max(start, lo), min(stop, lo + values.numel())
             out[a - start:b - start] = values[a - lo:b - lo]
     return out
-
-
-def init_parameters(model: nn.Module) -> None:
-    """Runs every deferred `init_method` (BMTrain's `init_parameters`).
-
-    Every rank computes only its own shard (see the module docstring); the
-    gathered model is the same at every world size. Collective-free.
-    """
-    from .block import Block  # a Block initialises the parameters it absorbed
-    from .parameter import DistributedParameter
-
-    ctx = get_context()
-    for prefix, module in model.named_modules():
-        base = prefix + "." if prefix else ""
-        if isinstance(module, Block):
-            module.init_parameters(base)
-            continue
-        for name, param in module._parameters.items():
-            if isinstance(param, DistributedParameter) and param.init_method is not None:
-                begin, end = shard_range(param.full_numel, ctx.world_size, ctx.rank)
-                stop = min(end, param.full_numel)
-                if stop > begin:
-                    values = init_range(base + name, param.full_shape, param.dtype,
-                                        param.device, param.init_method, begin, stop)
-                    with torch.no_grad():
-                        param.data[: stop - begin].copy_(values)

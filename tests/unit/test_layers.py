@@ -1,0 +1,86 @@
+"""The package's layers: lower layers never import higher ones, and there are no cycles.
+
+Read from the source (every import, including those inside functions), so a lazy
+import that hides a cycle or an upward dependency is caught too.
+"""
+import ast
+import pathlib
+
+import pytest
+
+import nbtrain
+
+ROOT = pathlib.Path(nbtrain.__file__).parent
+KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
+LAYERS = ["comm", "zero", "nn", "optim", "checkpoint", "telemetry", "notebook"]
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = ["nbtrain", *path.relative_to(ROOT).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in ROOT.rglob("*.py")}
+
+
+def _imports(name: str) -> set[str]:
+    """nbtrain modules `name` imports (a package counts as itself, not its children)."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            subs = [f"{target}.{a.name}" for a in node.names
+                    if f"{target}.{a.name}" in MODULES or f"{target}.{a.name}" == KERNELS]
+            out.update(subs or [target])
+    return {m for m in out if (m in MODULES or m.startswith(KERNELS)) and m != name}
+
+
+def _layer(name: str):
+    parts = name.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if _layer(m) is not None))
+def test_no_upward_imports(name):
+    mine = _layer(name)
+    for target in _imports(name):
+        theirs = _layer(target)
+        if target == "nbtrain" and mine >= LAYERS.index("notebook"):
+            continue  # the notebook layer drives the whole package
+        if target.startswith("nbtrain.kernels"):
+            continue  # Triton kernels: a leaf that imports nothing of nbtrain
+        assert theirs is not None and theirs <= mine, f"{name} imports {target}"
+
+
+def test_no_import_cycles():
+    # Engines hand users the facade (`nbt`), and the facade loads the magics lazily;
+    # that one loop through the top package is by design, every other is a defect.
+    graph = {m: _imports(m) - ({"nbtrain"} if _layer(m) == LAYERS.index("notebook") else set())
+             for m in MODULES}
+    state: dict[str, int] = {}
+
+    def visit(m, path):
+        state[m] = 1
+        for t in graph.get(m, ()):
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [m, t]))
+            if t not in state:
+                visit(t, path + [m])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+
+
+def test_comm_imports_nothing_else_of_nbtrain():
+    for name in (m for m in MODULES if m.startswith("nbtrain.comm")):
+        assert all(t.startswith("nbtrain.comm") for t in _imports(name)), name
