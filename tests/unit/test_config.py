@@ -1,0 +1,32 @@
+"""`nbtrain.config`: BMTrain's `config[...]` keys, read from the context, read-only."""
+import pytest
+
+import nbtrain as nbt
+
+
+@pytest.fixture(scope="module", autouse=True)
+def world_of_one():
+    if nbt.comm.is_initialized():
+        yield
+        return
+    nbt.init_distributed(seed=5)
+    yield
+    nbt.comm.shutdown()
+
+
+def test_bmtrain_keys_match_the_context():
+    ctx = nbt.get_context()
+    assert nbt.config["rank"] == ctx.rank == 0
+    assert nbt.config["world_size"] == ctx.world_size == 1
+    assert nbt.config["local_rank"] == 0 and nbt.config["zero_rank"] == 0
+    assert nbt.config["tp_size"] == 1 and nbt.config["pipe_size"] == 1
+    assert nbt.config["tp_zero_size"] == 1 and nbt.config["tp_zero_rank"] == 0
+    assert nbt.config["topology"] is ctx and nbt.config["seed"] == 5
+    assert dict(nbt.config)["device"] == ctx.device
+
+
+def test_unknown_key_and_assignment_are_clear_errors():
+    with pytest.raises(KeyError, match="no key 'tp_rnak'.*tp_rank"):
+        nbt.config["tp_rnak"]
+    with pytest.raises(TypeError, match="read-only.*init_distributed"):
+        nbt.config["rank"] = 3
