@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, "losses.json")) as f:
         result = json.load(f)
     first, last = summarise(result["losses"])
-    from nbtrain import report as report_cli
+    from nbtrain.telemetry import report as report_cli
 
     report = os.path.join(args.out, "report.png")
     report_cli.main([os.path.join(args.out, "telemetry"), "-o", report])

@@ -84,8 +84,9 @@ def run(ranks: int, settings: dict, log=print) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.ranks < 2:
-        raise SystemExit("--ranks must be at least 2 (sharding over one rank is a copy)")
+    if args.ranks < 1:
+        raise SystemExit(f"--ranks {args.ranks}: need at least 1 rank (1 measures the "
+                         "engines' own overhead on one device, no communication)")
     settings = _settings(args)
     result = run(args.ranks, settings)
     s = result["settings"]

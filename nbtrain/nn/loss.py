@@ -37,7 +37,7 @@ class FusedCrossEntropy(nn.Module):
         self.impl = impl
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        # Imported here so that `import nbtrain.loss` does not import triton.
+        # Imported here so that `import nbtrain.nn.loss` does not import triton.
         from nbtrain.kernels import cross_entropy
 
         if not self.inplace and logits.requires_grad:

@@ -9,10 +9,10 @@
 #   kernels  python3 -m nbtrain.kernels.bench          fused kernels vs torch, defaults
 #                                                      (1B-param AdamW, 4096 x 128k CE;
 #                                                      ~40 GB free GPU memory, ~1 minute)
-#   bench    nbtrain bench --ranks 2 --device cuda --model-size small --steps 10 --rounds 1
-#            (nbtrain bench refuses --ranks 1, since sharding over one rank is a copy,
-#            and wants one GPU per rank over nccl: with fewer than 2 GPUs it refuses,
-#            and the table says so)
+#   bench    nbtrain bench --ranks 1 --device cuda --model-size small --steps 10 --rounds 1
+#            (world size 1: ZeRO-3, ZeRO-2, FSDP2 and DDP on one GPU, so the step-time
+#            ratios measure each engine's own overhead; without a GPU it refuses and
+#            the table says so)
 # then prints one Markdown table (part, command, status with exit code, seconds, key
 # numbers: pytest's counts, the benches' ratio lines), ready to paste into a note; it
 # is also saved as summary.md next to the logs.
@@ -26,7 +26,7 @@
 #   GPU_RUN_LOGS=DIR                  logs and summary.md (default: out/gpu-run)
 #   GPU_RUN_T_TESTS/_KERNELS/_BENCH   per-part timeouts in seconds (210/120/120)
 #   KERNEL_BENCH_ARGS="..."           e.g. "--adam-numel 100000000 --iters 3" (quicker)
-#   NBTRAIN_BENCH_ARGS="..."          replaces "--ranks 2 --device cuda --model-size
+#   NBTRAIN_BENCH_ARGS="..."          replaces "--ranks 1 --device cuda --model-size
 #                                     small --steps 10 --rounds 1"
 set -u
 cd "$(dirname "$0")/../.." || exit 2
@@ -96,7 +96,7 @@ if command -v nbtrain >/dev/null 2>&1; then NBTRAIN=(nbtrain); else NBTRAIN=(pyt
 run_part tests "${GPU_RUN_T_TESTS:-210}" python3 -m pytest -q -ra -m gpu tests
 run_part kernels "${GPU_RUN_T_KERNELS:-120}" python3 -m nbtrain.kernels.bench ${KERNEL_BENCH_ARGS:-}
 run_part bench "${GPU_RUN_T_BENCH:-120}" "${NBTRAIN[@]}" bench \
-    ${NBTRAIN_BENCH_ARGS:---ranks 2 --device cuda --model-size small --steps 10 --rounds 1}
+    ${NBTRAIN_BENCH_ARGS:---ranks 1 --device cuda --model-size small --steps 10 --rounds 1}
 }
 
 # -- the table -------------------------------------------------------------------------

@@ -37,7 +37,7 @@ def _mpi_missing():
 @pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 def test_mpi_launcher_ranks_equal_mpi_ranks(ipython):
     ipython.run_line_magic("nbtrain", "start -n 2 --launcher mpi --timeout 90")
-    from nbtrain import magics
+    from nbtrain.notebook import magics
 
     cluster = magics.current_cluster()
     pids = cluster.pids()

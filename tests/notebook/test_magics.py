@@ -15,8 +15,9 @@ import psutil
 import pytest
 from IPython.utils.capture import capture_output
 
-from nbtrain import magics
-from nbtrain.notebook.cell_run import CellTimeoutError, NoClusterError, RankDiedError, RankError
+from nbtrain.notebook import magics
+from nbtrain import CellTimeoutError, RankDiedError, RankError
+from nbtrain.notebook import NoClusterError
 
 from procs import wait_gone
 
