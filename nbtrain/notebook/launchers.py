@@ -31,7 +31,8 @@ _SLURM_KEYS = {"nodes", "ntasks_per_node", "gpus_per_task", "partition", "accoun
 
 def engine_environment(launcher: str) -> dict[str, str]:
     """Variables every engine starts with (the launcher adds its own)."""
-    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    # The folder holding the nbtrain package (this file is nbtrain/notebook/launchers.py).
+    package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.environ.get("PYTHONPATH", "")
     env = {
         # N ranks on a few cores: one thread each, or they oversubscribe the CPUs.

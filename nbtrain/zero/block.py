@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import events
+from ..comm import collectives as C, events
 from ..comm.context import get_context
 from .flat import FlatGroup
 from .init import init_range
@@ -87,7 +87,8 @@ class Block(nn.Module):
         zero_level: 2 or 3 (see ZeroLevel).
         use_checkpoint: recompute the module's activations in backward.
         label: name used in telemetry. By default the module's class name until
-            the block joins a model (`wrap`, a DistributedModule's first forward),
+            the block joins a model (`wrap`, or the end of a DistributedModule's
+            construction),
             which names it by its path in the model ("layers.3").
         reduce_dtype: dtype gradients are reduce-scattered in (None: the
             parameters' own). torch.float32 for bf16/fp16 parameters keeps the
@@ -330,8 +331,6 @@ class Block(nn.Module):
 
     def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Gathered gradients by parameter name (None-grads skipped). Collective."""
-        from ..comm import collectives as C
-
         out = {}
         for group in self._groups:
             entries = group.entries

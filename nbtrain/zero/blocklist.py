@@ -30,7 +30,7 @@ class TransformerBlockList(nn.ModuleList):
         super().__init__(blocks)
         reducer = GradReducer()  # one queue for the list; its model's replaces it
         for i, block in enumerate(blocks):
-            block.join(reducer, label=str(i))
+            block.join(reducer, label=f"block{i}")
         for prev, nxt in zip(blocks, blocks[1:]):
             object.__setattr__(prev, "_next_block", nxt)
             object.__setattr__(nxt, "_prev_block", prev)
