@@ -108,6 +108,12 @@ class Block(nn.Module):
             raise ValueError(f"Block needs a module with parameters; {type(module).__name__} "
                              "has none. Call it directly, outside a Block.")
         ctx = get_context()
+        for sub in module.modules():
+            # A DistributedModule inside gave its plain parameters data-parallel
+            # gradients; their storage moves into this block, which reduces them now.
+            old_root = sub.__dict__.pop("_nbtrain_root", None)
+            if old_root is not None:
+                old_root.release()
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_next_block", None)
         object.__setattr__(self, "_prev_block", None)

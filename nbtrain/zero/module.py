@@ -85,8 +85,8 @@ def _take_root(module: DistributedModule) -> None:
     for inner in module.modules():
         if inner is not module and isinstance(inner, DistributedModule):
             old = inner.__dict__.pop("_nbtrain_root", None)  # this root owns it now
-            if old is not None and old.data_parallel is not None:
-                old.data_parallel.remove()
+            if old is not None:
+                old.release()
     root = ModelRoot.of(module)
     root.adopt_blocks(module)
     root.adopt_replicated(module)

@@ -36,6 +36,12 @@ class ModelRoot:
             model.__dict__["_nbtrain_root"] = root
         return root
 
+    def release(self) -> None:
+        """Gives up the model's plain parameters (another owner takes them)."""
+        if self.data_parallel is not None:
+            self.data_parallel.remove()
+            self.data_parallel = None
+
     def adopt_blocks(self, model: nn.Module) -> None:
         """Every Block in `model` reduces through this root and is named by its path."""
         for name, module in model.named_modules():
@@ -46,8 +52,7 @@ class ModelRoot:
         """Gives the plain parameters of `model` (outside Blocks, not Distributed-
         Parameters) data-parallel gradients, after checking every rank holds the
         same values. Collective: every rank calls this on the same model."""
-        if self.data_parallel is not None:
-            self.data_parallel.remove()
+        self.release()
         named = [(n, p) for n, p in model.named_parameters()
                  if not isinstance(p, DistributedParameter)
                  and not getattr(p, "_nbtrain_flat", False)]

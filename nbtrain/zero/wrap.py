@@ -102,9 +102,7 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
         setattr(parent, attr, blocks)
         first_blocks.append(blocks[0])
     root = ModelRoot.of(model)
-    if root.data_parallel is not None:  # a DistributedModule: its plain parameters are gone
-        root.data_parallel.remove()
-        root.data_parallel = None
+    root.release()  # a DistributedModule's plain parameters become DistributedParameters
     root.adopt_blocks(model)
     root.loose = LooseParams(_shard_loose_parameters(model, root), first_blocks)
     if root.loose.params and not getattr(model, "_nbtrain_root_hooks", False):

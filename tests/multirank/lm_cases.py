@@ -34,15 +34,28 @@ class PlainLM(nn.Module):
         return F.cross_entropy(self.head(self.norm(h)).flatten(0, 1), y.flatten())
 
 
+class Nested(nbt.DistributedModule):
+    """A layer written as its own DistributedModule (with plain parameters), as BMTrain
+    models often are; inside a Block, the Block owns those parameters."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, h):
+        return self.layer(h)
+
+
 class ShardedLM(nbt.DistributedModule):
     """The same model the BMTrain way: plain modules outside, Blocks inside."""
 
     dp_bucket_numel = 520  # head + norm fill the first bucket, the embedding the second
 
-    def __init__(self, plain: PlainLM, zero_level: int = 3):
+    def __init__(self, plain: PlainLM, zero_level: int = 3, nested: bool = False):
         super().__init__()
         self.embed, self.norm, self.head = plain.embed, plain.norm, plain.head
-        self.layers = nbt.TransformerBlockList([nbt.Block(m, zero_level) for m in plain.layers])
+        layers = [Nested(m) if nested else m for m in plain.layers]
+        self.layers = nbt.TransformerBlockList([nbt.Block(m, zero_level) for m in layers])
 
     def forward(self, x, y):
         return PlainLM.loss(self, x, y)

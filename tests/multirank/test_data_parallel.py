@@ -53,19 +53,24 @@ def plain_run(world: int, kind: str):
     return losses, model.state_dict()
 
 
-def sharded_run(kind: str, zero_level: int):
-    model = ShardedLM(PlainLM(), zero_level)
+def sharded_run(kind: str, zero_level: int, nested: bool = False):
+    model = ShardedLM(PlainLM(), zero_level, nested)
+    # Exactly the plain parameters outside the Blocks are reduced data-parallel.
+    dp = {id(p) for b in nbt.zero.ModelRoot.of(model).data_parallel.buckets for p in b.params}
+    assert dp == {id(p) for m in (model.embed, model.norm, model.head) for p in m.parameters()}
     xs, ys = batches(nbt.world_size())
     rows = slice(nbt.rank() * ROWS_PER_RANK, (nbt.rank() + 1) * ROWS_PER_RANK)
     losses = train(model, kind, xs, ys, rows, reduce=nbt.sum_loss)
-    return losses, model.state_dict()
+    # Nested adds a level to the names (layers.0.layer.fc.weight): map to the plain ones.
+    return losses, {k.replace(".layer.", "."): v for k, v in model.state_dict().items()}
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kind,zero_level", [("adamw", 3), ("manager", 2), ("sgd", 3)])
-def test_plain_parameters_train_like_one_process(world, kind, zero_level):
+@pytest.mark.parametrize("kind,zero_level,nested", [("adamw", 3, False), ("manager", 2, False),
+                                                    ("sgd", 3, True)])
+def test_plain_parameters_train_like_one_process(world, kind, zero_level, nested):
     ref_losses, ref_state = plain_run(world, kind)
-    for losses, state in run_ranks(sharded_run, world, kind, zero_level):
+    for losses, state in run_ranks(sharded_run, world, kind, zero_level, nested):
         assert losses == pytest.approx(ref_losses, abs=1e-5)
         assert state.keys() == ref_state.keys()
         for name, value in ref_state.items():

@@ -1,4 +1,4 @@
-"""Telemetry tests: private IPython/Jupyter homes and the dist helpers on sys.path."""
+"""Telemetry tests: private IPython/Jupyter homes and the multi-rank helpers on sys.path."""
 import os
 import sys
 import tempfile
@@ -10,7 +10,7 @@ for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_C
 os.environ["OMP_NUM_THREADS"] = "1"
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "dist"))  # ranks.py, cases.py
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "multirank"))  # ranks.py, cases.py
 ARTIFACTS = os.path.join(os.path.dirname(HERE), "artifacts")
 
 

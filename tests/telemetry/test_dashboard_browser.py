@@ -10,7 +10,7 @@ import tarfile
 
 import pytest
 
-from conftest import ARTIFACTS
+ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "artifacts")
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 PACKAGES = {"@jupyter-widgets/html-manager@1.0.15": "embed-amd.js", "requirejs@2.3.8": "require.js"}
