@@ -64,7 +64,10 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
     except BaseException:  # report everything, KeyboardInterrupt included
         results.put((rank, "error", traceback.format_exc()))
     finally:
-        nbtrain.comm.shutdown()
+        # Local teardown, no barrier: a rank that raised must not wait for peers
+        # (its result is already on the queue). The rank then leaves through
+        # os._exit, so no interpreter shutdown races the backend's threads.
+        nbtrain.comm.shutdown(barrier=False)
 
 
 def run_ranks(fn, world_size: int, *args, seed: int = 0, backend: str | None = None,

@@ -62,6 +62,69 @@ class CommCounters:
 COUNTERS = CommCounters()
 
 
+class InFlight:
+    """Async collectives issued and not yet waited on: what teardown must let finish.
+
+    `CommHandle` adds itself when issued and leaves on `wait()`. A handle dropped
+    without a wait stays until it is seen completed (pruned as new ones come), so
+    the set stays small. Thread-safe.
+    """
+
+    _PRUNE_AT = 64
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._handles: set = set()
+
+    def add(self, handle: "CommHandle") -> None:
+        with self._lock:
+            if len(self._handles) >= self._PRUNE_AT:
+                self._handles = {h for h in self._handles if not h._work.is_completed()}
+            self._handles.add(handle)
+
+    def discard(self, handle: "CommHandle") -> None:
+        with self._lock:
+            self._handles.discard(handle)
+
+    def handles(self) -> list:
+        with self._lock:
+            return list(self._handles)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._handles.clear()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._handles)
+
+
+IN_FLIGHT = InFlight()
+
+
+def wait_in_flight(timeout_s: float | None = None) -> bool:
+    """Blocks until every async collective issued through this module has completed.
+
+    Only waits for the backend: results are not applied (no `on_done`), the
+    handles' owners still do that with `wait()`. With a timeout it polls,
+    giving up the GIL between polls (a backend thread may need it to finish),
+    and returns False if something is still in flight when the timeout passes.
+
+    Raises what a failed collective raises (timeout None only).
+    """
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    for handle in IN_FLIGHT.handles():
+        work = handle._work
+        if deadline is None:
+            work.wait()
+            continue
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+    return True
+
+
 class CommHandle:
     """A collective in flight. `wait()` blocks until its result may be read.
 
@@ -82,6 +145,8 @@ class CommHandle:
             self._record_completion()
         if self._done:
             self._finish()
+        else:
+            IN_FLIGHT.add(self)
 
     def _record_completion(self):
         # The future's callback fires when the backend finishes, on its own
@@ -109,6 +174,7 @@ class CommHandle:
         if self._done:
             return
         self._work.wait()
+        IN_FLIGHT.discard(self)
         if self._stamp_at_wait:
             self.finished_at = time.perf_counter()
             events.comm_span(self.kind.value, self.label, self.issued_at,

@@ -6,13 +6,21 @@ functions (`rank()`, `world_size()`, ...) are thin readers of it.
 """
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import random
+import sys
+import time
+import types
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from . import collectives
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -45,6 +53,11 @@ class DistContext:
 
 
 _CONTEXT: DistContext | None = None
+_EXIT_HOOK_REGISTERED = False
+# How long the exit hook lets nbtrain collectives still in flight finish before it
+# gives up on a clean teardown (a peer that never comes would otherwise hold the
+# process for the whole process-group timeout).
+EXIT_DRAIN_S = 5.0
 
 
 def _env_int(name: str, default: int) -> int:
@@ -115,6 +128,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         rank = _env_int("RANK", 0)
         world = _env_int("WORLD_SIZE", 1)
         local_rank = _env_int("LOCAL_RANK", rank)
+        # Before the group exists, so that its default arguments are None, not the group.
+        _import_group_functional()
         if have_env and world > 1:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
             if missing:
@@ -127,6 +142,9 @@ def init_distributed(seed: int = 0, backend: str | None = None,
                                     timeout=timeout)
             rank, world, local_rank = 0, 1, 0
 
+    _import_group_functional()
+    _unpin_group_defaults()
+    _register_exit_hook()
     if backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
@@ -149,12 +167,125 @@ def is_initialized() -> bool:
     return _CONTEXT is not None and dist.is_initialized()
 
 
-def shutdown() -> None:
-    """Destroy the process group and forget the context (a fresh init may follow)."""
+def shutdown(barrier: bool = True) -> None:
+    """End distributed work on this rank: drain, synchronise, destroy the group.
+
+    Waits for nbtrain's collectives still in flight, then for every rank (a
+    barrier, so no rank closes its connections while a peer still uses them),
+    then destroys the process group and forgets the context (a fresh
+    `init_distributed` may follow). Destroying the group joins the backend's
+    worker threads, so when this returns none is left to touch Python objects
+    while the interpreter shuts down (see `_destroy_group`).
+
+    Args:
+        barrier: False skips the wait and the barrier: a local teardown for error
+            paths, where peers may never arrive.
+
+    Collective with barrier=True (every rank calls it); safe without a group and
+    safe twice. `init_distributed` also registers a local teardown at interpreter
+    exit for programs that never call this or `destroy_process_group`.
+    """
     global _CONTEXT
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _CONTEXT = None
+    try:
+        if barrier and dist.is_initialized() and dist.get_world_size() > 1:
+            collectives.wait_in_flight()
+            if _CONTEXT is not None and _CONTEXT.device.type == "cuda":
+                torch.cuda.synchronize(_CONTEXT.device)
+            dist.barrier()
+    finally:
+        if dist.is_initialized():
+            _destroy_group()
+        collectives.IN_FLIGHT.clear()
+        _CONTEXT = None
+
+
+# -- teardown -------------------------------------------------------------------------
+# Why a rank could end in SIGABRT ("terminate called without an active exception"):
+# a gloo worker thread keeps a collective's work object for a moment after the
+# waiting thread has been woken, and releasing it drops references to the
+# collective's tensors. For a tensor that has a Python object, torch >= 2.10 then
+# takes the GIL (c10::TensorImpl::decref_pyobject). If the interpreter has begun
+# shutting down by then, taking the GIL ends the thread with pthread_exit, whose
+# unwinding through a noexcept destructor calls std::terminate. destroy_process_group
+# would normally prevent it: the last reference to the group runs ProcessGroupGloo's
+# destructor without the GIL, which waits for queued work and joins the workers.
+# But `torch.distributed.nn.functional` binds `group=group.WORLD` as a default
+# argument of ten functions when it is imported; imported after the group exists
+# (torch._dynamo imports it, and the first torch.optim.Optimizer imports
+# torch._dynamo) they keep the group alive, destroy_process_group frees nothing and
+# the workers live on into interpreter shutdown.
+
+def _import_group_functional() -> None:
+    """Imports torch.distributed.nn.functional (cheap: a few ms after torch.distributed)."""
+    try:
+        import torch.distributed.nn.functional  # noqa: F401
+    except Exception:  # an unusual build; nothing binds the group then
+        pass
+
+
+def _unpin_group_defaults() -> None:
+    """Replaces process groups bound as default arguments in
+    torch.distributed.nn.functional by None.
+
+    Those functions read None as "the default group", which is what they get when
+    imported before any group exists; imported later they hold the group then
+    current, so `destroy_process_group` cannot free it (see above).
+    """
+    module = sys.modules.get("torch.distributed.nn.functional")
+    group_type = getattr(dist, "ProcessGroup", None)
+    if module is None or group_type is None:
+        return
+    for fn in list(vars(module).values()):
+        defaults = getattr(fn, "__defaults__", None) if isinstance(fn, types.FunctionType) else None
+        if defaults and any(isinstance(d, group_type) for d in defaults):
+            fn.__defaults__ = tuple(None if isinstance(d, group_type) else d for d in defaults)
+
+
+def _destroy_group() -> None:
+    """destroy_process_group, checking that it freed the group (which joins its threads)."""
+    _unpin_group_defaults()
+    group = dist.group.WORLD
+    try:
+        alive = weakref.ref(group) if group is not None else None
+    except TypeError:  # a group type without weak references: skip the check
+        alive = None
+    del group
+    dist.destroy_process_group()
+    if alive is not None and alive() is not None:
+        gc.collect()  # a reference cycle may hold it
+    if alive is not None and alive() is not None:
+        # Someone else still holds the group (a stored handle): its worker threads
+        # outlive destroy_process_group. Give up the GIL for a moment so that one
+        # still releasing its last collective does it now, not during shutdown.
+        time.sleep(0.1)
+
+
+def _exit_cleanly() -> None:
+    """At interpreter exit: destroy a group the program left alive.
+
+    Runs from `atexit` (registered by `init_distributed`), before the interpreter
+    starts shutting down, so the backend's threads end while they still may take
+    the GIL. Local only, no barrier: ranks reach their exit at different times,
+    some on an error. When an nbtrain collective is still in flight after
+    `EXIT_DRAIN_S` (a peer is gone or stuck), the group is left alone: destroying
+    it would wait for that collective until the process-group timeout.
+    """
+    if _CONTEXT is None or not dist.is_initialized():
+        return
+    try:
+        if collectives.wait_in_flight(timeout_s=EXIT_DRAIN_S):
+            shutdown(barrier=False)
+    except Exception:  # the process is exiting; a broken group must not stop that
+        pass
+
+
+def _register_exit_hook() -> None:
+    # atexit runs handlers last-registered first: those registered after
+    # init_distributed (telemetry's JSONL writers) run before this one.
+    global _EXIT_HOOK_REGISTERED
+    if not _EXIT_HOOK_REGISTERED:
+        atexit.register(_exit_cleanly)
+        _EXIT_HOOK_REGISTERED = True
 
 
 def rank() -> int:
