@@ -7,20 +7,15 @@ functions (`rank()`, `world_size()`, ...) are thin readers of it.
 from __future__ import annotations
 
 import atexit
-import gc
 import os
 import random
-import sys
-import time
-import types
-import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from . import collectives
+from . import collectives, teardown
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -129,7 +124,7 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         world = _env_int("WORLD_SIZE", 1)
         local_rank = _env_int("LOCAL_RANK", rank)
         # Before the group exists, so that its default arguments are None, not the group.
-        _import_group_functional()
+        teardown.import_group_functional()
         if have_env and world > 1:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
             if missing:
@@ -142,8 +137,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
                                     timeout=timeout)
             rank, world, local_rank = 0, 1, 0
 
-    _import_group_functional()
-    _unpin_group_defaults()
+    teardown.import_group_functional()
+    teardown.unpin_group_defaults()
     _register_exit_hook()
     if backend == "nccl":
         device = torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -175,7 +170,7 @@ def shutdown(barrier: bool = True) -> None:
     then destroys the process group and forgets the context (a fresh
     `init_distributed` may follow). Destroying the group joins the backend's
     worker threads, so when this returns none is left to touch Python objects
-    while the interpreter shuts down (see `_destroy_group`).
+    while the interpreter shuts down (see teardown.py).
 
     Args:
         barrier: False skips the wait and the barrier: a local teardown for error
@@ -194,70 +189,9 @@ def shutdown(barrier: bool = True) -> None:
             dist.barrier()
     finally:
         if dist.is_initialized():
-            _destroy_group()
+            teardown.destroy_group()
         collectives.IN_FLIGHT.clear()
         _CONTEXT = None
-
-
-# -- teardown -------------------------------------------------------------------------
-# Why a rank could end in SIGABRT ("terminate called without an active exception"):
-# a gloo worker thread keeps a collective's work object for a moment after the
-# waiting thread has been woken, and releasing it drops references to the
-# collective's tensors. For a tensor that has a Python object, torch >= 2.10 then
-# takes the GIL (c10::TensorImpl::decref_pyobject). If the interpreter has begun
-# shutting down by then, taking the GIL ends the thread with pthread_exit, whose
-# unwinding through a noexcept destructor calls std::terminate. destroy_process_group
-# would normally prevent it: the last reference to the group runs ProcessGroupGloo's
-# destructor without the GIL, which waits for queued work and joins the workers.
-# But `torch.distributed.nn.functional` binds `group=group.WORLD` as a default
-# argument of ten functions when it is imported; imported after the group exists
-# (torch._dynamo imports it, and the first torch.optim.Optimizer imports
-# torch._dynamo) they keep the group alive, destroy_process_group frees nothing and
-# the workers live on into interpreter shutdown.
-
-def _import_group_functional() -> None:
-    """Imports torch.distributed.nn.functional (cheap: a few ms after torch.distributed)."""
-    try:
-        import torch.distributed.nn.functional  # noqa: F401
-    except Exception:  # an unusual build; nothing binds the group then
-        pass
-
-
-def _unpin_group_defaults() -> None:
-    """Replaces process groups bound as default arguments in
-    torch.distributed.nn.functional by None.
-
-    Those functions read None as "the default group", which is what they get when
-    imported before any group exists; imported later they hold the group then
-    current, so `destroy_process_group` cannot free it (see above).
-    """
-    module = sys.modules.get("torch.distributed.nn.functional")
-    group_type = getattr(dist, "ProcessGroup", None)
-    if module is None or group_type is None:
-        return
-    for fn in list(vars(module).values()):
-        defaults = getattr(fn, "__defaults__", None) if isinstance(fn, types.FunctionType) else None
-        if defaults and any(isinstance(d, group_type) for d in defaults):
-            fn.__defaults__ = tuple(None if isinstance(d, group_type) else d for d in defaults)
-
-
-def _destroy_group() -> None:
-    """destroy_process_group, checking that it freed the group (which joins its threads)."""
-    _unpin_group_defaults()
-    group = dist.group.WORLD
-    try:
-        alive = weakref.ref(group) if group is not None else None
-    except TypeError:  # a group type without weak references: skip the check
-        alive = None
-    del group
-    dist.destroy_process_group()
-    if alive is not None and alive() is not None:
-        gc.collect()  # a reference cycle may hold it
-    if alive is not None and alive() is not None:
-        # Someone else still holds the group (a stored handle): its worker threads
-        # outlive destroy_process_group. Give up the GIL for a moment so that one
-        # still releasing its last collective does it now, not during shutdown.
-        time.sleep(0.1)
 
 
 def _exit_cleanly() -> None:

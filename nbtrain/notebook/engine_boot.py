@@ -95,6 +95,6 @@ def shutdown() -> None:
     try:
         from nbtrain.comm import shutdown as dist_shutdown
 
-        dist_shutdown()
+        dist_shutdown(barrier=False)  # engines stop one by one: no rank waits for another
     except Exception:  # the engine is going away; a broken group must not block that
         pass
