@@ -29,7 +29,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from .reducer import GradReducer
+from .reducer import GradReducer, current_backward
 
 BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
 
@@ -60,7 +60,7 @@ class DataParallelGrads:
         self.buckets = _make_buckets(params, bucket_numel)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
-        self._armed = False
+        self._backward_id: int | None = None  # the pass these buckets are filling for
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params]
 
@@ -72,8 +72,10 @@ class DataParallelGrads:
 
     # -- backward ---------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
-        if not self._armed:
-            self._armed = True
+        backward_id = current_backward()
+        if backward_id != self._backward_id:
+            self._reset()  # a pass that died half way left buckets part filled
+            self._backward_id = backward_id
             self.reducer.at_end(self._flush)
         self._bucket_of[id(param)].ready.add(id(param))
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
@@ -82,7 +84,10 @@ class DataParallelGrads:
     def _flush(self) -> None:
         while self._next < len(self.buckets):
             self._issue(self.buckets[self._next])
-        self._next, self._armed = 0, False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._next, self._backward_id = 0, None
         for bucket in self.buckets:
             bucket.ready.clear()
 

@@ -66,12 +66,13 @@ class FlatGroup:
 
         Collective: every rank calls this for the same group in the same order.
         """
-        if self.gathered or self._handle is not None:
+        if self._handle is not None or self._fresh():
             return
         storage = self.full.untyped_storage()
         if storage.nbytes() != self._full_nbytes:
             storage.resize_(self._full_nbytes)
         self._version = self.full._version
+        self._shard_version = self.shard._version
         with torch.no_grad():
             self._handle = C.all_gather(self.full, self.shard.detach(), async_op=True,
                                         label=self.label)
@@ -79,13 +80,21 @@ class FlatGroup:
 
     def wait_gather(self) -> None:
         """Blocks until `full` holds every rank's data (gathers now if needed)."""
-        if self.gathered:
+        if self._handle is None and self._fresh():
             return
         self.start_gather()
         self._handle.wait()
         _restore_version(self.full, self._version)
         self._handle = None
         self.gathered = True
+
+    def _fresh(self) -> bool:
+        """Gathered, and from the shard as it is now. A shard changed while gathered
+        (an optimizer step or a load after a backward that raised before releasing
+        this group) makes the gathered copy stale: it is gathered again."""
+        if self.gathered and self.shard._version != self._shard_version:
+            self.gathered = False
+        return self.gathered
 
     def release(self) -> None:
         """Frees the gathered storage (views stay valid objects)."""

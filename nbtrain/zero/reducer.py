@@ -10,6 +10,13 @@ the backward that started it.
 
 State lives in the object, so two models in one process (a teacher and a
 student, or a model rebuilt by re-running its cell) never share a queue.
+
+A backward pass that raises half way (an error in user code, an interrupted
+cell) never reaches its end: what it queued is stale. The first reduction of the
+next backward pass notices the new pass (autograd's graph-task id), waits for the
+stale collectives so every rank stays in step, and drops their results: a failed
+backward contributes nothing to the gradients, as in plain PyTorch after
+`zero_grad()`.
 """
 from __future__ import annotations
 
@@ -19,13 +26,18 @@ from typing import Callable
 import torch
 
 
+def current_backward() -> int:
+    """Autograd's id of the backward pass running on this thread (-1 outside one)."""
+    return torch._C._current_graph_task_id()
+
+
 class GradReducer:
     """Reductions in flight for one model, oldest first."""
 
     def __init__(self):
         self.queue: deque = deque()
         self.end_callbacks: list[Callable[[], None]] = []
-        self.callback_queued = False
+        self.backward_id: int | None = None  # the pass whose end callback is queued
 
     def add(self, handle, finish: Callable[[], None]) -> None:
         """Queues a collective in flight and what to do once it completes.
@@ -33,14 +45,14 @@ class GradReducer:
         Call from backward: it also arranges for the queue to drain when this
         backward pass ends.
         """
+        self._queue_end_callback()
         self.finish_all()
         self.queue.append((handle, finish))
-        self._queue_end_callback()
 
     def at_end(self, fn: Callable[[], None]) -> None:
         """Runs `fn` when the current backward pass ends (call from backward)."""
-        self.end_callbacks.append(fn)
         self._queue_end_callback()
+        self.end_callbacks.append(fn)
 
     def finish_all(self) -> None:
         """Waits for every queued reduction and applies its result, oldest first."""
@@ -50,9 +62,21 @@ class GradReducer:
             finish()
 
     def _queue_end_callback(self) -> None:
-        if not self.callback_queued:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-            self.callback_queued = True
+        backward_id = current_backward()
+        if backward_id == self.backward_id:
+            return
+        if self.backward_id is not None:
+            self._drop_stale()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        self.backward_id = backward_id
+
+    def _drop_stale(self) -> None:
+        """The previous backward pass died before its end: finish its collectives (every
+        rank issued them) and throw their results and end callbacks away."""
+        for handle, _ in self.queue:
+            handle.wait()
+        self.queue.clear()
+        self.end_callbacks.clear()
 
     def _end_of_backward(self) -> None:
         # Callbacks may issue collectives of their own (the data-parallel flush of
@@ -65,4 +89,4 @@ class GradReducer:
                     fn()
                 self.finish_all()
         finally:
-            self.callback_queued = False
+            self.backward_id = None
