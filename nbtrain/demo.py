@@ -52,10 +52,9 @@ def _train(args: argparse.Namespace) -> None:
 
     sampler = BatchSampler(stdlib_corpus(), cfg.seq_len,
                            args.batch_per_rank * ctx.world_size, seed=args.seed)
-    lo = ctx.rank * args.batch_per_rank
     losses = []
     for step in progress(range(args.steps), desc="nbtrain demo", unit="step"):
-        x, y = (t[lo:lo + args.batch_per_rank].to(ctx.device) for t in sampler.batch(step))
+        x, y = sampler.local_batch(step)
         manager.zero_grad()
         loss = model.loss(x, y)
         manager.backward(loss)

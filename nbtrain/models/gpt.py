@@ -98,9 +98,14 @@ class GPT(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     def forward(self, idx):
+        if idx.dtype.is_floating_point or idx.dim() != 2:
+            raise TypeError(f"GPT takes token ids of shape (batch, seq) and an integer dtype; "
+                            f"got {idx.dtype} of shape {tuple(idx.shape)}")
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={self.cfg.seq_len}")
+        # Token ids from anywhere (a CPU data loader) meet the weights on their device.
+        idx = idx.to(self.tok.weight.device, non_blocking=True)
         x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
         for layer in self.layers:
             x = layer(x)
@@ -108,4 +113,5 @@ class GPT(nn.Module):
 
     def loss(self, idx, target):
         logits = self(idx)
+        target = target.to(logits.device, non_blocking=True)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))

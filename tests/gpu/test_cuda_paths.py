@@ -73,3 +73,50 @@ def test_wrapped_gpt_matches_plain_on_gpu(nccl_world):
     state = model.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(state[k], v, atol=1e-4, rtol=1e-4)
+
+
+def test_cpu_batches_and_data_parallel_parameters_on_gpu(nccl_world):
+    """A wrapped GPT on the GPU takes the data helpers' batches (already on the
+    device) and CPU token ids (moved by the model) alike."""
+    from nbtrain.models import GPT, GPTConfig
+    from nbtrain.models.data import BatchSampler
+
+    dev = nccl_world.device
+    sampler = BatchSampler(torch.arange(4000) % 256, seq_len=16, global_batch=4)
+    x, y = sampler.local_batch(0)
+    assert x.device == dev and y.device == dev
+    model = nbt.wrap(GPT(GPTConfig(vocab_size=256, hidden=32, heads=2, layers=2,
+                                   seq_len=16)).to(dev))
+    cpu_x, cpu_y = sampler.batch(0)
+    torch.testing.assert_close(model.loss(cpu_x, cpu_y), model.loss(x, y))
+
+
+def test_data_parallel_plain_parameters_on_gpu(nccl_world):
+    """Plain parameters of a DistributedModule (bucketed all-reduce) on CUDA/NCCL."""
+    from torch import nn
+
+    dev = nccl_world.device
+    torch.manual_seed(0)
+    embed, body, head = nn.Embedding(50, 16), nn.Linear(16, 16), nn.Linear(16, 50)
+    ref = nn.Sequential(embed, body, head).to(dev)
+
+    class Model(nbt.DistributedModule):
+        def __init__(self, plain):
+            super().__init__()
+            self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
+            self.load_state_dict({k.replace("0.", "embed.").replace("2.", "head."): v
+                                  for k, v in plain.state_dict().items() if k[0] in "02"})
+            self.to(dev)
+            self.body = nbt.Block(nn.Linear(16, 16).to(dev).requires_grad_(True))
+            self.body.load_state_dict({k[2:]: v for k, v in plain.state_dict().items()
+                                       if k[0] == "1"})
+
+        def forward(self, x):
+            return self.head(self.body(self.embed(x)))
+
+    model = Model(ref)
+    x = torch.randint(0, 50, (4, 8), device=dev)
+    for m in (ref, model):
+        m(x).square().mean().backward()
+    torch.testing.assert_close(model.head.weight.grad, ref[2].weight.grad)
+    torch.testing.assert_close(model.embed.weight.grad, ref[0].weight.grad)
