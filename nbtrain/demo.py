@@ -30,8 +30,6 @@ def _parser() -> argparse.ArgumentParser:
 
 def _train(args: argparse.Namespace) -> None:
     """Runs on every rank (see nbtrain.launch.run_ranks)."""
-    import torch
-
     import nbtrain as nbt
     from nbtrain import telemetry
     from nbtrain.models.data import VOCAB_SIZE, BatchSampler, stdlib_corpus

@@ -10,8 +10,7 @@ import re
 import sys
 import time
 
-from .errors import (RESTART_HINT, CellTimeoutError, DistributedError, NoClusterError,
-                     RankDiedError, RankError)
+from .errors import RESTART_HINT, CellTimeoutError, RankDiedError, RankError
 
 _POLL_S = 0.05           # output latency; an empty cell returns as soon as it is done
 _DEATH_CHECK_S = 0.5     # how often engine processes are checked while a cell runs

@@ -222,8 +222,8 @@ class OptimManager:
         step_time = now - self._step_start if self._step_start is not None else None
         loss = float(self._loss_sum)
         events.metric(loss=loss, lr=lr, loss_scale=scale_used,
-                         grad_norm=self._grad_norm, skipped=bool(skipped),
-                         step_time_s=step_time)
+                      grad_norm=self._grad_norm, skipped=bool(skipped),
+                      step_time_s=step_time)
         events.end_step()
         self._step_start = None
 

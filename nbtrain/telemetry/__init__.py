@@ -23,7 +23,7 @@ import time
 from collections import deque
 
 from ..comm import events
-from ..comm.events import comm_span, compute_span, instant, metric
+from ..comm.events import comm_span, compute_span, instant, metric  # noqa: F401 (public)
 from . import sinks as io
 from .steplog import StepLog
 

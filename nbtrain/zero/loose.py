@@ -22,6 +22,7 @@ from ..comm import collectives as C
 from ..comm.context import get_context
 from .parameter import DistributedParameter
 
+
 class _GatherMany(torch.autograd.Function):
     """Shards of several DistributedParameters -> their full tensors, one collective."""
 

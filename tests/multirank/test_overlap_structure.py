@@ -1,6 +1,4 @@
 """Overlap is structural: checked from the order of recorded events, not timings."""
-import torch
-
 import cases
 import nbtrain as nbt
 from nbtrain import telemetry
