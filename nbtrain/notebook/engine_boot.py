@@ -76,10 +76,18 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float) -> dict:
 
 
 def stats() -> dict:
-    """Memory of this engine: resident bytes and CUDA bytes allocated (0 without CUDA)."""
+    """This engine's memory and progress.
+
+    Returns:
+        rss_bytes, cuda_bytes (0 without CUDA), step (the telemetry step counter)
+        and loss (the newest `loss` metric recorded, or None).
+    """
+    import sys
+
     import psutil
 
-    info = {"rss_bytes": psutil.Process().memory_info().rss, "cuda_bytes": 0}
+    info = {"rss_bytes": psutil.Process().memory_info().rss, "cuda_bytes": 0,
+            "step": None, "loss": None}
     try:
         import torch
 
@@ -87,6 +95,13 @@ def stats() -> dict:
             info["cuda_bytes"] = torch.cuda.memory_allocated()
     except ImportError:
         pass
+    telemetry = sys.modules.get("nbtrain.telemetry")
+    if telemetry is not None:
+        recorder = telemetry.RECORDER
+        with recorder._lock:  # the deque is fed from other threads
+            info["step"] = recorder.step
+            info["loss"] = next((m["loss"] for m in reversed(recorder.log.metrics)
+                                 if "loss" in m), None)
     return info
 
 

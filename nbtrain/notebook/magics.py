@@ -13,6 +13,7 @@ waiting, streaming and error handling.
 """
 from __future__ import annotations
 
+from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
@@ -36,27 +37,65 @@ def _format_bytes(n) -> str:
     return "-" if n is None else f"{n / 2**20:.0f} MiB"
 
 
+def _format_loss(loss) -> str:
+    return "-" if loss is None else f"{loss:.4g}"
+
+
 def format_status(rows: list[dict]) -> str:
     """`%nbtrain status` as a fixed-width table, one line per rank."""
-    lines = [f"{'rank':>4}  {'pid':>7}  {'host':<16} {'device':<8} {'rss':>9} {'cuda':>9}  state"]
+    lines = [f"{'rank':>4}  {'pid':>7}  {'host':<16} {'device':<8} {'rss':>9} {'cuda':>9} "
+             f"{'step':>6} {'loss':>10}  state"]
     for r in rows:
         state = "dead" if not r["alive"] else ("busy" if r["busy"] else "idle")
+        step = "-" if r.get("step") is None else r["step"]
         lines.append(f"{r['rank']:>4}  {r['pid']:>7}  {r['host'][:16]:<16} {str(r['device']):<8} "
-                     f"{_format_bytes(r['rss_bytes']):>9} {_format_bytes(r['cuda_bytes']):>9}  "
-                     f"{state}")
+                     f"{_format_bytes(r['rss_bytes']):>9} {_format_bytes(r['cuda_bytes']):>9} "
+                     f"{step:>6} {_format_loss(r.get('loss')):>10}  {state}")
     return "\n".join(lines)
+
+
+def _targets(cluster: Cluster, targets: str | None):
+    """`--targets` checked against the cluster: the string, or an int for one rank.
+
+    Raises:
+        UsageError: the targets are malformed or out of range.
+    """
+    if targets is None:
+        return None
+    try:
+        cluster.targets(targets)
+    except ValueError as err:
+        raise UsageError(f"--targets {targets}: {err}") from None
+    return int(targets) if targets.strip().lstrip("-").isdigit() else targets
+
+
+def _require_cluster() -> Cluster:
+    cluster = current_cluster()
+    if cluster is None:
+        raise NoClusterError(_NO_CLUSTER)
+    return cluster
+
+
+def _check_n(n: int | None) -> None:
+    if n is not None and n < 1:
+        raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")
+
+
+ACTIONS = ("start", "stop", "restart", "status", "pull", "push", "dashboard")
 
 
 @magics_class
 class NbtrainMagics(Magics):
-    """`%nbtrain start|stop|restart|status|pull` and `%%distributed`."""
+    """`%nbtrain start|stop|restart|status|pull|push|dashboard` and `%%distributed`."""
 
     @line_magic
     @magic_arguments()
-    @argument("action", choices=["start", "stop", "restart", "status", "pull", "dashboard"],
-              help="what to do with the cluster")
-    @argument("name", nargs="?", help="pull: the variable to bring back from the ranks")
-    @argument("-n", type=int, default=None, help="start: number of ranks (default: GPUs, or 2)")
+    @argument("action", choices=ACTIONS, help="what to do with the cluster (see above)")
+    @argument("names", nargs="*", metavar="NAME",
+              help="pull: the variable to bring back; push: the variables to send")
+    @argument("-n", type=int, default=None,
+              help="start/restart: number of ranks (start default: GPUs, or 2; "
+                   "restart default: as now)")
     @argument("--backend", choices=["gloo", "nccl"], default=None,
               help="start: torch.distributed backend (default: nccl with CUDA, else gloo)")
     @argument("--launcher", choices=LAUNCHERS, default="local",
@@ -65,57 +104,94 @@ class NbtrainMagics(Magics):
               help="start: seconds to wait for the engines to register and rendezvous")
     @argument("--ip", default="127.0.0.1",
               help="start: address the controller listens on (loopback by default)")
-    @argument("-t", "--targets", default=None, help="pull: rank(s), e.g. 0 or 0,2")
+    @argument("-t", "--targets", default=None,
+              help="pull/push: ranks, e.g. 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all); "
+                   "write --targets=-1: for a slice that starts with '-'")
     def nbtrain(self, line):
-        """Start, stop, restart or inspect the notebook's cluster; pull a value back."""
-        global _current
+        """Manage the notebook's cluster of ranks.
+
+        Actions:
+          start      start N ranks with torch.distributed ready (-n, --backend,
+                     --launcher, --timeout, --ip); keeps a running cluster
+          stop       stop every process of the cluster
+          restart    fresh ranks with empty namespaces (-n N to change the count)
+          status     one line per rank: pid, host, device, memory, step, loss, state
+          pull NAME  bring a variable (or attribute path such as
+                     model.layers.0.mlp.fc.weight) back from the ranks: a list by
+                     rank, one value with -t RANK; a sharded parameter comes back
+                     as one full tensor, gathered on every rank
+          push NAME [NAME ...]
+                     send notebook variables to the ranks (-t for some ranks)
+          dashboard  show the live telemetry dashboard
+
+        Targets (-t/--targets): 0, -1 (the last rank), 0,2, 0:2, ::2, 1:.
+        """
         args = parse_argstring(self.nbtrain, line)
+        _check_n(args.n)
+        if args.action in ("pull", "push") and not args.names:
+            example = "pull loss" if args.action == "pull" else "push lr batch_size"
+            raise UsageError(f"%nbtrain {args.action}: name the variable(s), "
+                             f"e.g. `%nbtrain {example}`")
+        if args.action == "pull" and len(args.names) > 1:
+            raise UsageError(f"%nbtrain pull takes one NAME, got {' '.join(args.names)}: "
+                             "pull them one at a time")
+        return getattr(self, f"_{args.action}")(args)
+
+    def _start(self, args) -> None:
+        global _current
         cluster = current_cluster()
-        if args.action == "start":
-            if cluster is not None:
-                print(f"a cluster is already running ({cluster.world_size} ranks, "
-                      f"id {cluster.cluster_id}); keeping it. "
-                      "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")
-                return None
-            _current = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
-                               controller_ip=args.ip, start_timeout_s=args.timeout).start()
-            devices = sorted({r["device"] for r in _current.ranks})
-            print(f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
-                  f"({_current.launcher} launcher, id {_current.cluster_id})")
-            return None
-        if args.action == "stop":
-            if _current is None:
-                print("no nbtrain cluster is running")
-            else:
-                _current.stop()
-                _current = None
-                print("nbtrain cluster stopped")
-            return None
+        if cluster is not None:
+            print(f"a cluster is already running ({cluster.world_size} ranks, "
+                  f"id {cluster.cluster_id}); keeping it. "
+                  "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")
+            return
+        _current = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
+                           controller_ip=args.ip, start_timeout_s=args.timeout).start()
+        devices = sorted({r["device"] for r in _current.ranks})
+        print(f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
+              f"({_current.launcher} launcher, id {_current.cluster_id})")
+
+    def _stop(self, args) -> None:
+        global _current
+        if _current is None:
+            print("no nbtrain cluster is running")
+            return
+        _current.stop()
+        _current = None
+        print("nbtrain cluster stopped")
+
+    def _restart(self, args) -> None:
         if _current is None:
             raise NoClusterError(_NO_CLUSTER)
-        if args.action == "restart":
-            _current.restart()
-            print(f"nbtrain cluster restarted: {_current.world_size} fresh ranks "
-                  f"(id {_current.cluster_id})")
-            return None
-        if args.action == "status":
-            print(format_status(_current.status()))
-            return None
-        if args.action == "dashboard":
-            from .dashboard import Dashboard
+        _current.restart(n=args.n)
+        print(f"nbtrain cluster restarted: {_current.world_size} fresh ranks "
+              f"(id {_current.cluster_id})")
 
-            Dashboard().show().refresh(_current)  # later %%distributed cells feed it
-            return None
-        if not args.name:
-            raise ValueError("usage: %nbtrain pull NAME [-t RANK]")
-        targets = args.targets
-        if targets is not None and targets.strip().isdigit():
-            targets = int(targets)
-        return _current.pull(args.name, targets)
+    def _status(self, args) -> None:
+        print(format_status(_require_cluster().status()))
+
+    def _dashboard(self, args) -> None:
+        from .dashboard import Dashboard
+
+        Dashboard().show().refresh(_require_cluster())  # later %%distributed cells feed it
+
+    def _pull(self, args):
+        cluster = _require_cluster()
+        return cluster.pull(args.names[0], _targets(cluster, args.targets))
+
+    def _push(self, args) -> None:
+        cluster = _require_cluster()
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"%nbtrain push: {', '.join(missing)} not defined in the "
+                             "notebook; run the cell that defines it first")
+        targets = _targets(cluster, args.targets)
+        cluster.push({n: self.shell.user_ns[n] for n in args.names}, targets)
 
     @cell_magic
     @magic_arguments()
-    @argument("-t", "--targets", default=None, help="ranks to run on, e.g. 0,2 (default: all)")
+    @argument("-t", "--targets", default=None,
+              help="ranks to run on: 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all)")
     @argument("--timeout", type=float, default=None,
               help="seconds after which the cell fails, naming the ranks still busy")
     @argument("--no-stream", dest="stream", action="store_false",
@@ -125,15 +201,14 @@ class NbtrainMagics(Magics):
     def distributed(self, line, cell):
         """Run the cell on every rank (or --targets); each rank keeps its namespace."""
         args = parse_argstring(self.distributed, line)
-        cluster = current_cluster()
-        if cluster is None:
-            raise NoClusterError(_NO_CLUSTER)
+        cluster = _require_cluster()
+        targets = _targets(cluster, args.targets)
         from . import dashboard as widgets
 
         if args.dashboard:
             widgets.Dashboard().show()
         board = widgets.current()
-        cluster.execute(cell, targets=args.targets, timeout=args.timeout, stream=args.stream,
+        cluster.execute(cell, targets=targets, timeout=args.timeout, stream=args.stream,
                         on_poll=board.poll if board is not None else None)
 
 
