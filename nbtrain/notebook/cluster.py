@@ -22,10 +22,11 @@ import weakref
 
 import psutil
 
-from . import engine_boot as _engine_boot
+from . import engine_boot as _engine_boot, engine_pull
 from .cell_run import run_cell
 from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config
+from .targets import one_rank, select_ranks
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 _STOP_GRACE_S = 5.0
@@ -282,33 +283,10 @@ class Cluster:
                                    "`%nbtrain start -n 2` (or nbtrain.Cluster(n=2).start())")
 
     def targets(self, targets=None) -> list[int]:
-        """Normalise targets to a sorted list of ranks.
-
-        Args:
-            targets: None (every rank), an int, a slice, a list of ints, or a
-                string of comma-separated ranks and slices: "0,2", "0:2", "::2",
-                "1:", "-1" (the last rank). Negative ranks count from the end.
-
-        Raises:
-            ValueError: a value is not a rank, is out of range, or selects nothing;
-                the message names it and the valid range.
-        """
+        """Sorted ranks `targets` means (see `targets.select_ranks`: None, an int, a
+        slice, a list, or "0,2", "0:2", "::2", "1:", "-1")."""
         self._require_running()
-        world = self.world_size
-        if targets is None:
-            return list(range(world))
-        if isinstance(targets, str):
-            parts = [p for p in targets.replace(" ", "").split(",") if p]
-            ranks = [r for part in parts for r in _parse_target(part, world)]
-        elif isinstance(targets, slice):
-            ranks = list(range(world)[targets])
-        elif isinstance(targets, int):
-            ranks = [_check_rank(targets, world)]
-        else:
-            ranks = [_check_rank(t, world) for t in targets]
-        if not ranks:
-            raise ValueError(f"targets {targets!r} select no rank: {_valid_ranks(world)}")
-        return sorted(set(ranks))
+        return select_ranks(targets, self.world_size)
 
     def engine_id(self, rank: int) -> int:
         return self.ranks[rank]["engine_id"]
@@ -361,17 +339,18 @@ class Cluster:
         """
         ranks = self.targets(targets)
         view = self.client[[self.engine_id(r) for r in ranks]]
-        kinds = self._get(view.apply_async(_pull_kind, name), timeout)
+        kinds = self._get(view.apply_async(engine_pull.pull_kind, name), timeout)
         if set(kinds) in ({"param"}, {"state_dict"}):
             every = self.client[[self.engine_id(r) for r in range(self.world_size)]]
-            return self._get(every.apply_async(_pull_full, name, kinds[0]), timeout)[0]
+            full = every.apply_async(engine_pull.pull_full, name, kinds[0])
+            return self._get(full, timeout)[0]
         missing = [str(r) for r, kind in zip(ranks, kinds) if kind == "missing"]
         if missing:
             raise NameError(f"{name.split('.')[0]!r} is not defined on rank(s) "
                             f"{', '.join(missing)}: set it in a %%distributed cell or "
                             "send it with `%nbtrain push`")
-        values = self._get(view.apply_async(_pull_value, name), timeout)
-        return values[0] if _one_rank(targets) else list(values)
+        values = self._get(view.apply_async(engine_pull.pull_value, name), timeout)
+        return values[0] if one_rank(targets) else list(values)
 
     def _get(self, async_result, timeout: float):
         """The result of `async_result`, or a DistributedError naming the fix."""
@@ -440,129 +419,6 @@ class Cluster:
     def __repr__(self) -> str:
         state = f"{self.world_size} ranks, {self.launcher}" if self.running else "stopped"
         return f"<nbtrain.Cluster {self.cluster_id or ''} ({state})>"
-
-
-def _one_rank(targets) -> bool:
-    """True when `targets` names one rank (an int, or a string such as "1" or "-1")."""
-    if isinstance(targets, str):
-        return targets.strip().lstrip("-").isdigit()
-    return isinstance(targets, int)
-
-
-# ------------------------------------------- run inside the engines by `Cluster.pull`
-def _user_ns() -> dict:
-    from IPython import get_ipython
-
-    return get_ipython().user_ns
-
-
-def _resolve(name: str):
-    """The value of `name` ("x", "model.layers.0.weight") in this engine's namespace."""
-    root, *path = name.split(".")
-    ns = _user_ns()
-    if root not in ns:
-        raise NameError(f"name {root!r} is not defined on this rank")
-    value = ns[root]
-    for part in path:
-        if part.isdigit() and not hasattr(value, "_modules"):
-            value = value[int(part)]
-        else:
-            value = getattr(value, part)
-    return value
-
-
-def _is_sharded(model) -> bool:
-    from nbtrain.zero import Block, DistributedParameter
-
-    return (any(isinstance(m, Block) for m in model.modules())
-            or any(isinstance(p, DistributedParameter) for p in model.parameters()))
-
-
-def _pull_kind(name: str) -> str:
-    """How to pull `name` here: "param", "state_dict", "plain" or "missing"."""
-    root, _, rest = name.partition(".")
-    if root not in _user_ns():
-        return "missing"
-    try:
-        value = _resolve(name)
-    except Exception:  # a parameter moved into a Block's flat buffer
-        value = None
-    import torch
-    from nbtrain.zero import DistributedParameter
-
-    if isinstance(value, DistributedParameter):
-        return "param"
-    model = _user_ns()[root]
-    if (rest and isinstance(model, torch.nn.Module) and _is_sharded(model)
-            and (value is None or isinstance(value, torch.Tensor))):
-        return "state_dict"
-    return "plain"
-
-
-def _pull_full(name: str, kind: str):
-    """The full tensor of a sharded `name` on rank 0 (None elsewhere). Collective."""
-    import nbtrain
-
-    if kind == "param":
-        value = _resolve(name).gather_copy()
-    else:
-        module, key = _state_dict_owner(name)
-        state = dict(module.state_dict())
-        if key not in state:
-            raise KeyError(f"{name!r}: no {key!r} in the state dict; keys are like "
-                           f"{', '.join(list(state)[:4])}")
-        value = state[key]
-    return value.detach().cpu() if nbtrain.get_context().rank == 0 else None
-
-
-def _state_dict_owner(name: str):
-    """The deepest Block on `name`'s path (else the root model) and the key under it."""
-    from nbtrain.zero import Block
-
-    root, *path = name.split(".")
-    owner, key = _user_ns()[root], ".".join(path)
-    module = owner
-    for i, part in enumerate(path):
-        module = getattr(module, "_modules", {}).get(part)
-        if module is None:
-            break
-        if isinstance(module, Block):
-            owner, key = module, ".".join(path[i + 1:])
-    return owner, key
-
-
-def _pull_value(name: str):
-    return _resolve(name)
-
-
-def _valid_ranks(world: int) -> str:
-    return (f"ranks are 0..{world - 1} (-1 is the last); use a rank, a list (0,2) "
-            "or a slice (0:2, ::2, 1:)")
-
-
-def _check_rank(rank, world: int) -> int:
-    """`rank` as a rank in 0..world-1 (negative counts from the end), else ValueError."""
-    if isinstance(rank, bool) or not isinstance(rank, int):
-        raise ValueError(f"target {rank!r} is not a rank: {_valid_ranks(world)}")
-    if not -world <= rank < world:
-        raise ValueError(f"target {rank} is out of range: {_valid_ranks(world)}")
-    return rank % world
-
-
-def _parse_target(part: str, world: int) -> list[int]:
-    """One comma-separated part of a targets string: "2", "-1", "0:2", "::2"."""
-    try:
-        if ":" not in part:
-            return [_check_rank(int(part), world)]
-        bounds = part.split(":")
-        if len(bounds) > 3:
-            raise ValueError(part)
-        return list(range(world)[slice(*(int(b) if b else None for b in bounds))])
-    except ValueError as err:
-        if "out of range" in str(err):
-            raise
-        raise ValueError(f"target {part!r} is not a rank or a slice: "
-                         f"{_valid_ranks(world)}") from None
 
 
 def _default_n() -> int:
