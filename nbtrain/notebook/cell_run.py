@@ -1,6 +1,7 @@
 """Running one cell on the ranks: live output by rank, errors, deaths, timeouts.
 
-`run_cell` owns the wait loop of `Cluster.execute`. It polls the output that
+`run_cell` (`submit_cell`, then `follow_cell`) owns the wait loop of
+`Cluster.execute`; `Cluster.wait` runs the same loop for a --noblock cell. It polls the output that
 ipyparallel collects per engine (rather than printing from ipyparallel's IO thread),
 so output appears in order, labelled by rank, in the cell that asked for it.
 """
@@ -92,23 +93,48 @@ def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stre
     Returns:
         The ipyparallel AsyncResult (done and successful).
     """
-    client = cluster.client
+    ar = submit_cell(cluster, code, ranks)
+    return follow_cell(cluster, ar, ranks, timeout_s, stream, on_poll)
+
+
+def submit_cell(cluster, code: str, ranks: list[int]):
+    """Send `code` to `ranks` and return its AsyncResult at once."""
     engine_ids = [cluster.engine_id(r) for r in ranks]
-    ar = client.direct_view(engine_ids).execute(code, silent=False, block=False)
-    printer = _RankOutput(ranks, ar._metadata, stream)
-    start = time.monotonic()
-    next_check = start + _DEATH_CHECK_S
+    return cluster.client.direct_view(engine_ids).execute(code, silent=False, block=False)
+
+
+def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: bool,
+                on_poll=None, printer: "_RankOutput | None" = None,
+                started: float | None = None, patience_s: float | None = None):
+    """Wait for the submitted cell `ar`: stream its output, raise its failures.
+
+    `timeout_s` is the cell's own timeout, counted from `started` (a
+    `time.monotonic()`; default now). `patience_s` bounds this wait only: when it
+    runs out the cell keeps running and None is returned (0 checks once). Pass the
+    same `printer` to later calls so that output already shown is not repeated.
+
+    Returns:
+        The AsyncResult, done and successful; None if `patience_s` ran out first.
+    """
+    if printer is None:
+        printer = _RankOutput(ranks, ar._metadata, stream)
+    now = time.monotonic()
+    start = now if started is None else started
+    give_up = None if patience_s is None else now + patience_s
+    next_check = now + _DEATH_CHECK_S
     try:
-        while not ar.wait(_POLL_S):
+        while not ar.wait(0 if patience_s == 0 else _POLL_S):
             printer.flush()
             if on_poll is not None:
                 on_poll(ranks, ar._metadata, False)
             now = time.monotonic()
-            if now >= next_check:
+            if now >= next_check or give_up is not None and now >= give_up:
                 next_check = now + _DEATH_CHECK_S
                 _raise_if_dead(cluster, ranks, printer)
             if timeout_s is not None and now - start > timeout_s:
                 _on_timeout(cluster, ar, ranks, timeout_s, printer)
+            if give_up is not None and now >= give_up:
+                return None
     except KeyboardInterrupt:
         _on_interrupt(cluster, ar, ranks, printer)
         raise
@@ -119,6 +145,11 @@ def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stre
     _raise_if_dead(cluster, ranks, printer)
     _raise_rank_errors(ar, ranks)
     return ar
+
+
+def busy_ranks(ar, ranks: list[int]) -> list[int]:
+    """The ranks of `ranks` that have not finished `ar`."""
+    return _busy(ar, ranks)
 
 
 def _busy(ar, ranks: list[int]) -> list[int]:

@@ -23,9 +23,10 @@ import weakref
 import psutil
 
 from . import engine_boot as _engine_boot, engine_pull
-from .cell_run import run_cell
+from .cell_run import run_cell, submit_cell
 from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config
+from .pending import PendingCell, refuse_while_pending
 from .targets import one_rank, select_ranks
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -107,6 +108,7 @@ class Cluster:
         self._ipp = None
         self._procs: list[psutil.Process] = []  # every process this cluster started
         self._stuck = None  # the AsyncResult of a cell that would not stop
+        self._pending: PendingCell | None = None  # a --noblock cell not yet collected
         self._watchdog = None  # kills our processes if this process dies first
 
     # ----------------------------------------------------------------- lifecycle
@@ -171,7 +173,7 @@ class Cluster:
             except psutil.NoSuchProcess:
                 pass
         psutil.wait_procs(alive, timeout=_STOP_GRACE_S)
-        self._procs, self.ranks, self._stuck = [], [], None
+        self._procs, self.ranks, self._stuck, self._pending = [], [], None, None
         self._stop_watchdog()
 
     def restart(self, n: int | None = None) -> "Cluster":
@@ -306,7 +308,12 @@ class Cluster:
         Returns:
             The finished ipyparallel AsyncResult (`.stdout`, `.outputs` per target).
         """
+        ranks = self._ready_ranks(targets)
+        return run_cell(self, code, ranks, timeout, stream, on_poll)
+
+    def _ready_ranks(self, targets) -> list[int]:
         ranks = self.targets(targets)
+        refuse_while_pending(self._pending, "cannot run another cell")
         if self._stuck is not None and not self._stuck.done():
             raise DistributedError("an earlier cell is still running on some ranks and did not "
                                    "respond to an interrupt; run `%nbtrain restart`")
@@ -314,11 +321,51 @@ class Cluster:
         dead = self.dead_ranks(range(self.world_size))
         if dead:
             raise RankDiedError(dead)
-        return run_cell(self, code, ranks, timeout, stream, on_poll)
+        return ranks
+
+    def submit(self, code: str, targets=None, timeout: float | None = None,
+               stream: bool = True) -> PendingCell:
+        """Start `code` on the target ranks and return at once (`%%distributed --noblock`).
+
+        Collect it with `wait()` or `result()`; until then other cells, push and
+        pull are refused. `timeout` counts from now and is enforced while waiting.
+        """
+        ranks = self._ready_ranks(targets)
+        self._pending = PendingCell(submit_cell(self, code, ranks), ranks, timeout, stream)
+        return self._pending
+
+    def wait(self, timeout: float | None = None, on_poll=None):
+        """Wait for the non-blocking cell: its output by rank, its errors as `execute`'s.
+
+        Returns the finished AsyncResult, or None if `timeout` seconds passed first
+        (the cell keeps running; wait again later).
+        """
+        pending = self._pending
+        if pending is None:
+            raise DistributedError("no non-blocking cell to wait for: run one with "
+                                   "`%%distributed --noblock`")
+        try:
+            ar = pending.follow(self, timeout, on_poll)
+        except BaseException:
+            self._pending = None
+            raise
+        if ar is not None:
+            self._pending = None
+        return ar
+
+    def result(self):
+        """`wait(timeout=0)`: the finished cell's AsyncResult, or None if still running."""
+        return self.wait(timeout=0)
+
+    @property
+    def pending(self) -> PendingCell | None:
+        """The non-blocking cell not yet collected, if any."""
+        return self._pending
 
     def push(self, namespace: dict, targets=None) -> None:
         """Copy the values of `namespace` into the namespace of the target ranks."""
         eids = [self.engine_id(r) for r in self.targets(targets)]
+        refuse_while_pending(self._pending, "cannot push")
         self.client[eids].push(namespace, block=True)
 
     def pull(self, name: str, targets=None, timeout: float = 60.0):
@@ -338,6 +385,7 @@ class Cluster:
             DistributedError: the ranks did not answer within `timeout` seconds.
         """
         ranks = self.targets(targets)
+        refuse_while_pending(self._pending, f"cannot pull {name}")
         view = self.client[[self.engine_id(r) for r in ranks]]
         kinds = self._get(view.apply_async(engine_pull.pull_kind, name), timeout)
         if set(kinds) in ({"param"}, {"state_dict"}):

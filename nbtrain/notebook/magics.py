@@ -81,12 +81,14 @@ def _check_n(n: int | None) -> None:
         raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")
 
 
-ACTIONS = ("start", "stop", "restart", "status", "pull", "push", "dashboard")
+ACTIONS = ("start", "stop", "restart", "status", "pull", "push", "wait", "result", "dashboard")
+_START_TIMEOUT_S = 120.0
 
 
 @magics_class
 class NbtrainMagics(Magics):
-    """`%nbtrain start|stop|restart|status|pull|push|dashboard` and `%%distributed`."""
+    """`%nbtrain start|stop|restart|status|pull|push|wait|result|dashboard`, `%%distributed`
+    and `%autodistributed`."""
 
     @line_magic
     @magic_arguments()
@@ -100,8 +102,9 @@ class NbtrainMagics(Magics):
               help="start: torch.distributed backend (default: nccl with CUDA, else gloo)")
     @argument("--launcher", choices=LAUNCHERS, default="local",
               help="start: how engines are launched (mpi/slurm for several nodes)")
-    @argument("--timeout", type=float, default=120.0,
-              help="start: seconds to wait for the engines to register and rendezvous")
+    @argument("--timeout", type=float, default=None,
+              help="start: seconds to wait for the engines to register and rendezvous "
+                   "(default 120); wait: seconds to wait for the cell (default: until done)")
     @argument("--ip", default="127.0.0.1",
               help="start: address the controller listens on (loopback by default)")
     @argument("-t", "--targets", default=None,
@@ -122,6 +125,11 @@ class NbtrainMagics(Magics):
                      as one full tensor, gathered on every rank
           push NAME [NAME ...]
                      send notebook variables to the ranks (-t for some ranks)
+          wait       wait for the last `%%distributed --noblock` cell, then show its
+                     output by rank and raise its errors as a blocking cell would
+                     (--timeout S: stop waiting after S seconds; the cell runs on)
+          result     the same without waiting: its output and errors if it has
+                     finished, else which ranks are still running it
           dashboard  show the live telemetry dashboard
 
         Targets (-t/--targets): 0, -1 (the last rank), 0,2, 0:2, ::2, 1:.
@@ -145,8 +153,9 @@ class NbtrainMagics(Magics):
                   f"id {cluster.cluster_id}); keeping it. "
                   "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")
             return
+        timeout = _START_TIMEOUT_S if args.timeout is None else args.timeout
         _current = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
-                           controller_ip=args.ip, start_timeout_s=args.timeout).start()
+                           controller_ip=args.ip, start_timeout_s=timeout).start()
         devices = sorted({r["device"] for r in _current.ranks})
         print(f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
               f"({_current.launcher} launcher, id {_current.cluster_id})")
@@ -168,7 +177,25 @@ class NbtrainMagics(Magics):
               f"(id {_current.cluster_id})")
 
     def _status(self, args) -> None:
-        print(format_status(_require_cluster().status()))
+        cluster = _require_cluster()
+        print(format_status(cluster.status()))
+        pending = cluster.pending
+        if pending is not None:
+            print(_pending_line(pending))
+
+    def _wait(self, args) -> None:
+        from . import dashboard as widgets
+
+        board = widgets.current()
+        cluster = _require_cluster()
+        if cluster.wait(args.timeout, board.poll if board is not None else None) is None:
+            print(f"{_pending_line(cluster.pending)}; it keeps running: "
+                  "`%nbtrain wait` again to collect it")
+
+    def _result(self, args) -> None:
+        cluster = _require_cluster()
+        if cluster.result() is None:
+            print(_pending_line(cluster.pending))
 
     def _dashboard(self, args) -> None:
         from .dashboard import Dashboard
@@ -198,8 +225,18 @@ class NbtrainMagics(Magics):
               help="print each rank's output when the cell ends instead of live")
     @argument("--dashboard", action="store_true",
               help="show the live telemetry dashboard above the cell's output")
+    @argument("--noblock", dest="noblock", action="store_true", default=False,
+              help="return at once; the ranks run the cell while the notebook stays "
+                   "free; `%%nbtrain wait` or `%%nbtrain result` collects it")
+    @argument("--block", dest="noblock", action="store_false",
+              help="wait for the cell to finish (the default)")
     def distributed(self, line, cell):
-        """Run the cell on every rank (or --targets); each rank keeps its namespace."""
+        """Run the cell on every rank (or --targets); each rank keeps its namespace.
+
+        Flags: -t/--targets RANKS (0, -1, 0,2, 0:2, ::2, 1:), --timeout S, --no-stream,
+        --dashboard, --block (the default: wait for the cell) / --noblock (return at
+        once; `%nbtrain wait` or `%nbtrain result` shows its output and errors later).
+        """
         args = parse_argstring(self.distributed, line)
         cluster = _require_cluster()
         targets = _targets(cluster, args.targets)
@@ -208,8 +245,61 @@ class NbtrainMagics(Magics):
         if args.dashboard:
             widgets.Dashboard().show()
         board = widgets.current()
+        if args.noblock:
+            pending = cluster.submit(cell, targets=targets, timeout=args.timeout,
+                                     stream=args.stream)
+            ranks = ", ".join(map(str, pending.ranks))
+            print(f"running on ranks {ranks} without blocking: `%nbtrain wait` shows its "
+                  "output and errors (`%nbtrain result` checks without waiting)")
+            return
         cluster.execute(cell, targets=targets, timeout=args.timeout, stream=args.stream,
                         on_poll=board.poll if board is not None else None)
+
+
+    @line_magic
+    def autodistributed(self, line):
+        """`%autodistributed [on|off]`: run every following cell on the ranks.
+
+        While on, each cell runs as if it began with `%%distributed`, except cells
+        that start with `%` or `!` (magics and shell commands run locally).
+        With no argument it toggles.
+        """
+        arg = line.strip().lower()
+        if arg not in ("", "on", "off"):
+            raise UsageError(f"%autodistributed {line.strip()}: use on, off, or nothing to "
+                             "toggle")
+        on = not autodistributed_on(self.shell) if arg == "" else arg == "on"
+        _set_autodistributed(self.shell, on)
+        print("autodistributed on: cells run on the ranks (`%autodistributed off` to stop)"
+              if on else "autodistributed off: cells run in the notebook")
+
+
+def _pending_line(pending) -> str:
+    ranks = ", ".join(map(str, pending.busy()))
+    if not ranks:
+        return "the non-blocking cell has finished: `%nbtrain result` shows it"
+    return f"still running on ranks {ranks} (a non-blocking cell)"
+
+
+def _autodistribute(lines: list[str]) -> list[str]:
+    """Input transformer: prefix the cell with `%%distributed` unless it is a magic,
+    a shell command, or empty."""
+    first = next((line.lstrip() for line in lines if line.strip()), "")
+    if not first or first[0] in "%!":
+        return lines
+    return ["%%distributed\n"] + lines
+
+
+def autodistributed_on(shell) -> bool:
+    return _autodistribute in shell.input_transformers_cleanup
+
+
+def _set_autodistributed(shell, on: bool) -> None:
+    transformers = shell.input_transformers_cleanup
+    while _autodistribute in transformers:
+        transformers.remove(_autodistribute)
+    if on:
+        transformers.append(_autodistribute)
 
 
 def load_ipython_extension(ipython) -> None:
@@ -221,3 +311,5 @@ def unload_ipython_extension(ipython) -> None:
     """`%unload_ext nbtrain`: the magics go; a running cluster keeps running until exit."""
     ipython.magics_manager.magics["line"].pop("nbtrain", None)
     ipython.magics_manager.magics["cell"].pop("distributed", None)
+    ipython.magics_manager.magics["line"].pop("autodistributed", None)
+    _set_autodistributed(ipython, False)

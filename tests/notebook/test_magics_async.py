@@ -1,0 +1,141 @@
+"""`%%distributed --noblock`, `%nbtrain wait|result` and `%autodistributed`.
+
+Real IPython shell, 2 real gloo ranks shared by the module (start costs ~10 s on 2
+cores); the module's fixture stops the cluster at the end.
+"""
+import time
+
+import pytest
+from IPython.utils.capture import capture_output
+
+from nbtrain import RankError
+from nbtrain.notebook import magics
+from nbtrain.notebook.errors import DistributedError
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def nbtrain(ipython, line):
+    return ipython.run_line_magic("nbtrain", line)
+
+
+def captured(ipython, magic, line, cell=None):
+    """Run a line (or cell) magic; return (its value, its stdout)."""
+    with capture_output() as cap:
+        if cell is None:
+            value = ipython.run_line_magic(magic, line)
+        else:
+            value = ipython.run_cell_magic(magic, line, cell)
+    return value, cap.stdout
+
+
+@pytest.fixture(scope="module")
+def cluster(ipython):
+    nbtrain(ipython, "start -n 2 --backend gloo --timeout 90")
+    yield magics.current_cluster()
+    magics._set_autodistributed(ipython, False)
+    nbtrain(ipython, "stop")
+
+
+# ------------------------------------------------------------- help (no cluster)
+def test_help_lists_wait_result_and_block_flags():
+    doc = magics.NbtrainMagics.nbtrain.__doc__
+    for action in ("wait", "result"):
+        assert f"\n  {action}" in doc, action
+    cell_doc = magics.NbtrainMagics.distributed.__doc__
+    assert "--block" in cell_doc and "--noblock" in cell_doc
+    assert "%autodistributed" in magics.NbtrainMagics.autodistributed.__doc__
+
+
+def test_autodistribute_transformer_leaves_magics_and_shell_alone():
+    t = magics._autodistribute
+    assert t(["x = 1\n"]) == ["%%distributed\n", "x = 1\n"]
+    assert t(["\n", "  y = 2\n"])[0] == "%%distributed\n"
+    for lines in (["%autodistributed off\n"], ["%%time\n", "x = 1\n"], ["!ls\n"], [],
+                  ["\n"], ["  %nbtrain status\n"]):
+        assert t(lines) == lines
+
+
+# ------------------------------------------------------------- on the cluster
+def test_noblock_cell_frees_the_kernel_then_wait_collects_it(ipython, cluster):
+    ipython.user_ns.pop("slept", None)
+    start = time.monotonic()
+    _, out = captured(ipython, "distributed", "--noblock",
+                      "import time\ntime.sleep(3)\nslept = nbt.rank() + 100\n"
+                      "print('woke', nbt.rank())")
+    assert time.monotonic() - start < 2.5, "--noblock waited for the cell"
+    assert "running on ranks 0, 1" in out and "%nbtrain wait" in out
+    # the kernel is free: local code runs, and status answers without blocking
+    ipython.run_cell("local_value = 6 * 7")
+    assert ipython.user_ns["local_value"] == 42
+    t0 = time.monotonic()
+    _, status = captured(ipython, "nbtrain", "status")
+    assert time.monotonic() - t0 < 2.5, "status waited for the cell"
+    rows = status.splitlines()[1:3]
+    assert all(row.rstrip().endswith("busy") for row in rows), status
+    assert "still running on ranks 0, 1" in status
+    # another cell, push and pull are refused until the cell is collected
+    with pytest.raises(DistributedError, match=r"still running on ranks 0, 1.*%nbtrain wait"):
+        ipython.run_cell_magic("distributed", "", "print('too soon')")
+    with pytest.raises(DistributedError, match="%nbtrain wait"):
+        nbtrain(ipython, "pull slept")
+    # result does not wait
+    t0 = time.monotonic()
+    _, out = captured(ipython, "nbtrain", "result")
+    assert time.monotonic() - t0 < 2.5 and "still running on ranks 0, 1" in out
+    _, out = captured(ipython, "nbtrain", "wait")
+    assert "[rank 0] woke 0" in out and "[rank 1] woke 1" in out
+    assert time.monotonic() - start >= 3
+    assert nbtrain(ipython, "pull slept") == [100, 101]
+    assert "slept" not in ipython.user_ns
+    assert cluster.pending is None
+    _, out = captured(ipython, "distributed", "--block", "print('blocking again')")
+    assert out.count("blocking again") == 2
+
+
+def test_wait_timeout_stops_waiting_and_the_cell_runs_on(ipython, cluster):
+    captured(ipython, "distributed", "--noblock -t 1", "import time\ntime.sleep(2)\nprint('late')")
+    t0 = time.monotonic()
+    _, out = captured(ipython, "nbtrain", "wait --timeout 0.3")
+    assert time.monotonic() - t0 < 2 and "still running on ranks 1" in out
+    _, out = captured(ipython, "nbtrain", "wait")
+    assert "[rank 1] late" in out and "[rank 0]" not in out
+
+
+def test_errors_of_a_noblock_cell_are_raised_by_result_and_wait(ipython, cluster):
+    with pytest.raises(DistributedError, match="no non-blocking cell"):
+        nbtrain(ipython, "wait")
+    captured(ipython, "distributed", "--noblock", "print('before')\n1 / (nbt.rank() - 1)")
+    deadline = time.monotonic() + 30
+    while not cluster.pending.done() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    with capture_output() as cap, pytest.raises(RankError) as info:
+        nbtrain(ipython, "result")
+    assert info.value.ranks == [1] and "ZeroDivisionError" in str(info.value)
+    assert "[rank 0] before" in cap.stdout and "[rank 1] before" in cap.stdout
+    assert cluster.pending is None
+    captured(ipython, "distributed", "--noblock", "raise ValueError('boom')")
+    with pytest.raises(RankError, match="boom"):
+        nbtrain(ipython, "wait")
+
+
+def test_autodistributed_runs_plain_cells_on_the_ranks(ipython, cluster):
+    ipython.user_ns.pop("x", None)
+    captured(ipython, "autodistributed", "on")
+    assert magics.autodistributed_on(ipython)
+    with capture_output() as cap:
+        result = ipython.run_cell("x = nbt.rank()\nprint('on rank', x)")
+    assert result.success, result.error_in_exec
+    assert "[rank 0] on rank 0" in cap.stdout and "[rank 1] on rank 1" in cap.stdout
+    assert "x" not in ipython.user_ns
+    # magics still run locally while it is on
+    assert ipython.run_cell("%nbtrain pull x").result == [0, 1]
+    ipython.run_cell("%autodistributed off")
+    assert not magics.autodistributed_on(ipython)
+    ipython.run_cell("x = 'local'")
+    assert ipython.user_ns["x"] == "local"
+    assert nbtrain(ipython, "pull x") == [0, 1]
+    captured(ipython, "autodistributed", "")  # toggles on
+    assert magics.autodistributed_on(ipython)
+    captured(ipython, "autodistributed", "")  # and off
+    assert not magics.autodistributed_on(ipython)
