@@ -31,7 +31,7 @@ def trim_traceback(lines: list[str]) -> list[str]:
     return out
 
 
-class _RankOutput:
+class RankOutput:
     """Prints what each rank has produced so far, once, labelled by rank."""
 
     def __init__(self, ranks: list[int], metadata: list[dict], stream: bool):
@@ -104,7 +104,7 @@ def submit_cell(cluster, code: str, ranks: list[int]):
 
 
 def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: bool,
-                on_poll=None, printer: "_RankOutput | None" = None,
+                on_poll=None, printer: "RankOutput | None" = None,
                 started: float | None = None, patience_s: float | None = None):
     """Wait for the submitted cell `ar`: stream its output, raise its failures.
 
@@ -117,7 +117,7 @@ def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: 
         The AsyncResult, done and successful; None if `patience_s` ran out first.
     """
     if printer is None:
-        printer = _RankOutput(ranks, ar._metadata, stream)
+        printer = RankOutput(ranks, ar._metadata, stream)
     now = time.monotonic()
     start = now if started is None else started
     give_up = None if patience_s is None else now + patience_s
@@ -156,7 +156,7 @@ def _busy(ar, ranks: list[int]) -> list[int]:
     return [r for r, f in zip(ranks, ar._children) if not f.done()]
 
 
-def _raise_if_dead(cluster, ranks: list[int], printer: _RankOutput) -> None:
+def _raise_if_dead(cluster, ranks: list[int], printer: RankOutput) -> None:
     dead = cluster.dead_ranks(ranks)
     if dead:
         printer.flush(final=True)

@@ -27,6 +27,7 @@ from .cell_run import run_cell, submit_cell
 from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config
 from .pending import PendingCell, refuse_while_pending
+from .procs import pid_alive, rss_bytes
 from .targets import one_rank, select_ranks
 
 _LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
@@ -414,10 +415,13 @@ class Cluster:
         self._require_running()
         dead = set(self.dead_ranks(range(self.world_size)))
         queues = self.client.queue_status() if len(dead) < self.world_size else {}
+        # A just-submitted cell may not be queued yet: its ranks' stats would wait.
+        running = set(self.pending.busy()) if self.pending is not None else set()
         rows = []
         for rank, info in enumerate(self.ranks):
             eid = info["engine_id"]
-            busy = rank not in dead and queues.get(eid, {}).get("queue", 0) > 0
+            busy = rank not in dead and (rank in running
+                                         or queues.get(eid, {}).get("queue", 0) > 0)
             row = {"rank": rank, "engine_id": eid, "pid": info["pid"], "host": info["host"],
                    "device": info.get("device"), "busy": busy, "alive": rank not in dead,
                    "rss_bytes": None, "cuda_bytes": None, "step": None, "loss": None}
@@ -427,7 +431,7 @@ class Cluster:
                 except Exception:  # reported as unknown rather than failing status
                     pass
             elif rank not in dead and info.get("local"):
-                row["rss_bytes"] = _rss(info["pid"])
+                row["rss_bytes"] = rss_bytes(info["pid"])
             rows.append(row)
         return rows
 
@@ -439,7 +443,7 @@ class Cluster:
         for rank in ranks:
             info = self.ranks[rank]
             if info.get("local"):
-                alive = _pid_alive(info["pid"])
+                alive = pid_alive(info["pid"])
             else:
                 alive = info["engine_id"] in registered
             if not alive:
@@ -483,17 +487,3 @@ def _assign_ranks(infos: list[dict]) -> list[dict]:
     for info in infos:
         info["launcher_local_rank"] = None  # ranks follow engine ids; so do local ranks
     return sorted(infos, key=lambda i: i["engine_id"])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() not in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD)
-    except psutil.NoSuchProcess:
-        return False
-
-
-def _rss(pid: int) -> int | None:
-    try:
-        return psutil.Process(pid).memory_info().rss
-    except psutil.NoSuchProcess:
-        return None

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from .cell_run import _RankOutput, busy_ranks, follow_cell
+from .cell_run import RankOutput, busy_ranks, follow_cell
 from .errors import DistributedError
 
 
@@ -18,7 +18,7 @@ class PendingCell:
     def __init__(self, ar, ranks: list[int], timeout_s: float | None, stream: bool):
         self.ar, self.ranks, self.timeout_s = ar, ranks, timeout_s
         self.started = time.monotonic()
-        self.printer = _RankOutput(ranks, ar._metadata, stream)
+        self.printer = RankOutput(ranks, ar._metadata, stream)
 
     def done(self) -> bool:
         return self.ar.done()
