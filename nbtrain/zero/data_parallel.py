@@ -32,6 +32,7 @@ from ..comm.context import get_context
 from .reducer import GradReducer, current_backward
 
 BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
+_CHECK_CHUNK_NUMEL = 1 << 20  # the replica check's fp64 temporaries: 16 MiB at most
 
 
 class _Bucket:
@@ -140,8 +141,9 @@ def _make_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[_Bucket
 def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]]) -> None:
     """Raises if any parameter's value differs between ranks, naming the first one.
 
-    Compares per-parameter fingerprints (sum and a position-weighted sum, in fp64)
-    with one max and one min all-reduce: bytes independent of the model's size.
+    Compares per-parameter fingerprints (sum and a position-weighted sum, in fp64,
+    taken in chunks so no full-size fp64 copy is made) with one max and one min
+    all-reduce: bytes independent of the model's size.
 
     Collective: every rank calls this with the same names in the same order.
     """
@@ -151,10 +153,13 @@ def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]]) -> None:
     prints = torch.zeros(len(named_params), 2, dtype=torch.float64, device=ctx.device)
     with torch.no_grad():
         for i, (_, p) in enumerate(named_params):
-            flat = p.detach().reshape(-1).to(torch.float64)
-            weights = torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
-            prints[i, 0] = flat.sum()
-            prints[i, 1] = (flat * (weights.remainder_(1009) + 1)).sum()
+            flat = p.detach().reshape(-1)
+            for start in range(0, flat.numel(), _CHECK_CHUNK_NUMEL):
+                chunk = flat[start:start + _CHECK_CHUNK_NUMEL].to(torch.float64)
+                weights = torch.arange(start, start + chunk.numel(), device=chunk.device,
+                                       dtype=torch.float64).remainder_(1009).add_(1)
+                prints[i, 0] += chunk.sum()
+                prints[i, 1] += (chunk * weights).sum()
     high, low = prints.clone(), prints.clone()
     C.all_reduce(high, op="max", label="dp.check")
     C.all_reduce(low, op="min", label="dp.check")

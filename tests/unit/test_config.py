@@ -4,14 +4,8 @@ import pytest
 import nbtrain as nbt
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    if nbt.comm.is_initialized():
-        yield
-        return
-    nbt.init_distributed(seed=5)
-    yield
-    nbt.comm.shutdown()
+SEED = 5
+pytestmark = pytest.mark.usefixtures("world_of_one")  # tests/unit/conftest.py
 
 
 def test_bmtrain_keys_match_the_context():

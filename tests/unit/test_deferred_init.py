@@ -9,14 +9,8 @@ import nbtrain as nbt
 from nbtrain.zero.init import CHUNK_NUMEL, init_range
 
 
-@pytest.fixture(scope="module", autouse=True)
-def world_of_one():
-    if nbt.comm.is_initialized():
-        yield
-        return
-    nbt.init_distributed(seed=3)
-    yield
-    nbt.comm.shutdown()
+SEED = 3
+pytestmark = pytest.mark.usefixtures("world_of_one")  # tests/unit/conftest.py
 
 
 INITS = [
