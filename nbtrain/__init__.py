@@ -63,3 +63,37 @@ def unload_ipython_extension(ipython):
     from .notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)
+
+
+def _map_kernels_in_a_source_checkout():
+    """`nbtrain.kernels` is the top-level kernels/ folder (pyproject's package-dir).
+
+    An install maps it; a source checkout used without installing (`python3 -m
+    pytest` or `python3 -m nbtrain.cli` from the repository root, as on a bare GPU
+    machine) does not, so map it here, lazily: nothing is imported until asked for.
+    """
+    import importlib.abc
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "kernels"
+    if not (folder / "__init__.py").is_file():
+        return
+    try:
+        if importlib.util.find_spec("nbtrain.kernels") is not None:
+            return
+    except (ImportError, ValueError):  # a stale install's finder points nowhere
+        pass
+
+    class _KernelsFinder(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name != "nbtrain.kernels":
+                return None
+            return importlib.util.spec_from_file_location(
+                name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+
+    sys.meta_path.insert(0, _KernelsFinder())
+
+
+_map_kernels_in_a_source_checkout()

@@ -13,6 +13,11 @@ import time
 
 import psutil
 import pytest
+
+# The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
+# running only `pytest -m gpu`: skip this module there rather than fail collection.
+for _needed in ('IPython', 'ipyparallel'):
+    pytest.importorskip(_needed)
 from IPython.utils.capture import capture_output
 
 from nbtrain.notebook import magics

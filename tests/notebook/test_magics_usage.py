@@ -5,6 +5,11 @@ cores); the restart test goes to 3 ranks and back, and the module's fixture stop
 the cluster at the end.
 """
 import pytest
+
+# The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
+# running only `pytest -m gpu`: skip this module there rather than fail collection.
+for _needed in ('IPython', 'ipyparallel'):
+    pytest.importorskip(_needed)
 import torch
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
