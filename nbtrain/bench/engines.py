@@ -44,15 +44,23 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _count_torch_collectives(world: int) -> None:
-    """Wraps the collectives FSDP2 calls so their bytes are counted."""
-    ring = (world - 1) / world
-    gather, scatter, reduce = dist.all_gather_single, dist.reduce_scatter_single, dist.all_reduce
+    """Wraps the collectives FSDP2 calls so their bytes are counted.
 
-    def all_gather_single(output, input, *a, **kw):  # noqa: A002 (torch's name)
+    torch 2.13 names them all_gather_single / reduce_scatter_single (the older
+    *_into_tensor / *_tensor names call those); earlier releases have only the older
+    names. Wrap one name of each pair, so nothing is counted twice.
+    """
+    ring = (world - 1) / world
+    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    scatter_name = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+                    else "reduce_scatter_tensor")
+    gather, scatter, reduce = getattr(dist, gather_name), getattr(dist, scatter_name), dist.all_reduce
+
+    def all_gather_flat(output, input, *a, **kw):  # noqa: A002 (torch's name)
         WIRE.add(_nbytes(output) * ring)
         return gather(output, input, *a, **kw)
 
-    def reduce_scatter_single(output, input, *a, **kw):  # noqa: A002
+    def reduce_scatter_flat(output, input, *a, **kw):  # noqa: A002
         WIRE.add(_nbytes(input) * ring)
         return scatter(output, input, *a, **kw)
 
@@ -60,7 +68,8 @@ def _count_torch_collectives(world: int) -> None:
         WIRE.add(2 * _nbytes(tensor) * ring)
         return reduce(tensor, *a, **kw)
 
-    dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+    setattr(dist, gather_name, all_gather_flat)
+    setattr(dist, scatter_name, reduce_scatter_flat)
     dist.all_reduce = all_reduce
 
 

@@ -45,8 +45,10 @@ def rank_table(summaries: dict) -> list[dict]:
         rows.append({"rank": r, "steps": len(s["overlap"]),
                      "last_loss": losses[-1] if losses else None,
                      "hidden_comm_median": statistics.median(shares) if shares else None,
-                     "peak_mib": max(peak.get("cuda_peak_bytes", 0),
-                                     peak.get("rss_bytes", 0)) / 2**20,
+                     # device memory on a GPU rank (the process RSS there is mostly
+                     # the CUDA libraries), the process's RSS on a CPU rank
+                     "peak_kind": "cuda" if peak.get("cuda_peak_bytes") else "rss",
+                     "peak_mib": (peak.get("cuda_peak_bytes") or peak.get("rss_bytes", 0)) / 2**20,
                      "model_state_mib": (s["memory"].get("model_state_bytes") or 0) / 2**20})
     return rows
 
@@ -62,6 +64,10 @@ def text_table(rows: list[dict]) -> str:
         lines.append(f"{row['rank']:>4}  {row['steps']:>5}  {_fmt(row['last_loss'], '9.4f')}  "
                      f"{_fmt(share, '10.1f')}%  {row['peak_mib']:8.1f}  "
                      f"{row['model_state_mib']:15.2f}")
+    kinds = {row.get("peak_kind", "rss") for row in rows}
+    lines.append("peak: " + " and ".join(
+        {"cuda": "CUDA memory allocated (torch.cuda.max_memory_allocated)",
+         "rss": "process resident memory (CPU rank)"}[k] for k in sorted(kinds)))
     return "\n".join(lines)
 
 

@@ -39,7 +39,8 @@ def test_report_renders_png_and_html(run_dir, tmp_path):
                            "-o", str(png)], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": ROOT})
     assert proc.returncode == 0, proc.stderr
-    assert "hidden comm" in proc.stdout and len(proc.stdout.splitlines()) == 4
+    assert "hidden comm" in proc.stdout and len(proc.stdout.splitlines()) == 5
+    assert "peak: process resident memory (CPU rank)" in proc.stdout  # what "peak MiB" means
     pixels = imread(png)
     assert pixels.shape[0] > 200 and pixels.shape[1] > 800
     # Not a blank canvas: the panels put many distinct colours on it.
