@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from .cross_entropy import (LOGIT_DTYPES, TARGET_DTYPES, ce_rows_triton,
-                            check_loss_options, cross_entropy_torch, reduce_rows)
+                            check_loss_options, cross_entropy_torch, reduce_rows, scale_)
 
 CHUNK_LOGITS = 1 << 26
 
@@ -91,7 +91,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                      needs=tuple(ctx.needs_input_grad[:3]),
                                      row_scale=grad_output.float().contiguous(), **ctx.options)
         else:
-            grads = [g if g is None else g.mul_(grad_output) for g in ctx.saved_tensors]
+            grads = [g if g is None else scale_(g, grad_output) for g in ctx.saved_tensors]
         return (*grads, None, None, None, None, None)
 
 

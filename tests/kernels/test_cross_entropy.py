@@ -30,7 +30,8 @@ def _run(impl, logits, target, upstream=None, **kwargs):
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 def test_matches_reference(batch_shape, vocab, dtype, reduction, label_smoothing):
     logits, target = _inputs(batch_shape, vocab, dtype)
-    upstream = None
+    # An upstream gradient other than 1 checks backward's rescaling (a loss scale, say).
+    upstream = torch.tensor(2.5, device=DEVICE)
     if reduction == "none":
         upstream = torch.rand(batch_shape, device=DEVICE) + 0.5
     kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)

@@ -29,7 +29,9 @@ def _run(impl, h, weight, bias, target, upstream=None, **kwargs):
 @pytest.mark.parametrize("label_smoothing,with_bias", [(0.0, True), (0.1, False)])
 def test_matches_composition(dtype, reduction, label_smoothing, with_bias):
     h, weight, bias, target = _inputs((3, 13), 33, 1000, dtype, with_bias)
-    upstream = torch.rand(3, 13, device=DEVICE) + 0.5 if reduction == "none" else None
+    # An upstream gradient other than 1 checks backward's rescaling (a loss scale, say).
+    upstream = (torch.rand(3, 13, device=DEVICE) + 0.5 if reduction == "none"
+                else torch.tensor(2.5, device=DEVICE))
     kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
     ours = _run("triton", h, weight, bias, target, upstream, chunk_tokens=16, **kwargs)
     ref = _run("torch", h, weight, bias, target, upstream, **kwargs)
