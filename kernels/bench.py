@@ -6,6 +6,11 @@ Prints, each against its torch peer measured in the same process:
 - fused linear + cross-entropy vs `F.cross_entropy(F.linear(h, W), t)`, time and the
   peak memory the step adds above its inputs, at hidden sizes 2048 and 4096.
 Goals: Adam >= 1.0x torch fused; fused linear CE >= 4x less peak memory, >= 1.5x faster.
+Measured on an H200 (torch 2.11, triton 3.6): Adam 1.23x, cross-entropy 1.67x, fused
+linear CE 0.95x / 0.99x speed and 3.91x / 2.34x less memory at H = 2048 / 4096. The
+linear CE speed goal is out of reach by fusion alone: both paths run the same three
+GEMMs (9.2 ms of 11 ms at H = 2048), so the cross-entropy's 1 ms is all there is to
+win; and at H = 4096 the weight gradient alone is a third of torch's peak.
 Needs one CUDA GPU with ~40 GB free for the defaults; takes about a minute.
 """
 import argparse
@@ -44,8 +49,10 @@ def peak_extra_bytes(fn):
 def report(name, ours_ms, torch_ms, ours_bytes=None, torch_bytes=None):
     line = f"{name:<44} ours {ours_ms:8.2f} ms  torch {torch_ms:8.2f} ms  speed-up {torch_ms / ours_ms:5.2f}x"
     if ours_bytes is not None:
-        line += (f"  peak ours {ours_bytes / 2**20:8.0f} MiB  torch {torch_bytes / 2**20:8.0f} MiB"
-                 f"  ({torch_bytes / max(ours_bytes, 1):5.2f}x less)")
+        line += f"  peak ours {ours_bytes / 2**20:8.0f} MiB  torch {torch_bytes / 2**20:8.0f} MiB"
+        # Under 1 MiB is the in-place kernel's loss rows: a ratio to that says nothing.
+        line += ("  (in place)" if ours_bytes < 2**20
+                 else f"  ({torch_bytes / max(ours_bytes, 1):5.2f}x less)")
     print(line, flush=True)
     return torch_ms / ours_ms, (None if ours_bytes is None else torch_bytes / max(ours_bytes, 1))
 
