@@ -17,22 +17,33 @@ Collective (every rank calls it at the same point, with the same arguments):
 inspector's `summary()` / `get_summary()` / iteration if a tensor was recorded or
 a gradient arrived since the last summary (else they return the list already
 made). `record_tensor` and `format_summary` are local.
+
+What one rank holds and did, all local (no communication):
+
+    parameter_bytes(model)          # {"full", "resident", "gathered"} bytes on this rank
+    with track_gathered(model) as g:
+        model.loss(x, y).backward()
+    g.peak_blocks, g.peak_bytes     # most blocks (and their bytes) gathered at once
+    last_step()                     # the last finished step: time, overlap, timeline
 """
 from __future__ import annotations
 
+import copy
 import fnmatch
 import math
+import threading
 
 import torch
 from torch import nn
 
-from .comm import collectives as C
+from .comm import collectives as C, events
 from .comm.context import get_context
 from .zero.block import Block
 from .zero.parameter import DistributedParameter
 from .zero.partition import shard_range
 
-__all__ = ["inspect_model", "inspect_tensor", "record_tensor", "format_summary"]
+__all__ = ["inspect_model", "inspect_tensor", "record_tensor", "format_summary",
+           "parameter_bytes", "track_gathered", "GatherTracker", "last_step"]
 
 _STATS = ("mean", "std", "max", "min")
 
@@ -247,3 +258,131 @@ def format_summary(summary: list[dict]) -> str:
         cells = "".join(f"  {s[c]:>10.3e}" if c in s else f"  {'':>10}" for c in columns)
         lines.append(f"{s['name']:<{name_w}}  {shape:<{shape_w}}{cells}")
     return "\n".join(lines)
+
+
+# -- what one rank holds and did (local) -----------------------------------------
+
+
+def _blocks(model: nn.Module) -> list[Block]:
+    return [m for m in model.modules() if isinstance(m, Block)]
+
+
+def parameter_bytes(model: nn.Module) -> dict[str, int]:
+    """The bytes of `model`'s parameters, as this rank holds them now. Local.
+
+    Args:
+        model: a plain or sharded model (Blocks, DistributedParameters, wrap()).
+
+    Returns:
+        full: the whole model's parameters, unsharded and unpadded (a tied
+            parameter counted once): what one process would hold.
+        resident: what this rank stores between steps: its shard of every
+            Block's flat buffers and of every DistributedParameter, and the
+            whole of each plain (replicated) parameter. About full / world size
+            for a fully sharded model (shards are padded to a multiple of it).
+        gathered: the Block buffers gathered on this rank right now (0 between
+            steps; inside forward and backward, the blocks in use: at most two
+            at ZeRO-3, every block from forward to backward at ZeRO-2).
+            DistributedParameters gathered for the root's forward are not counted.
+    """
+    full = resident = gathered = 0
+    seen: set[int] = set()
+    for block in _blocks(model):
+        for group in block.groups:
+            size = group.shard.element_size()
+            full += group.layout.numel * size
+            resident += group.shard.numel() * size
+            gathered += group.full.untyped_storage().nbytes()
+            seen.add(id(group.shard))
+    for param in model.parameters():
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        size = param.element_size()
+        if isinstance(param, DistributedParameter):
+            full += param.full_numel * size
+        else:
+            full += param.numel() * size
+        resident += param.numel() * size
+    return {"full": full, "resident": resident, "gathered": gathered}
+
+
+class GatherTracker:
+    """What `track_gathered()` yields: the most Blocks gathered at once inside it.
+
+    Attributes:
+        peak_blocks: most Blocks with a gathered buffer at the same time.
+        peak_bytes: most bytes of gathered Block buffers at the same time (only
+            Blocks of the model given to `track_gathered` count; 0 without one).
+        gathers: how many buffer gathers were issued inside the block.
+    """
+
+    def __init__(self, model: nn.Module | None = None):
+        self._sizes = {}
+        if model is not None:
+            for block in _blocks(model):
+                for group in block.groups:
+                    self._sizes[group.label] = group.layout.padded_numel * group.shard.element_size()
+        self._live: dict[str, set[str]] = {}
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.peak_blocks = self.peak_bytes = self.gathers = 0
+
+    def __call__(self, event: dict) -> None:  # an events subscriber
+        kind = event["type"]
+        if kind not in ("gather", "release"):
+            return
+        label = event["label"]
+        block = label.rpartition(".")[0]
+        with self._lock:
+            groups = self._live.setdefault(block, set())
+            self.gathers += kind == "gather"
+            if kind == "gather" and label not in groups:
+                groups.add(label)
+                self._bytes += self._sizes.get(label, 0)
+            elif kind == "release" and label in groups:
+                groups.discard(label)
+                self._bytes -= self._sizes.get(label, 0)
+            if not groups:
+                del self._live[block]
+            self.peak_blocks = max(self.peak_blocks, len(self._live))
+            self.peak_bytes = max(self.peak_bytes, self._bytes)
+
+    def __enter__(self) -> "GatherTracker":
+        events.subscribe(self)
+        if not events.active():
+            events.unsubscribe(self)
+            raise RuntimeError("track_gathered: engine events are switched off on this rank "
+                               "(nbtrain.telemetry.set_enabled(False)); turn them on first")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        events.unsubscribe(self)
+
+
+def track_gathered(model: nn.Module | None = None) -> GatherTracker:
+    """A context manager counting how many Blocks are gathered at once inside it. Local.
+
+    It reads the `gather` and `release` events the Blocks publish (a gather is
+    counted when issued, so a prefetch counts). With `model`, `peak_bytes` also
+    gives the size of those buffers.
+
+        with nbt.inspect.track_gathered(model) as gathered:
+            model.loss(x, y).backward()
+        gathered.peak_blocks    # 2 at ZeRO-3 with prefetch, every block at ZeRO-2
+    """
+    return GatherTracker(model)
+
+
+def last_step() -> dict | None:
+    """The last finished training step on this rank (a copy), or None before the first.
+
+    A step ends with `OptimManager.step()` or `nbtrain.telemetry.next_step()`.
+    Keys: step, duration_s, overlap (share of communication time hidden behind
+    compute, None without communication), comm_s, compute_s, comm_bytes, and the
+    timeline, in seconds since the step began: compute as [start, end, block
+    label, phase] and comm as [start, end, kind, bytes].
+    """
+    from . import telemetry  # the recorder subscribes on import
+
+    return copy.deepcopy(telemetry.summary()["last_step"])
