@@ -114,8 +114,10 @@ def sample_memory(model=None, optimizer=None) -> dict:
     """Records one memory sample of this rank and returns it.
 
     CUDA allocated/reserved/peak bytes when CUDA is in use; process RSS; and the
-    model-state bytes this rank holds (parameter shards + grads + optimizer
-    state) of `model`/`optimizer`, or of those given to `watch`.
+    bytes this rank holds of `model`/`optimizer` (or of those given to `watch`):
+    `param_bytes` (parameter shards), `grad_bytes`, `optimizer_bytes` and their sum
+    `model_state_bytes`. One sample closes every step, so the panels draw memory over
+    time.
     """
     sample = io.memory_sample(model, optimizer)
     if events.active():

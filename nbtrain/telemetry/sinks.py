@@ -60,13 +60,18 @@ def _tensor_bytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def model_state_bytes(model=None, optimizer=None) -> int | None:
-    """Bytes of parameter shards + grads (+ optimizer state) held by this rank."""
+def model_state_bytes(model=None, optimizer=None) -> dict:
+    """Bytes this rank holds of parameter shards, their grads and optimizer state.
+
+    Returns {"param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes" (their
+    sum)}, all None when neither `model` nor `optimizer` is given.
+    """
     if model is None and optimizer is None:
-        return None
+        return dict.fromkeys(("param_bytes", "grad_bytes", "optimizer_bytes",
+                              "model_state_bytes"))
     import torch
 
-    seen, n = set(), 0
+    seen, param, grad, state = set(), 0, 0, 0
     params = list(model.parameters()) if model is not None else []
     if optimizer is not None:
         params += [p for g in optimizer.param_groups for p in g["params"]]
@@ -74,13 +79,14 @@ def model_state_bytes(model=None, optimizer=None) -> int | None:
         if id(p) in seen:
             continue
         seen.add(id(p))
-        n += _tensor_bytes(p)
+        param += _tensor_bytes(p)
         if p.grad is not None:
-            n += _tensor_bytes(p.grad)
+            grad += _tensor_bytes(p.grad)
     if optimizer is not None:
-        for state in optimizer.state.values():
-            n += sum(_tensor_bytes(v) for v in state.values() if isinstance(v, torch.Tensor))
-    return n
+        for values in optimizer.state.values():
+            state += sum(_tensor_bytes(v) for v in values.values() if isinstance(v, torch.Tensor))
+    return {"param_bytes": param, "grad_bytes": grad, "optimizer_bytes": state,
+            "model_state_bytes": param + grad + state}
 
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -100,8 +106,7 @@ def _rss_bytes() -> int:
 def memory_sample(model=None, optimizer=None) -> dict:
     if model is None and optimizer is None:
         model, optimizer = WATCHED.get()
-    sample = {"rss_bytes": _rss_bytes(),
-              "model_state_bytes": model_state_bytes(model, optimizer)}
+    sample = {"rss_bytes": _rss_bytes(), **model_state_bytes(model, optimizer)}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         sample.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),

@@ -3,23 +3,32 @@
 `StepLog.feed` takes recorder events one at a time, live (from the recorder) or
 replayed (from a rank's JSONL file), so the notebook and `nbtrain report` show
 the same numbers. Everything it keeps is bounded.
+
+Per step it keeps: the metric row (loss, lr, grad_norm, tokens, and any number a
+user passes to `telemetry.metric`), the hidden-comm share, the step's wall time
+and the bytes and busy seconds of each kind of collective, and the last memory
+sample of the step.
 """
 from __future__ import annotations
 
 from collections import deque
 
-from .overlap import comm_overlap, total
+from .overlap import comm_overlap, merge, total
 
-METRIC_KEYS = ("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s")
 MEMORY_KEYS = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
-               "rss_bytes", "model_state_bytes")
+               "rss_bytes", "model_state_bytes", "param_bytes", "grad_bytes",
+               "optimizer_bytes")
+NOT_METRICS = frozenset(("type", "t", "seq", "step"))
+MAX_METRIC_NAMES = 32       # numbers kept per metric row (a runaway dict stays bounded)
 MAX_SPANS_PER_STEP = 2000   # spans kept for the timeline of the open step
 MAX_TIMELINE_SPANS = 400    # spans sent to the dashboard for the last step
-DEFAULT_HISTORY = 2000      # steps of metrics and overlap kept
+DEFAULT_HISTORY = 2000      # steps of metrics, overlap, step times and memory kept
+IDLE_GAP_S = 1.0            # a pause before a step's first event longer than this (and
+                            # than the step itself) is idle time between cells, not the step
 
 
 class StepLog:
-    """Aggregates events into: latest memory, last step's timeline, metric history.
+    """Aggregates events into per-step rows, memory history and the last step's timeline.
 
     Not thread-safe by itself; the recorder feeds it under its lock.
     """
@@ -27,15 +36,20 @@ class StepLog:
     def __init__(self, history: int = DEFAULT_HISTORY):
         self.metrics: deque = deque(maxlen=history)
         self.overlap: deque = deque(maxlen=history)
+        self.steps: deque = deque(maxlen=history)
+        self.memory_history: deque = deque(maxlen=history)
         self.memory: dict = {}
         self.peak_memory: dict = {}
         self.last_step: dict | None = None
         self.meta: dict = {}
         self._spans: list = []
-        self._step_start: float | None = None
+        self._step_start: float | None = None  # the previous step's end
+        self._first_t: float | None = None      # the open step's first timestamp
 
     def feed(self, event: dict) -> None:
         kind = event["type"]
+        if self._first_t is None:
+            self._first_t = event.get("start", event.get("t"))
         if kind in ("compute", "comm"):
             closed = self.last_step["step"] if self.last_step else None
             if closed is not None and event.get("step", 0) <= closed:
@@ -43,29 +57,52 @@ class StepLog:
             if len(self._spans) < MAX_SPANS_PER_STEP:
                 self._spans.append(event)
         elif kind == "metric":
-            row = {k: event[k] for k in METRIC_KEYS if k in event}
-            row["step"] = event.get("step", 0)
-            self.metrics.append(row)
+            self._add_metrics(event)
         elif kind == "memory":
-            self.memory = {k: event[k] for k in MEMORY_KEYS if event.get(k) is not None}
-            for k, v in self.memory.items():
-                self.peak_memory[k] = max(v, self.peak_memory.get(k, 0))
+            self._add_memory(event)
         elif kind == "step_end":
             self._close_step(event)
         elif kind == "meta":
             self.meta = {k: v for k, v in event.items() if k not in ("type", "seq")}
 
+    def _add_metrics(self, event: dict) -> None:
+        """One row per step: a second `metric` call in a step adds to the first's row."""
+        step = event.get("step", 0)
+        if self.metrics and self.metrics[-1]["step"] == step:
+            row = self.metrics[-1]
+        else:
+            row = {"step": step}
+            self.metrics.append(row)
+        for k, v in event.items():
+            if k in NOT_METRICS or not isinstance(v, (int, float)):
+                continue
+            if k in row or len(row) <= MAX_METRIC_NAMES:
+                row[k] = v
+
+    def _add_memory(self, event: dict) -> None:
+        self.memory = {k: event[k] for k in MEMORY_KEYS if event.get(k) is not None}
+        for k, v in self.memory.items():
+            self.peak_memory[k] = max(v, self.peak_memory.get(k, 0))
+        row = {"step": event.get("step", 0), **self.memory}
+        if self.memory_history and self.memory_history[-1]["step"] == row["step"]:
+            self.memory_history[-1] = row  # the step's last sample stands for it
+        else:
+            self.memory_history.append(row)
+
     def _close_step(self, event: dict) -> None:
         spans, self._spans = self._spans, []
-        end = event["t"]
-        starts = [s["start"] for s in spans]
-        t0 = self._step_start if self._step_start is not None else min(starts, default=end)
+        end, first = event["t"], self._first_t
+        self._first_t = None
+        t0 = self._step_start
+        if t0 is None or first is not None and first - t0 > max(IDLE_GAP_S, end - first):
+            t0 = min([s["start"] for s in spans] + [first if first is not None else end])
         self._step_start = end
         comm = [(s["start"], s["end"]) for s in spans if s["type"] == "comm"]
         compute = [(s["start"], s["end"]) for s in spans if s["type"] == "compute"]
         share = comm_overlap(comm, compute)
         step = event.get("step", 0)
         self.overlap.append((step, share))
+        self.steps.append({"step": step, "duration_s": end - t0, "comm": _by_kind(spans)})
         timeline = spans[-MAX_TIMELINE_SPANS:]
         self.last_step = {
             "step": step, "duration_s": end - t0, "overlap": share,
@@ -79,9 +116,21 @@ class StepLog:
 
     def summary(self, max_points: int | None = None) -> dict:
         """A plain, JSON-able dict: what a rank publishes and what the panels draw."""
-        metrics, overlap = list(self.metrics), list(self.overlap)
-        if max_points is not None:
-            metrics, overlap = metrics[-max_points:], overlap[-max_points:]
-        return {"meta": dict(self.meta), "memory": dict(self.memory),
-                "peak_memory": dict(self.peak_memory), "last_step": self.last_step,
-                "metrics": metrics, "overlap": overlap}
+        out = {"meta": dict(self.meta), "memory": dict(self.memory),
+               "peak_memory": dict(self.peak_memory), "last_step": self.last_step}
+        for key in ("metrics", "overlap", "steps", "memory_history"):
+            rows = list(getattr(self, key))
+            out[key] = rows if max_points is None else rows[-max_points:]
+        out["metrics"] = [dict(m) for m in out["metrics"]]  # rows still grow in place
+        return out
+
+
+def _by_kind(spans: list) -> dict:
+    """{kind: [bytes, busy seconds]} of a step's collectives (busy: union of spans)."""
+    out: dict = {}
+    for s in spans:
+        if s["type"] == "comm":
+            out.setdefault(s["kind"], [0, []])
+            out[s["kind"]][0] += s["bytes"]
+            out[s["kind"]][1].append((s["start"], s["end"]))
+    return {k: [n, sum(e - s for s, e in merge(iv))] for k, (n, iv) in out.items()}
