@@ -1,8 +1,11 @@
 """`nbtrain report RUN_DIR -o report.png|report.html`: a torchrun run's telemetry, drawn.
 
 Replays each rank's JSONL file (written by `telemetry.start(run_dir)`) through the
-same `StepLog` the notebook uses and draws the same three panels: memory per rank,
-the last step's communication against compute with its hidden share, and the loss.
+same `StepLog` the notebook uses and draws the same panels as the live dashboard
+(`telemetry.panels`): step time and tokens/s per rank with the skew between ranks,
+loss with user metrics, grad norm, learning rate, hidden-comm share per step,
+memory over time, the model-state split, comm bytes and bandwidth by kind, and the
+last step's timeline; and prints one row of numbers per rank.
 """
 from __future__ import annotations
 
@@ -36,14 +39,22 @@ def load_run(run_dir: str) -> dict[int, dict]:
 
 
 def rank_table(summaries: dict) -> list[dict]:
-    """One row per rank: steps, last loss, median hidden share, peak memory."""
+    """One row per rank: steps, last loss, median step time, tokens/s and hidden share,
+    peak memory."""
+    from .panels import step_times
+
     rows = []
     for r, s in sorted(summaries.items()):
         shares = [o for _, o in s["overlap"] if o is not None]
         losses = [m["loss"] for m in s["metrics"] if m.get("loss") is not None]
+        times = step_times(s)
+        rates = [m["tokens"] / times[m["step"]] for m in s["metrics"]
+                 if m.get("tokens") and times.get(m["step"])]
         peak = s["peak_memory"]
         rows.append({"rank": r, "steps": len(s["overlap"]),
                      "last_loss": losses[-1] if losses else None,
+                     "step_ms_median": 1e3 * statistics.median(times.values()) if times else None,
+                     "tokens_per_s_median": statistics.median(rates) if rates else None,
                      "hidden_comm_median": statistics.median(shares) if shares else None,
                      # device memory on a GPU rank (the process RSS there is mostly
                      # the CUDA libraries), the process's RSS on a CPU rank
@@ -58,14 +69,16 @@ def _fmt(v, spec):
 
 
 def text_table(rows: list[dict]) -> str:
-    lines = ["rank  steps  last loss  hidden comm  peak MiB  model state MiB"]
+    lines = ["rank  steps  last loss  ms/step  tokens/s  hidden comm  peak MiB  model state MiB"]
     for row in rows:
         share = None if row["hidden_comm_median"] is None else 100 * row["hidden_comm_median"]
         lines.append(f"{row['rank']:>4}  {row['steps']:>5}  {_fmt(row['last_loss'], '9.4f')}  "
+                     f"{_fmt(row.get('step_ms_median'), '7.1f')}  "
+                     f"{_fmt(row.get('tokens_per_s_median'), '8.0f')}  "
                      f"{_fmt(share, '10.1f')}%  {row['peak_mib']:8.1f}  "
                      f"{row['model_state_mib']:15.2f}")
     kinds = {row.get("peak_kind", "rss") for row in rows}
-    lines.append("peak: " + " and ".join(
+    lines.append("ms/step and tokens/s: medians over steps; peak: " + " and ".join(
         {"cuda": "CUDA memory allocated (torch.cuda.max_memory_allocated)",
          "rss": "process resident memory (CPU rank)"}[k] for k in sorted(kinds)))
     return "\n".join(lines)

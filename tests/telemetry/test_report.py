@@ -29,6 +29,38 @@ def test_each_rank_writes_jsonl(run_dir):
         kinds = {e["type"] for e in events}
         assert {"compute", "comm", "metric", "memory", "step_end"} <= kinds
         assert [e["step"] for e in events if e["type"] == "step_end"] == [0, 1, 2, 3]
+        memory = [e for e in events if e["type"] == "memory"]
+        assert len(memory) == 4 and all(e["param_bytes"] > 0 and e["optimizer_bytes"] > 0
+                                        for e in memory)
+        metrics = {k for e in events if e["type"] == "metric" for k in e}
+        assert {"loss", "lr", "grad_norm", "step_time_s", "tokens", "val_loss"} <= metrics
+
+
+def test_report_draws_the_dashboard_panels_from_the_run(run_dir):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from nbtrain.telemetry import panels
+    from nbtrain.telemetry.report import load_run, rank_table
+
+    summaries = load_run(str(run_dir))
+    fig = panels.figure(summaries)
+    FigureCanvasAgg(fig).draw()
+    ax = {a.get_title().split(" (")[0]: a for a in fig.axes if a.get_title()}
+    lines = {t: [line.get_label() for line in a.lines] for t, a in ax.items()}
+    assert lines["step time per rank"][:2] == ["rank 0", "rank 1"]
+    assert "skew" in ax["step time per rank"].get_title()
+    assert lines["tokens/s per rank"] == ["rank 0", "rank 1"]
+    assert lines["loss and metrics"] == ["rank 0", "rank 1", "val_loss"]
+    assert lines["gradient norm"] == ["rank 0", "rank 1"]
+    assert ax["learning rate"].get_ylabel() == "learning rate"
+    assert len(ax["model state per rank"].collections) == 3
+    kinds = [t.get_text() for t in ax["communication by kind"].get_xticklabels()]
+    assert kinds == ["all\ngather", "all\nreduce", "reduce\nscatter"]  # all_reduce: grad norm
+    for a in fig.axes:
+        if a.get_xlabel() == "step":
+            assert all(float(t).is_integer() for t in a.get_xticks()), a.get_title()
+    rows = rank_table(summaries)
+    assert all(r["step_ms_median"] > 0 and r["tokens_per_s_median"] > 0 for r in rows)
 
 
 def test_report_renders_png_and_html(run_dir, tmp_path):
