@@ -1,0 +1,275 @@
+"""Every tutorial's and research notebook's rank code runs at world sizes 1, 2 and 3.
+
+The code is taken from the notebooks themselves: each `%%distributed` cell (its first
+line, the magic and its flags, dropped), and the script tutorial 05 writes with
+`%%writefile`. A `%nbtrain start` in a notebook-side cell opens a new session. Each
+session runs on real gloo ranks (`nbtrain.launch.run_ranks`) in one namespace per
+rank holding `torch` and `nbt`, as an engine's does. To keep it cheap, `range` in
+that namespace yields at most STEPS items, so every loop runs a few steps; every
+line still runs.
+
+What must hold at every world size is checked against the other world sizes: the
+global batch is the same, so the losses a notebook prints must agree (a tutorial
+that slices `rank() * 8` rows by hand trains on 8 rows at world 1 and on 16 at
+world 2; `test_a_hard_coded_per_rank_slice_is_caught` shows it fails). A tutorial
+whose global batch does not divide by 3 fails with the sampler's error. A static
+check also rejects rank() inside a subscript and a rank taking the global batch. `tutorials/06_kernels.ipynb` has no rank code (it runs in the
+notebook's own process); the test fails if a tutorial appears that is neither
+run here nor listed as rank-free.
+"""
+from __future__ import annotations
+
+import builtins
+import json
+import math
+import re
+import shlex
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+import nbtrain
+from ranks import run_ranks
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 4                    # every range() in rank code yields at most this many items
+WORLDS = (1, 2, 3)
+RTOL = 1e-4                  # losses at different world sizes: reduction order only
+RANK_FREE = {"tutorials/06_kernels.ipynb"}  # no %%distributed cell, no script
+PER_RANK = {"tutorials/03_overlap.ipynb"}    # results are timings: ranks differ
+
+
+def _source(cell) -> str:
+    src = cell["source"]
+    return src if isinstance(src, str) else "".join(src)
+
+
+def _targets(magic_line: str) -> str | None:
+    args = shlex.split(magic_line)[1:]
+    for i, arg in enumerate(args):
+        if arg in ("-t", "--targets"):
+            return args[i + 1]
+        if arg.startswith("--targets="):
+            return arg.partition("=")[2]
+    return None
+
+
+def sessions(path: Path) -> list[list[tuple[str | None, str]]]:
+    """The rank code of a notebook: a list of sessions, each a list of
+    (targets or None for every rank, cell source).
+
+    A `%%writefile` cell holding a script that calls `init_distributed` is a session
+    of its own (run as the script would be under torchrun).
+    """
+    out, current = [], []
+    for cell in json.loads(path.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        src = _source(cell)
+        first, _, body = src.partition("\n")
+        if first.startswith("%%distributed"):
+            current.append((_targets(first), body))
+        elif first.startswith("%%writefile") and "init_distributed" in body:
+            out.append([(None, body)])
+        elif re.search(r"^%nbtrain (re)?start\b", src, re.M) and current:
+            out.append(current)
+            current = []
+    if current:
+        out.append(current)
+    return out
+
+
+def _capped_range(*args):
+    r = builtins.range(*args)
+    return r[:STEPS]
+
+
+def _plain(value):
+    """A value that travels by torch.save without dragging tensors on a device."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(v) for v in value)
+    return value
+
+
+def _run_session(cells: list[tuple], results: list[str], tmp: str, argv: list[str]):
+    """On every rank: the cells in order in one namespace, then `results` evaluated
+    (every rank evaluates them: they may be collective)."""
+    from nbtrain.notebook.targets import select_ranks
+
+    tempfile.tempdir = tmp  # the notebooks' checkpoints and scripts stay in this test's folder
+    sys.argv = argv
+    ns = {"__name__": "__main__", "torch": torch, "nbt": nbtrain, "range": _capped_range}
+    for i, (targets, code) in enumerate(cells):
+        if targets is not None:
+            try:
+                ranks = select_ranks(targets, nbtrain.world_size())
+            except ValueError:  # `-t 1` at world 1: a rank the notebook's 2 have, not here
+                continue
+            if nbtrain.rank() not in ranks:
+                continue
+        exec(compile(code, f"<cell {i}>", "exec"), ns)
+    return {expr: _plain(eval(expr, ns)) for expr in results}
+
+
+def run_notebook(rel: str, worlds: tuple[int, ...], tmp: Path, results: list[list[str]],
+                 patch=None, ranks_agree: bool = True) -> list[dict]:
+    """Each session of `rel` on `worlds[i]` ranks; rank 0's results per session.
+
+    `results[i]` names the expressions evaluated after session i; with
+    `ranks_agree` every rank must get the same values (not so for timings).
+    `patch` rewrites each cell's source (used to show the test catches a
+    hard-coded slice).
+    """
+    code = sessions(ROOT / rel)
+    tmp.mkdir(parents=True, exist_ok=True)
+    assert len(code) == len(results) == len(worlds), (rel, len(code))
+    out = []
+    for i, (cells, exprs, world) in enumerate(zip(code, results, worlds)):
+        if patch is not None:
+            cells = [(t, patch(c)) for t, c in cells]
+        script = len(cells) == 1 and "sys.argv" in cells[0][1]
+        argv = ["train.py", str(tmp / "run")] if script else ["-"]
+        by_rank = run_ranks(_run_session, world, cells, exprs, str(tmp), argv, timeout_s=240)
+        for r, got in enumerate(by_rank[1:] if ranks_agree else [], 1):
+            assert _close(got, by_rank[0]), (rel, i, r, got, by_rank[0])
+        out.append(by_rank[0])
+    return out
+
+
+def _close(a, b, rtol=RTOL) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_close(a[k], b[k], rtol) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_close(x, y, rtol) for x, y in zip(a, b))
+    if isinstance(a, float):
+        return math.isfinite(a) and math.isclose(a, b, rel_tol=rtol, abs_tol=1e-6)
+    return a == b
+
+
+def _agree(name: str, runs: dict[int, object], rtol=RTOL):
+    base = runs[WORLDS[0]]
+    for world, got in runs.items():
+        assert _close(got, base, rtol), f"{name}: world {world} gives {got}, world {WORLDS[0]} {base}"
+
+
+# notebook -> (results per session, check(results by world))
+def _check_losses(*names):
+    def check(by_world):
+        for name in names:
+            _agree(name, {w: r[-1][name] for w, r in by_world.items()})
+    return check
+
+
+def _check_memory(by_world):
+    for world, (r,) in by_world.items():
+        res = r["results"]
+        ddp = res["ddp"]["model_state_bytes"]
+        full = res["ddp"]["parameter_bytes"]["full"]
+        assert res["ddp"]["parameter_bytes"]["resident"] == full, (world, res["ddp"])
+        for engine in ("zero2", "zero3"):  # 16 P / N, plus padding to a multiple of N
+            ratio = res[engine]["model_state_bytes"] * world / ddp
+            assert 0.99 < ratio < 1.01, (world, engine, ratio)
+            params = res[engine]["parameter_bytes"]
+            assert params["full"] == full and params["gathered"] == 0, (world, engine, params)
+            assert 1.0 <= params["resident"] * world / full < 1.01, (world, engine, params)
+        layers = 4  # the small preset: ZeRO-2 keeps all of them until backward
+        assert res["zero3"]["gathered_blocks_peak"] == min(2, layers), (world, res["zero3"])
+        assert res["zero2"]["gathered_blocks_peak"] == layers, (world, res["zero2"])
+        assert res["ddp"]["gathered_blocks_peak"] == 0, (world, res["ddp"])
+
+
+def _check_overlap(by_world):
+    for world, (r,) in by_world.items():
+        for name, res in r["results"].items():
+            assert math.isfinite(res["step_ms"]) and 0.0 <= res["hidden"] <= 1.0, (world, name, res)
+            assert res["timeline"]["compute"] and res["timeline"]["comm"], (world, name)
+
+
+def _check_resume(by_world):
+    _agree("reference", {w: r[0]["reference"] for w, r in by_world.items()})
+    for world, (first, second) in by_world.items():  # resharded W -> W % 3 + 1 ranks
+        assert _close(second["resumed"][:len(first["reference"])], first["reference"]), \
+            (world, first, second)
+
+
+NOTEBOOKS = {
+    "tutorials/01_quickstart.ipynb": ([["before", "after", "step"]], _check_losses("before", "after")),
+    "tutorials/02_zero_levels_and_memory.ipynb": ([["results"]], _check_memory),
+    "tutorials/03_overlap.ipynb": ([["results"]], _check_overlap),
+    "tutorials/04_checkpoints_and_resume.ipynb": ([["reference"], ["resumed"]], _check_resume),
+    "tutorials/05_notebook_to_script.ipynb": ([["nbt.sum_loss(loss).item()"]],
+                                              _check_losses("nbt.sum_loss(loss).item()")),
+    "tutorials/07_migrating_from_bmtrain.ipynb": ([["bmt.sum_loss(loss).item()"]],
+                                                  _check_losses("bmt.sum_loss(loss).item()")),
+    "notebooks/pretraining.ipynb": ([["val_loss()", "step"]], _check_losses("val_loss()", "step")),
+}
+
+
+def test_every_tutorial_is_run_here_or_has_no_rank_code():
+    found = {str(p.relative_to(ROOT)) for d in ("tutorials", "notebooks")
+             for p in (ROOT / d).glob("*.ipynb")}
+    for rel in sorted(found - set(NOTEBOOKS)):
+        if rel in RANK_FREE:
+            assert sessions(ROOT / rel) == [], f"{rel} has rank code now: add it to NOTEBOOKS"
+        elif rel != "notebooks/benchmark.ipynb":  # runs `nbtrain bench`, tested in test_bench_smoke
+            pytest.fail(f"{rel} is not run at world sizes 1, 2, 3: add it to NOTEBOOKS")
+    for rel in NOTEBOOKS:
+        assert sessions(ROOT / rel), f"{rel}: no rank code found"
+
+
+@pytest.mark.parametrize("rel", list(NOTEBOOKS))
+def test_rank_code_runs_at_world_sizes_1_2_3(rel, tmp_path):
+    results, check = NOTEBOOKS[rel]
+    by_world = {}
+    for world in WORLDS:
+        worlds = (world,) if len(results) == 1 else (world, world % 3 + 1)
+        by_world[world] = run_notebook(rel, worlds, tmp_path / f"w{world}", results,
+                                       ranks_agree=rel not in PER_RANK)
+    check(by_world)
+
+
+HARD_CODED = "(t[nbt.rank() * 8:(nbt.rank() + 1) * 8] for t in sampler.batch(step))"
+
+
+def test_a_hard_coded_per_rank_slice_is_caught(tmp_path):
+    """What the world-size test catches: tutorial 07 with `rank() * 8` rows of the
+    24-row batch instead of `local_batch` trains on 8 rows at world 1 and 16 at
+    world 2, so its losses disagree."""
+    rel = "tutorials/07_migrating_from_bmtrain.ipynb"
+    original = "x, y = sampler.local_batch(step)"
+    assert any(original in code for _, code in sessions(ROOT / rel)[0])
+    patch = lambda code: code.replace(original, "x, y = " + HARD_CODED)  # noqa: E731
+    results, check = NOTEBOOKS[rel]
+    by_world = {w: run_notebook(rel, (w,), tmp_path / f"w{w}", results, patch=patch)
+                for w in (1, 2)}
+    with pytest.raises(AssertionError, match="world 2 gives"):
+        check(by_world)
+    assert static_problems(patch(original))  # and the static check names it
+
+
+def static_problems(code: str) -> list[str]:
+    """Per-rank slices taken by hand: rank() inside a subscript, or the global batch
+    (`.batch(`) of a sampler where `local_batch` gives this rank's rows on its device."""
+    out = []
+    for line in code.splitlines():
+        if re.search(r"[\w)\]]\[[^\]]*rank\(\)", line):  # x[... rank() ...], not [rank()]
+            out.append(f"slices by rank(): {line.strip()}")
+        if re.search(r"\bsampler\.batch\(|\b(train|val)\.batch\(", line):
+            out.append(f"global batch on a rank: {line.strip()}")
+    return out
+
+
+@pytest.mark.parametrize("rel", list(NOTEBOOKS))
+def test_rank_code_takes_its_rows_from_local_batch(rel):
+    code = [c for session in sessions(ROOT / rel) for _, c in session]
+    problems = [p for c in code for p in static_problems(c)]
+    assert not problems, f"{rel}: " + "; ".join(problems)
+    if any("BatchSampler(" in c for c in code):
+        assert any(".local_batch(" in c for c in code), rel
