@@ -1,4 +1,13 @@
-"""The live dashboard: memory per rank, last step's comm vs compute, loss curve.
+"""The live dashboard: a table of numbers per rank above the telemetry panels.
+
+The panels (`nbtrain.telemetry.panels`, the same as `nbtrain report`): step time
+per rank with the skew between ranks, tokens/s, loss with user metrics, grad norm,
+learning rate, hidden-comm share per step, memory per rank over time, the model
+state split into parameters, gradients and optimizer state, bytes and bandwidth by
+collective kind, and the last step's comm-vs-compute timeline.
+
+Progress is not drawn here: rank 0's `nbtrain.progress` bar already prints in the
+cell's output, and a second bar in the dashboard showed the same thing twice.
 
 It observes and owns no training state: it reads what the engines publish with
 ipyparallel's data publication (`telemetry.publish_to_notebook`, a few times a
@@ -13,7 +22,7 @@ import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from ..telemetry.panels import MAX_RANKS_SHOWN, png_bytes
+from ..telemetry.panels import MAX_RANKS_SHOWN, png_bytes, step_times
 
 MAX_HISTORY = 5000  # metric points kept per rank in the notebook
 
@@ -47,12 +56,8 @@ class Dashboard:
         self.redraw_s = redraw_s
         self.summaries: dict[int, dict] = {}
         self.header = w.HTML(value="<i>waiting for telemetry from the ranks...</i>")
-        self.progress = w.IntProgress(value=0, min=0, max=1, description="rank 0",
-                                      layout=w.Layout(display="none", width="60%"))
-        self.progress_text = w.HTML()
         self.image = w.Image(format="png", layout=w.Layout(max_width="100%"))
-        self.widget = w.VBox([w.HBox([self.progress, self.progress_text]), self.header,
-                              self.image])
+        self.widget = w.VBox([self.header, self.image])
         self.redraws = 0
         self._last_redraw = 0.0
         self._dirty = False
@@ -83,7 +88,7 @@ class Dashboard:
             self._seen[rank] = new.get("seq")
             old = self.summaries.get(rank, {})
             merged = dict(new)
-            for key in ("metrics", "overlap"):
+            for key in ("metrics", "overlap", "steps", "memory_history"):
                 merged[key] = _merge_by_step(old.get(key, []), new.get(key, []))
             self.summaries[rank] = merged
             self._dirty = True
@@ -122,35 +127,23 @@ class Dashboard:
         for rank, s in sorted(self.summaries.items()):
             last = s.get("last_step") or {}
             losses = [m["loss"] for m in s.get("metrics", []) if m.get("loss") is not None]
+            times = step_times(s)
             mem = s.get("memory") or {}
             rows.append((rank, s.get("step", 0), losses[-1] if losses else None,
-                         last.get("overlap"),
+                         times[max(times)] * 1e3 if times else None, last.get("overlap"),
                          mem.get("cuda_allocated_bytes", mem.get("rss_bytes"))))
         if len(rows) > MAX_RANKS_SHOWN:
             rows = _aggregate(rows)
         cells = "".join(
             f"<tr><td>{r}</td><td>{step}</td><td>{_fmt(loss, '.4f')}</td>"
+            f"<td>{_fmt(ms, '.1f')} ms</td>"
             f"<td>{_fmt(None if ov is None else 100 * ov, '.0f')}%</td>"
             f"<td>{_fmt(None if mem is None else mem / 2**20, '.0f')} MiB</td></tr>"
-            for r, step, loss, ov, mem in rows)
+            for r, step, loss, ms, ov, mem in rows)
         self.header.value = ("<table style='font-family:monospace'><tr><th>rank</th>"
-                             "<th>step</th><th>loss</th><th>hidden comm</th><th>memory</th>"
+                             "<th>step</th><th>loss</th><th>step time</th>"
+                             "<th>hidden comm</th><th>memory</th>"
                              f"</tr>{cells}</table>")
-        self._update_progress()
-
-    def _update_progress(self) -> None:
-        lead = self.summaries.get(min(self.summaries))
-        prog = (lead or {}).get("progress")
-        if not prog:
-            return
-        self.progress.layout.display = None
-        self.progress.max = max(int(prog.get("total") or prog["n"] or 1), 1)
-        self.progress.value = min(int(prog["n"]), self.progress.max)
-        self.progress.description = prog.get("desc") or "rank 0"
-        total = prog.get("total")
-        rate = prog.get("rate")
-        self.progress_text.value = (f"{prog['n']}/{total if total else '?'}"
-                                    + (f" ({rate:.2f} it/s)" if rate else ""))
 
 
 def _warm_up() -> None:
@@ -166,7 +159,7 @@ def _aggregate(rows):
     out = []
     for name, pick in (("min", min), ("median", statistics.median_low), ("max", max)):
         cols = []
-        for i in range(1, 5):
+        for i in range(1, 6):
             vals = [row[i] for row in rows if row[i] is not None]
             cols.append(pick(vals) if vals else None)
         out.append((name, *cols))

@@ -16,18 +16,24 @@ from nbtrain.models import GPT, GPTConfig
 from nbtrain import progress
 from nbtrain import telemetry
 torch.set_num_threads(1)
-cfg = GPTConfig(hidden=32, heads=4, layers=3, seq_len=16, vocab_size=64)
-model = nbt.wrap(GPT(cfg), zero_level=3)
-opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+cfg = GPTConfig.preset("tiny")
+model = nbt.wrap(GPT(cfg), zero_level=3)   # ZeRO-3: each rank holds half of every block
+opt = nbt.optim.AdamOptimizer(model.parameters(), lr=3e-3)
+optim = nbt.optim.OptimManager(loss_scale=None)
+optim.add_optimizer(opt, nbt.lr_scheduler.Cosine(opt, 3e-3, 4, STEPS))
 telemetry.watch(model, opt)
-x = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(nbt.rank()))""",
+x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1),
+                  generator=torch.Generator().manual_seed(nbt.rank()))""".replace("STEPS", str(STEPS)),
     f"""%%distributed --dashboard
 for step in progress(range({STEPS}), desc="train"):
-    loss = model.loss(x[:, :-1], x[:, 1:])
-    opt.zero_grad()
-    loss.backward()
-    opt.step()
-    telemetry.metric(loss=loss.detach(), lr=opt.param_groups[0]["lr"], loss_scale=1.0)
+    optim.zero_grad()
+    optim.backward(model.loss(x[:, :-1], x[:, 1:]))
+    optim.clip_grad_norm(1.0)
+    if step % 4 == 3:
+        with torch.no_grad():
+            telemetry.metric(val_loss=model.loss(x[:, :-1], x[:, 1:]))
+    telemetry.metric(tokens=x[:, :-1].numel())
+    optim.step()    # records loss, lr, grad norm and step time; ends the step
     time.sleep(0.25)  # a step long enough to watch: the dashboard must move meanwhile""",
     "%nbtrain dashboard",
     "%nbtrain stop",
