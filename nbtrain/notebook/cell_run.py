@@ -12,6 +12,7 @@ import sys
 import time
 
 from .errors import RESTART_HINT, CellTimeoutError, RankDiedError, RankError
+from .recover import abort_from_notebook, recover_group
 
 _POLL_S = 0.05           # output latency; an empty cell returns as soon as it is done
 _DEATH_CHECK_S = 0.5     # how often engine processes are checked while a cell runs
@@ -122,8 +123,11 @@ def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: 
     start = now if started is None else started
     give_up = None if patience_s is None else now + patience_s
     next_check = now + _DEATH_CHECK_S
-    try:
-        while not ar.wait(0 if patience_s == 0 else _POLL_S):
+    interrupted = False
+    while True:
+        try:
+            if ar.wait(0 if patience_s == 0 else _POLL_S):
+                break
             printer.flush()
             if on_poll is not None:
                 on_poll(ranks, ar._metadata, False)
@@ -135,16 +139,44 @@ def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: 
                 _on_timeout(cluster, ar, ranks, timeout_s, printer)
             if give_up is not None and now >= give_up:
                 return None
-    except KeyboardInterrupt:
-        _on_interrupt(cluster, ar, ranks, printer)
-        raise
+        except KeyboardInterrupt:
+            if not interrupted:
+                # First stop: a loop in nbtrain.progress ends at a step boundary every
+                # rank agrees on; other code raises KeyboardInterrupt, and recovery
+                # makes the ranks waiting on it fail too. Keep following the cell.
+                interrupted = True
+                cluster.interrupt(_busy(ar, ranks))
+                print("nbtrain: interrupting the ranks (training loops in nbtrain.progress stop "
+                      "at the next agreed step; interrupt again to stop at once)",
+                      file=sys.stderr, flush=True)
+                continue
+            _on_interrupt(cluster, ar, ranks, printer)
+            if not _busy(ar, ranks):
+                _finish_failed(cluster, ar, ranks)
+            raise
     ar.wait_for_output(1.0)
     printer.flush(final=True)
     if on_poll is not None:
         on_poll(ranks, ar._metadata, True)
     _raise_if_dead(cluster, ranks, printer)
-    _raise_rank_errors(ar, ranks)
+    _finish_failed(cluster, ar, ranks)
+    if interrupted:
+        print("nbtrain: every rank stopped cleanly; the cell finished", file=sys.stderr, flush=True)
     return ar
+
+
+def _failed_ranks(ar, ranks: list[int]) -> list[int]:
+    return [r for r, md in zip(ranks, ar._metadata)
+            if md.get("status") not in (None, "ok") and md.get("error") is not None]
+
+
+def _finish_failed(cluster, ar, ranks: list[int]) -> None:
+    """If any rank raised: rebuild the process group on every rank, then raise the
+    ranks' errors, the rank that failed first leading."""
+    if not _failed_ranks(ar, ranks):
+        return
+    origin = recover_group(cluster)
+    _raise_rank_errors(ar, ranks, origin)
 
 
 def busy_ranks(ar, ranks: list[int]) -> list[int]:
@@ -165,31 +197,39 @@ def _raise_if_dead(cluster, ranks: list[int], printer: RankOutput) -> None:
 
 def _on_timeout(cluster, ar, ranks, timeout_s, printer) -> None:
     busy = _busy(ar, ranks)
-    cluster.interrupt(busy)
-    ar.wait(_INTERRUPT_GRACE_S)
-    printer.flush(final=True)
-    stuck = _busy(ar, ranks)
-    if stuck:
-        cluster.mark_stuck(ar)
+    stuck = _stop(cluster, ar, ranks, printer, f"the cell timed out after {timeout_s:g} s")
+    if not stuck:
+        recover_group(cluster)
     raise CellTimeoutError(timeout_s, busy, stuck)
 
 
 def _on_interrupt(cluster, ar, ranks, printer) -> None:
-    busy = _busy(ar, ranks)
-    cluster.interrupt(busy)
+    stuck = _stop(cluster, ar, ranks, printer, "interrupted from the notebook")
+    if stuck:
+        print(f"rank(s) {', '.join(map(str, stuck))} did not stop, even with their collectives "
+              f"aborted. {RESTART_HINT}", file=sys.stderr)
+
+
+def _stop(cluster, ar, ranks, printer, reason: str) -> list[int]:
+    """Interrupt the busy ranks; abort the collectives of any that stay blocked.
+
+    Returns the ranks still running after both (only a restart frees those).
+    """
+    cluster.interrupt(_busy(ar, ranks))
     try:
         ar.wait(_INTERRUPT_GRACE_S)
-    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting for the ranks
+        if _busy(ar, ranks) and abort_from_notebook(cluster, reason):
+            ar.wait(_INTERRUPT_GRACE_S)  # blocked in a collective: SIGINT waits for it
+    except KeyboardInterrupt:  # another Ctrl-C: stop waiting for the ranks
         pass
     printer.flush(final=True)
     stuck = _busy(ar, ranks)
     if stuck:
         cluster.mark_stuck(ar)
-        print(f"rank(s) {', '.join(map(str, stuck))} did not stop: a rank blocked in a collective "
-              f"cannot be interrupted. {RESTART_HINT}", file=sys.stderr)
+    return stuck
 
 
-def _raise_rank_errors(ar, ranks: list[int]) -> None:
+def _raise_rank_errors(ar, ranks: list[int], origin: int | None = None) -> None:
     tracebacks, summaries = {}, {}
     for r, md in zip(ranks, ar._metadata):
         err = md.get("error")
@@ -198,4 +238,4 @@ def _raise_rank_errors(ar, ranks: list[int]) -> None:
         summaries[r] = f"{err.ename}: {err.evalue}"
         tracebacks[r] = trim_traceback((err.traceback or "").splitlines())
     if tracebacks:
-        raise RankError(tracebacks, summaries)
+        raise RankError(tracebacks, summaries, origin=origin)

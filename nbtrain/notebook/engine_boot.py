@@ -71,8 +71,58 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float) -> dict:
 
     ctx = nbtrain.init_distributed(backend=backend, timeout=pg_timeout_s)
     nbtrain.telemetry.publish_to_notebook()  # feeds the dashboard while cells run
-    get_ipython().user_ns.update({"torch": torch, "nbt": nbtrain})
+    shell = get_ipython()
+    shell.user_ns.update({"torch": torch, "nbt": nbtrain})
+    from nbtrain.comm import recovery
+
+    if recovery.arm(pg_timeout_s):
+        shell.set_custom_exc((BaseException,), _cell_failed)
     return {"rank": ctx.rank, "device": str(ctx.device)}
+
+
+def _cell_failed(shell, etype, value, tb, tb_offset=None):
+    """IPython's handler for an exception in a cell on this engine.
+
+    Tells the other ranks (their pending collectives fail within a second, see
+    nbtrain.comm.recovery), notes on the exception why this rank stopped and whether
+    a training step was cut half way, then shows the traceback as IPython would.
+    The client rebuilds the process group once every rank has finished the cell.
+    """
+    from nbtrain.comm import recovery
+
+    summary = f"{etype.__name__}: {value}".splitlines()[0][:200]
+    phase = recovery.interrupted_phase()
+    origin = recovery.fail(summary)
+    notes = []
+    who, _, why = (origin or "").partition(": ")
+    if who.startswith("rank") and who != f"rank {recovery.rank()}":
+        notes.append(f"nbtrain: this rank stopped because {who} failed ({why}); "
+                     "its collectives were aborted.")
+    elif who == "the notebook":
+        notes.append(f"nbtrain: the notebook aborted this rank's collectives ({why}).")
+    if phase is not None:
+        notes.append(f"nbtrain: the step was interrupted half way, during {phase}: "
+                     "parameters or optimizer state may be partly updated. Reload a "
+                     "checkpoint (nbtrain.load_checkpoint) before training on.")
+    # What showtraceback does, with the notes appended (IPython before 8.15 drops
+    # an exception's __notes__ from the traceback it shows).
+    stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    shell._showtraceback(etype, value, stb + notes)
+    return None
+
+
+def rebuild() -> dict:
+    """After a failed cell: a fresh process group on every rank (collective).
+
+    Returns:
+        {"origin": "rank R: summary" of the rank that failed first, or None;
+         "phase": the step phase a failure cut through, or None}.
+    """
+    from nbtrain.comm import recovery
+
+    origin, phase = recovery.failed_first(), recovery.interrupted_phase()
+    recovery.rebuild()
+    return {"origin": origin, "phase": phase}
 
 
 def stats() -> dict:

@@ -19,15 +19,31 @@ class NoClusterError(DistributedError):
 
 
 class RankError(DistributedError):
-    """One or more ranks raised. `tracebacks` maps rank -> remote traceback lines."""
+    """One or more ranks raised. `tracebacks` maps rank -> remote traceback lines.
 
-    def __init__(self, tracebacks: dict[int, list[str]], summaries: dict[int, str]):
-        self.ranks = sorted(tracebacks)
+    `origin` is the rank that failed first, when the others only stopped because of
+    it (their collectives were aborted): its error is listed and shown first.
+    """
+
+    def __init__(self, tracebacks: dict[int, list[str]], summaries: dict[int, str],
+                 origin: int | None = None):
+        ranks = sorted(tracebacks)
+        if origin in tracebacks:
+            ranks.remove(origin)
+            ranks.insert(0, origin)
+        self.ranks, self.origin = ranks, origin
         self.tracebacks = tracebacks
-        names = ", ".join(str(r) for r in self.ranks)
-        lines = [f"{'rank' if len(self.ranks) == 1 else 'ranks'} {names} raised:"]
-        for r in self.ranks:
-            lines.append(f"[rank {r}] {summaries[r]}")
+        if origin in tracebacks and len(ranks) > 1:
+            others = ", ".join(str(r) for r in ranks[1:])
+            lines = [f"rank {origin} raised, and rank(s) {others} stopped because of it:"]
+        else:
+            names = ", ".join(str(r) for r in ranks)
+            lines = [f"{'rank' if len(ranks) == 1 else 'ranks'} {names} raised:"]
+        for r in ranks:
+            summary = summaries[r]
+            if origin in tracebacks and r != origin and len(summary) > 120:
+                summary = summary[:117] + "..."  # a consequence: its traceback has it all
+            lines.append(f"[rank {r}] {summary}")
         message = "\n".join(lines)
         super().__init__(message)
 

@@ -105,6 +105,10 @@ class NbtrainMagics(Magics):
     @argument("--timeout", type=float, default=None,
               help="start: seconds to wait for the engines to register and rendezvous "
                    "(default 120); wait: seconds to wait for the cell (default: until done)")
+    @argument("--pg-timeout", type=float, default=None, metavar="S",
+              help="start: torch.distributed timeout in seconds for a collective that a "
+                   "peer never joins (default 600); a failing rank aborts the others' "
+                   "collectives at once, so this only bounds true deadlocks")
     @argument("--ip", default="127.0.0.1",
               help="start: address the controller listens on (loopback by default)")
     @argument("-t", "--targets", default=None,
@@ -115,7 +119,7 @@ class NbtrainMagics(Magics):
 
         Actions:
           start      start N ranks with torch.distributed ready (-n, --backend,
-                     --launcher, --timeout, --ip); keeps a running cluster
+                     --launcher, --timeout, --pg-timeout, --ip); keeps a running cluster
           stop       stop every process of the cluster
           restart    fresh ranks with empty namespaces (-n N to change the count)
           status     one line per rank: pid, host, device, memory, step, loss, state
@@ -136,6 +140,9 @@ class NbtrainMagics(Magics):
         """
         args = parse_argstring(self.nbtrain, line)
         _check_n(args.n)
+        if args.pg_timeout is not None and args.pg_timeout <= 0:
+            raise UsageError(f"--pg-timeout {args.pg_timeout:g}: give a positive number of "
+                             "seconds, e.g. --pg-timeout 120")
         if args.action in ("pull", "push") and not args.names:
             example = "pull loss" if args.action == "pull" else "push lr batch_size"
             raise UsageError(f"%nbtrain {args.action}: name the variable(s), "
@@ -154,8 +161,9 @@ class NbtrainMagics(Magics):
                   "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")
             return
         timeout = _START_TIMEOUT_S if args.timeout is None else args.timeout
+        extra = {} if args.pg_timeout is None else {"pg_timeout_s": args.pg_timeout}
         _current = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
-                           controller_ip=args.ip, start_timeout_s=timeout).start()
+                           controller_ip=args.ip, start_timeout_s=timeout, **extra).start()
         devices = sorted({r["device"] for r in _current.ranks})
         print(f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
               f"({_current.launcher} launcher, id {_current.cluster_id})")

@@ -5,7 +5,9 @@ kernel, tqdm's widget. On an nbtrain engine the bar is drawn in the notebook by
 the dashboard from what rank 0 publishes, and rank 0 also prints a text bar at
 most every `print_s` seconds (one line each, labelled `[rank 0]`). The other
 ranks iterate silently. Each iteration closes a telemetry step if the loop body
-did not (OptimManager.step does), and the bar shows the last recorded loss.
+did not (OptimManager.step does), and the bar shows the last recorded loss. The
+first interrupt (Ctrl-C, the notebook's stop button) ends the loop on every rank at
+the same step boundary; a second one interrupts at once.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import sys
 import time
 
 from .. import telemetry
+from ..comm import recovery
 
 
 def _rank() -> int:
@@ -79,13 +82,25 @@ def progress(iterable=None, total: int | None = None, desc: str = "train", rank:
 
 
 def _steps(iterable, bar):
-    """Yield items; after each loop body, close the telemetry step if nobody did."""
-    for item in iterable:
-        step = telemetry.RECORDER.step
-        yield item
-        if telemetry.RECORDER.step == step:
-            telemetry.next_step()
-        if bar is not None:
-            losses = telemetry.RECORDER.log.metrics
-            if losses and losses[-1].get("loss") is not None:
-                bar.set_postfix(loss=f"{losses[-1]['loss']:.4f}", refresh=False)
+    """Yield items; after each loop body, close the telemetry step if nobody did.
+
+    Honours a graceful stop (nbtrain.comm.recovery): the first interrupt ends the
+    loop on every rank at the same step boundary, the second interrupts at once.
+    """
+    with recovery.graceful_stop():
+        for n, item in enumerate(iterable):
+            if recovery.stop_requested(n):
+                print(f"nbtrain: stopped before step {n} (graceful stop)", flush=True)
+                return
+            yield from _one_step(item, bar)
+
+
+def _one_step(item, bar):
+    step = telemetry.RECORDER.step
+    yield item
+    if telemetry.RECORDER.step == step:
+        telemetry.next_step()
+    if bar is not None:
+        losses = telemetry.RECORDER.log.metrics
+        if losses and losses[-1].get("loss") is not None:
+            bar.set_postfix(loss=f"{losses[-1]['loss']:.4f}", refresh=False)

@@ -1,0 +1,123 @@
+"""Failures keep the ranks' work: a rank that raises, an interrupt, a blocked rank.
+
+On 3 real gloo ranks in a real IPython shell. After each failure the next cell's
+collectives work and every rank's namespace still holds what it held before (see
+nbtrain/comm/recovery.py and nbtrain/notebook/recover.py).
+"""
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+for _needed in ("IPython", "ipyparallel"):
+    pytest.importorskip(_needed)
+from IPython.utils.capture import capture_output
+
+from nbtrain import CellTimeoutError, RankError
+from nbtrain.notebook import magics
+
+from procs import wait_gone
+
+pytestmark = pytest.mark.timeout(240)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def run(ipython, cell, line=""):
+    with capture_output() as cap:
+        ipython.run_cell_magic("distributed", line, cell)
+    return cap.stdout + cap.stderr
+
+
+@pytest.fixture(scope="module")
+def cluster(ipython):
+    ipython.run_line_magic("nbtrain", "start -n 3 --backend gloo --timeout 90 --pg-timeout 300")
+    cluster = magics.current_cluster()
+    run(ipython, "kept = nbt.rank() * 10 + 7")  # set before any failure
+    yield cluster
+    pids = cluster.pids()
+    ipython.run_line_magic("nbtrain", "stop")
+    assert wait_gone(pids) == []  # no orphans
+
+
+def still_works(ipython):
+    """The next cell's all_reduce works and the earlier variable holds on every rank."""
+    out = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
+                       "print('sum', x.item(), 'kept', kept)")
+    for r in range(3):
+        assert f"[rank {r}] sum 6.0 kept {r * 10 + 7}" in out, out
+
+
+def interrupt_after(seconds):
+    """What the stop button does: SIGINT to the notebook's process."""
+    threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT)).start()
+
+
+def test_a_rank_raising_mid_collective_fails_the_cell_fast_and_keeps_work(ipython, cluster):
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run(ipython, "import time\nif nbt.rank() == 1:\n    time.sleep(0.5)\n"
+                     "    raise ValueError('bad batch on rank 1')\n"
+                     "torch.distributed.all_reduce(torch.ones(1))")
+    assert time.monotonic() - start < 15
+    error = info.value
+    assert error.ranks[0] == 1 and error.origin == 1  # the raising rank comes first
+    assert str(error).startswith("rank 1 raised, and rank(s) 0, 2 stopped because of it")
+    rendered = ANSI.sub("", "\n".join(error._render_traceback_()))
+    assert rendered.index("--- rank 1 ---") < rendered.index("--- rank 0 ---")
+    assert "ValueError: bad batch on rank 1" in rendered
+    assert "this rank stopped because rank 1 failed" in rendered, rendered
+    still_works(ipython)
+
+
+def test_interrupt_during_a_loop_of_collectives_stops_every_rank(ipython, cluster):
+    interrupt_after(2.0)
+    start = time.monotonic()
+    with pytest.raises(RankError) as info:
+        run(ipython, "x = torch.ones(4)\nfor i in range(10**7):\n"
+                     "    torch.distributed.all_reduce(x)\n    x.fill_(1)")
+    assert time.monotonic() - start < 15
+    assert "KeyboardInterrupt" in str(info.value)
+    still_works(ipython)
+
+
+def test_progress_loop_stops_gracefully_at_the_same_step(ipython, cluster):
+    interrupt_after(3.0)
+    out = run(ipython, "done = -1\nx = torch.ones(1)\n"
+                       "for step in nbt.progress(range(10**6), print_s=60):\n"
+                       "    torch.distributed.all_reduce(x)\n    x.fill_(1)\n    done = step\n"
+                       "print('after the loop', done)")
+    assert "every rank stopped cleanly" in out
+    steps = {int(m) for m in re.findall(r"after the loop (\d+)", out)}
+    assert len(steps) == 1 and steps.pop() > 0, out  # all three at one step boundary
+    assert out.count("after the loop") == 3
+    still_works(ipython)
+
+
+def test_an_optimizer_step_cut_half_way_says_so(ipython, cluster):
+    with pytest.raises(RankError) as info:
+        run(ipython, "class HalfStep(torch.optim.SGD):\n"
+                     "    def step(self, closure=None):\n"
+                     "        super().step(closure)\n"
+                     "        if nbt.rank() == 2:\n"
+                     "            raise RuntimeError('power cut in the update')\n"
+                     "w = torch.nn.Parameter(torch.ones(2))\nw.grad = torch.ones(2)\n"
+                     "HalfStep([w], lr=0.1).step()\n"
+                     "torch.distributed.barrier()")
+    assert info.value.origin == 2
+    rendered = ANSI.sub("", "\n".join(info.value._render_traceback_()))
+    assert "the step was interrupted half way, during HalfStep.step()" in rendered
+    assert "Reload a checkpoint" in rendered
+    still_works(ipython)
+
+
+def test_a_rank_blocked_alone_in_a_collective_is_freed_by_the_timeout(ipython, cluster):
+    start = time.monotonic()
+    with pytest.raises(CellTimeoutError) as info:
+        run(ipython, "torch.distributed.barrier()", "-t 0 --timeout 1")
+    assert time.monotonic() - start < 15
+    assert info.value.busy == [0] and info.value.stuck == []
+    assert "the cluster is usable" in str(info.value)
+    still_works(ipython)
