@@ -105,7 +105,8 @@ def next_step() -> int:
 def watch(model=None, optimizer=None) -> None:
     """Count `model`'s parameters and grads and `optimizer`'s state in memory samples.
 
-    Held by weak reference: watching keeps nothing alive.
+    Held by weak reference: watching keeps nothing alive. The model's unsharded size
+    is counted once here (call `watch` again after changing the model).
     """
     io.WATCHED.set(model, optimizer)
 
@@ -116,7 +117,8 @@ def sample_memory(model=None, optimizer=None) -> dict:
     CUDA allocated/reserved/peak bytes when CUDA is in use; process RSS; and the
     bytes this rank holds of `model`/`optimizer` (or of those given to `watch`):
     `param_bytes` (parameter shards), `grad_bytes`, `optimizer_bytes` and their sum
-    `model_state_bytes`. One sample closes every step, so the panels draw memory over
+    `model_state_bytes`; and with `watch(model)`, `full_param_bytes`, the whole model's
+    parameters unsharded. One sample closes every step, so the panels draw memory over
     time.
     """
     sample = io.memory_sample(model, optimizer)

@@ -48,7 +48,8 @@ def draw_memory(ax, summaries: dict) -> None:
 
 def draw_model_state(ax, summaries: dict) -> None:
     """One rank's parameter shards, gradients and optimizer state, stacked, over steps;
-    a line of each other rank's total (or the min-max band above 8 ranks)."""
+    a line of each other rank's total (or the min-max band above 8 ranks), and a dashed
+    line at the whole model's parameters (what one unsharded process would hold)."""
     totals = _memory_series(summaries, "model_state_bytes")
     ax.set_title("model state per rank")
     if not any(totals.values()):
@@ -68,6 +69,10 @@ def draw_model_state(ax, summaries: dict) -> None:
         if len(others) <= MAX_RANKS_SHOWN:
             for line in ax.lines[-len(others):]:
                 line.set_label(f"{line.get_label()} total")
+    full = [m["full_param_bytes"] for m in rows if m.get("full_param_bytes")]
+    if full:  # beside the rank's parameter shard, the whole model shows the sharding
+        ax.axhline(full[-1] / MIB, color=STATE_COLOR, ls="--", lw=1.2,
+                   label="whole model's parameters")
     ax.set_ylabel("MiB held by the rank")
     ax.set_ylim(bottom=0)
     step_axis(ax)
@@ -150,6 +155,10 @@ def draw_timeline(ax, summaries: dict) -> None:
         hidden = "n/a" if st["overlap"] is None else f"{100 * st['overlap']:.0f}%"
         ax.text(1.0, y, f" {hidden} hidden", transform=ax.get_yaxis_transform(),
                 va="center", fontsize="small")
+    spans = [span for _, r in rows for span in steps[r]["compute"] + steps[r]["comm"]]
+    if spans:  # time before the first span (data loading, a sleep) would squeeze the bars
+        first, last = min(s[0] for s in spans), max(s[1] for s in spans)
+        ax.set_xlim(first - 0.02 * (last - first), last + 0.02 * (last - first))
     ax.set_yticks(range(len(rows)), [f"{label}\nstep {steps[r]['step']}" for label, r in rows],
                   fontsize="small")
     ax.set_ylim(len(rows) - 0.5, -0.5)

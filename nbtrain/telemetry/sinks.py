@@ -43,14 +43,37 @@ class _Watched:
 
     def __init__(self):
         self.model = self.optimizer = None
+        self.full_param_bytes: int | None = None
 
     def set(self, model, optimizer) -> None:
         self.model = weakref.ref(model) if model is not None else None
         self.optimizer = weakref.ref(optimizer) if optimizer is not None else None
+        # Counted once: the panels draw it beside this rank's shard, so sharding shows.
+        self.full_param_bytes = full_param_bytes(model) if model is not None else None
 
     def get(self):
         return (self.model() if self.model else None,
                 self.optimizer() if self.optimizer else None)
+
+
+def full_param_bytes(model) -> int:
+    """Bytes of `model`'s parameters unsharded and unpadded: what one process would hold.
+
+    (`nbtrain.inspect.parameter_bytes(model)["full"]`, without importing the layer above.)
+    """
+    from ..zero import Block, DistributedParameter
+
+    total, seen = 0, set()
+    for block in (m for m in model.modules() if isinstance(m, Block)):
+        for group in block.groups:
+            total += group.layout.numel * group.shard.element_size()
+            seen.add(id(group.shard))
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            numel = p.full_numel if isinstance(p, DistributedParameter) else p.numel()
+            total += numel * p.element_size()
+    return total
 
 
 WATCHED = _Watched()
@@ -104,9 +127,12 @@ def _rss_bytes() -> int:
 
 
 def memory_sample(model=None, optimizer=None) -> dict:
+    full = None
     if model is None and optimizer is None:
         model, optimizer = WATCHED.get()
-    sample = {"rss_bytes": _rss_bytes(), **model_state_bytes(model, optimizer)}
+        full = WATCHED.full_param_bytes if model is not None else None
+    sample = {"rss_bytes": _rss_bytes(), **model_state_bytes(model, optimizer),
+              "full_param_bytes": full}
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
         sample.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),

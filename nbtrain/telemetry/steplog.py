@@ -17,7 +17,7 @@ from .overlap import comm_overlap, merge, total
 
 MEMORY_KEYS = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
                "rss_bytes", "model_state_bytes", "param_bytes", "grad_bytes",
-               "optimizer_bytes")
+               "optimizer_bytes", "full_param_bytes")
 NOT_METRICS = frozenset(("type", "t", "seq", "step"))
 MAX_METRIC_NAMES = 32       # numbers kept per metric row (a runaway dict stays bounded)
 MAX_SPANS_PER_STEP = 2000   # spans kept for the timeline of the open step

@@ -32,6 +32,7 @@ def rank_events(rank: int, world: int, steps: int, cuda: bool = False) -> list[d
         grads = 0 if step % 2 else 3 * MIB
         memory = {"param_bytes": 3 * MIB, "grad_bytes": grads, "optimizer_bytes": 6 * MIB}
         memory["model_state_bytes"] = sum(memory.values())
+        memory["full_param_bytes"] = 3 * MIB * world  # each rank holds 1/world of it
         if cuda:
             memory.update(cuda_allocated_bytes=(40 + step) * MIB,
                           cuda_reserved_bytes=(64 + step) * MIB, cuda_peak_bytes=80 * MIB)

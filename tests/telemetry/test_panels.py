@@ -87,8 +87,9 @@ def test_two_ranks_memory_split_and_comm_by_kind(two):
     state = ax["model state per rank"]
     assert [c.get_label() for c in state.collections] == [
         "rank 0: parameters", "rank 0: gradients", "rank 0: optimizer state"]
-    assert _labels(state) == ["rank 1 total"]
+    assert _labels(state) == ["rank 1 total", "whole model's parameters"]
     assert max(state.lines[0].get_ydata()) == pytest.approx(12.0)  # MiB: 3 + 3 + 6
+    assert list(state.lines[1].get_ydata()) == [6.0, 6.0]  # two shards of 3 MiB
     comm = ax["communication by kind"]
     assert [t.get_text() for t in comm.get_xticklabels()] == ["all\ngather", "reduce\nscatter"]
     # 3 gathers of 4 MiB and one 8 MiB reduce-scatter a step.

@@ -53,7 +53,12 @@ def test_report_draws_the_dashboard_panels_from_the_run(run_dir):
     assert lines["loss and metrics"] == ["rank 0", "rank 1", "val_loss"]
     assert lines["gradient norm"] == ["rank 0", "rank 1"]
     assert ax["learning rate"].get_ylabel() == "learning rate"
-    assert len(ax["model state per rank"].collections) == 3
+    state = ax["model state per rank"]
+    assert len(state.collections) == 3
+    # ZeRO-3 over 2 ranks: the rank's parameter shard is about half the whole model.
+    shard = state.collections[0].get_paths()[0].vertices[:, 1].max()
+    assert lines["model state per rank"][-1] == "whole model's parameters"
+    assert 0.45 < shard / state.lines[-1].get_ydata()[0] < 0.6
     kinds = [t.get_text() for t in ax["communication by kind"].get_xticklabels()]
     assert kinds == ["all\ngather", "all\nreduce", "reduce\nscatter"]  # all_reduce: grad norm
     for a in fig.axes:
