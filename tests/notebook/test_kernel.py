@@ -78,11 +78,18 @@ def test_kernel_cells_errors_interrupt_and_shutdown():
         kernel_pid = client.km.provisioner.process.pid
         threading.Timer(3.0, os.kill, (kernel_pid, signal.SIGINT)).start()
         start = time.monotonic()
-        (interrupted,) = run_cells(client, nb, ["%%distributed\nimport time\ntime.sleep(60)"])
+        # A loop of collectives: every rank stops, the group is rebuilt, nothing is lost.
+        (interrupted,) = run_cells(client, nb, ["%%distributed\nkept = 40 + nbt.rank()\n"
+                                                "x = torch.ones(2)\nwhile True:\n"
+                                                "    torch.distributed.all_reduce(x)\n"
+                                                "    x.fill_(1)"])
         assert time.monotonic() - start < 20
         assert "KeyboardInterrupt" in text_of(interrupted)
-        (after,) = run_cells(client, nb, ["%%distributed\nprint('still here', nbt.rank())"])
-        assert "[rank 1] still here 1" in text_of(after)
+        (after,) = run_cells(client, nb, ["%%distributed\nx = torch.ones(1)\n"
+                                          "torch.distributed.all_reduce(x)\n"
+                                          "print('still here', nbt.rank(), kept, x.item())"])
+        assert "[rank 0] still here 0 40 2.0" in text_of(after)
+        assert "[rank 1] still here 1 41 2.0" in text_of(after)
         assert wait_gone(pids, timeout_s=0.1) == pids  # all alive before the kernel goes
     # Leaving setup_kernel shuts the kernel down gracefully, as Jupyter's shutdown does.
     assert wait_gone(pids) == []
