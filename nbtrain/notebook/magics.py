@@ -259,6 +259,10 @@ class NbtrainMagics(Magics):
             ranks = ", ".join(map(str, pending.ranks))
             print(f"running on ranks {ranks} without blocking: `%nbtrain wait` shows its "
                   "output and errors (`%nbtrain result` checks without waiting)")
+            if board is not None:  # the dashboard keeps updating while the notebook is free
+                from .pending import feed_dashboard
+
+                feed_dashboard(cluster.pending, board)
             return
         cluster.execute(cell, targets=targets, timeout=args.timeout, stream=args.stream,
                         on_poll=board.poll if board is not None else None)

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import threading
 import time
 
 from .cell_run import RankOutput, busy_ranks, follow_cell
@@ -31,6 +32,20 @@ class PendingCell:
         """`follow_cell` on this cell; None while it is still running."""
         return follow_cell(cluster, self.ar, self.ranks, self.timeout_s, True, on_poll,
                            printer=self.printer, started=self.started, patience_s=patience_s)
+
+
+def feed_dashboard(pending: PendingCell, board, interval_s: float = 0.5) -> threading.Thread:
+    """Keep `board` (a Dashboard) updated from `pending`'s ranks while the notebook is
+    free; the thread ends when the cell does."""
+    def feed():
+        while not pending.done():
+            board.poll(pending.ranks, pending.ar._metadata, False)
+            time.sleep(interval_s)
+        board.poll(pending.ranks, pending.ar._metadata, True)
+
+    thread = threading.Thread(target=feed, name="nbtrain-dashboard-feed", daemon=True)
+    thread.start()
+    return thread
 
 
 def refuse_while_pending(pending: PendingCell | None, what: str) -> None:

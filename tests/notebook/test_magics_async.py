@@ -145,3 +145,27 @@ def test_autodistributed_runs_plain_cells_on_the_ranks(ipython, cluster):
     assert magics.autodistributed_on(ipython)
     captured(ipython, "autodistributed", "")  # and off
     assert not magics.autodistributed_on(ipython)
+
+
+def test_dashboard_updates_while_a_noblock_cell_runs(ipython, cluster):
+    from nbtrain.notebook.dashboard import Dashboard
+
+    with capture_output():
+        board = Dashboard().show()
+        ipython.run_cell_magic("distributed", "--noblock",
+                               "import time\nfor i in range(40):\n"
+                               "    nbt.telemetry.metric(loss=10.0 - i)\n"
+                               "    nbt.telemetry.next_step()\n    time.sleep(0.25)")
+    try:
+        deadline = time.monotonic() + 8
+        steps = {}
+        while time.monotonic() < deadline and not cluster.pending.done():
+            steps = {r: (s or {}).get("step", 0) for r, s in board.summaries.items()}
+            if len(steps) == 2 and min(steps.values()) >= 3:
+                break
+            time.sleep(0.2)
+        assert not cluster.pending.done(), "the cell ended before the dashboard was checked"
+        assert len(steps) == 2 and min(steps.values()) >= 3, steps  # fed while running
+    finally:
+        with capture_output():
+            nbtrain(ipython, "wait")
