@@ -119,13 +119,13 @@ def _run_session(cells: list[tuple], results: list[str], tmp: str, argv: list[st
 
 
 def run_notebook(rel: str, worlds: tuple[int, ...], tmp: Path, results: list[list[str]],
-                 patch=None, ranks_agree: bool = True) -> list[dict]:
+                 patch=None, ranks_agree: bool = True, backend: str = "gloo") -> list[dict]:
     """Each session of `rel` on `worlds[i]` ranks; rank 0's results per session.
 
     `results[i]` names the expressions evaluated after session i; with
     `ranks_agree` every rank must get the same values (not so for timings).
     `patch` rewrites each cell's source (used to show the test catches a
-    hard-coded slice).
+    hard-coded slice). gloo ranks compute on the CPU even where CUDA is present.
     """
     code = sessions(ROOT / rel)
     tmp.mkdir(parents=True, exist_ok=True)
@@ -136,7 +136,8 @@ def run_notebook(rel: str, worlds: tuple[int, ...], tmp: Path, results: list[lis
             cells = [(t, patch(c)) for t, c in cells]
         script = len(cells) == 1 and "sys.argv" in cells[0][1]
         argv = ["train.py", str(tmp / "run")] if script else ["-"]
-        by_rank = run_ranks(_run_session, world, cells, exprs, str(tmp), argv, timeout_s=240)
+        by_rank = run_ranks(_run_session, world, cells, exprs, str(tmp), argv, timeout_s=240,
+                            backend=backend)
         for r, got in enumerate(by_rank[1:] if ranks_agree else [], 1):
             assert _close(got, by_rank[0]), (rel, i, r, got, by_rank[0])
         out.append(by_rank[0])
@@ -273,3 +274,17 @@ def test_rank_code_takes_its_rows_from_local_batch(rel):
     assert not problems, f"{rel}: " + "; ".join(problems)
     if any("BatchSampler(" in c for c in code):
         assert any(".local_batch(" in c for c in code), rel
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rel", list(NOTEBOOKS))
+def test_rank_code_runs_on_gpus(rel, tmp_path):
+    """The same rank code on NCCL, one GPU per rank, at every world size the GPUs
+    allow (the CPU test above covers 1, 2 and 3 ranks over gloo)."""
+    results, check = NOTEBOOKS[rel]
+    by_world = {}
+    for world in range(1, min(torch.cuda.device_count(), 3) + 1):
+        by_world[world] = run_notebook(rel, (world,) * len(results), tmp_path / f"w{world}",
+                                       results, ranks_agree=rel not in PER_RANK, backend="nccl")
+    check(by_world)
