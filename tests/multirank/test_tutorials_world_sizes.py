@@ -13,9 +13,11 @@ global batch is the same, so the losses a notebook prints must agree (a tutorial
 that slices `rank() * 8` rows by hand trains on 8 rows at world 1 and on 16 at
 world 2; `test_a_hard_coded_per_rank_slice_is_caught` shows it fails). A tutorial
 whose global batch does not divide by 3 fails with the sampler's error. A static
-check also rejects rank() inside a subscript and a rank taking the global batch. `tutorials/06_kernels.ipynb` has no rank code (it runs in the
-notebook's own process); the test fails if a tutorial appears that is neither
-run here nor listed as rank-free.
+check also rejects rank() inside a subscript and a rank taking the global batch.
+`tutorials/06_kernels.ipynb` has no rank code (it runs in the notebook's own
+process); the test fails if a tutorial appears that is neither run here nor
+listed as rank-free. On a GPU machine the gpu-marked variant runs the same code
+on NCCL, one GPU per rank.
 """
 from __future__ import annotations
 
