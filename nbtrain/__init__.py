@@ -18,7 +18,7 @@ __all__ = [
     "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
     "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
     "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
-    "inspect",
+    "inspect", "graceful_stop", "stop_requested",
 ]  # the notebook layer's names (Cluster, the errors) load lazily and stay out of `import *`
 
 _LAZY = {
@@ -32,6 +32,8 @@ _LAZY = {
     "nn": ("nbtrain.nn", None),
     "inspect": ("nbtrain.inspect", None),
     "progress": ("nbtrain.telemetry.progress", "progress"),
+    "graceful_stop": ("nbtrain.comm.recovery", "graceful_stop"),
+    "stop_requested": ("nbtrain.comm.recovery", "stop_requested"),
     # The notebook layer imports ipyparallel: loaded when first used.
     "Cluster": ("nbtrain.notebook", "Cluster"),
     "DistributedError": ("nbtrain.notebook.errors", "DistributedError"),

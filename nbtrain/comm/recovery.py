@@ -290,6 +290,10 @@ def _on_interrupt(signum, frame):
     idle_s = time.monotonic() - (_S.last_check or 0.0)
     if _S.interrupts > 1 or idle_s > 5.0 + 3 * (_S.step_s or 0.0):
         raise KeyboardInterrupt
+    if not armed() and dist.is_initialized() and dist.get_world_size() > 1:
+        # No shared store to agree on a step (a script under torchrun): stopping
+        # alone would leave the others waiting, so interrupt as usual.
+        raise KeyboardInterrupt
     at = request_stop(_S.last_step, _lead())
     print(f"nbtrain: stopping at step {at}, a step boundary every rank agrees on "
           "(interrupt again to stop at once)", file=sys.stderr, flush=True)

@@ -1,0 +1,100 @@
+"""nbtrain.comm.recovery on real gloo ranks, without the notebook: the abort key frees
+a rank blocked in a collective, the group is rebuilt, a graceful stop ends every
+rank's loop at the same step, and a cut optimizer step is reported."""
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from ranks import run_ranks
+
+
+def _watcher_frees_a_blocked_rank():
+    from nbtrain.comm import recovery
+
+    assert recovery.arm(60)
+    rank = dist.get_rank()
+    kept = torch.full((2,), float(rank))
+    elapsed = None
+    if rank == 1:
+        # Write the abort key but keep this rank's group and sockets open: only the
+        # watcher thread on rank 0 can free it from the all_reduce it waits in.
+        recovery._S.store.compare_set(recovery._key("abort"), "", "rank 1: planted")
+        time.sleep(3.0)
+    else:
+        start = time.monotonic()
+        try:
+            dist.all_reduce(torch.ones(1))
+        except Exception:
+            elapsed = time.monotonic() - start
+    origin = recovery.failed_first()
+    recovery.rebuild()
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    recovery.disarm()
+    return {"elapsed": elapsed, "origin": origin, "sum": total.item(), "kept": kept.tolist()}
+
+
+def test_abort_key_frees_a_blocked_rank_and_the_group_is_rebuilt():
+    r0, r1 = run_ranks(_watcher_frees_a_blocked_rank, 2, timeout_s=120)
+    assert r0["elapsed"] is not None and r0["elapsed"] < 2.0  # not the 60 s timeout
+    assert r0["origin"] == r1["origin"] == "rank 1: planted"
+    assert r0["sum"] == r1["sum"] == 2.0
+    assert r0["kept"] == [0.0, 0.0] and r1["kept"] == [1.0, 1.0]
+
+
+def _graceful_stop_at_one_step():
+    import nbtrain
+    from nbtrain.comm import recovery
+
+    assert recovery.arm(60)
+    last = -1
+    x = torch.ones(1)
+    for n in nbtrain.progress(range(10**6), print_s=600):
+        if dist.get_rank() == 0 and n == 20:
+            os.kill(os.getpid(), signal.SIGINT)  # the stop button, on one rank only
+        dist.all_reduce(x)
+        x.fill_(1.0)
+        last = n
+    dist.barrier()  # both left the loop at a boundary: the group still works
+    recovery.disarm()
+    return last
+
+
+def test_graceful_stop_ends_every_rank_at_the_same_step():
+    last = run_ranks(_graceful_stop_at_one_step, 2, timeout_s=120)
+    assert last[0] == last[1] and 20 < last[0] < 10**6 - 1
+
+
+def _cut_optimizer_step():
+    from nbtrain.comm import recovery
+
+    assert recovery.arm(60)
+
+    class HalfStep(torch.optim.SGD):
+        def step(self, closure=None):
+            super().step(closure)
+            raise RuntimeError("cut")
+
+    w = torch.nn.Parameter(torch.ones(2))
+    w.grad = torch.ones(2)
+    torch.optim.SGD([w], lr=0.1).step()  # a whole step leaves no phase behind
+    before = recovery.interrupted_phase()
+    try:
+        HalfStep([w], lr=0.1).step()
+    except RuntimeError:
+        pass
+    during = recovery.interrupted_phase()
+    recovery.fail("cut")
+    recovery.rebuild()
+    after = recovery.interrupted_phase()
+    recovery.disarm()
+    return before, during, after
+
+
+def test_a_cut_optimizer_step_is_reported_until_the_rebuild():
+    for before, during, after in run_ranks(_cut_optimizer_step, 2, timeout_s=120):
+        assert before is None and after is None
+        assert during == "HalfStep.step() (the optimizer update)"
