@@ -148,3 +148,23 @@ def test_dashboard_at_64_ranks_aggregates_its_table():
     assert [r.split("</td>")[0] for r in rows] == ["<td>min", "<td>median", "<td>max"]
     assert "<th>step time</th>" in board.header.value
     assert board.image.value[:4] == b"\x89PNG" and board.redraws == 1
+
+
+def test_dashboard_merges_tail_publications_into_full_history():
+    pytest.importorskip("ipywidgets")
+    from nbtrain.notebook.dashboard import Dashboard
+    from nbtrain.telemetry.sinks import PUBLISH_TAIL_POINTS
+    from nbtrain.telemetry.steplog import StepLog
+
+    board = Dashboard(redraw_s=float("inf"))
+    log, seq = StepLog(), 0
+    for event in synthetic.rank_events(0, 1, 40):
+        log.feed(event)
+        if event["type"] == "step_end":  # engines publish the newest steps only
+            seq += 1
+            board.update({0: {**log.summary(PUBLISH_TAIL_POINTS if seq > 1 else 300),
+                              "seq": seq}})
+    merged = board.summaries[0]
+    for key in ("metrics", "overlap", "steps", "memory_history"):
+        assert [m["step"] if isinstance(m, dict) else m[0] for m in merged[key]] == list(
+            range(40)), key
