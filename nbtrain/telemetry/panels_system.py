@@ -122,6 +122,8 @@ def draw_comm(ax, summaries: dict) -> None:
     ax.set_title(f"communication by kind (last {COMM_WINDOW_STEPS} steps)")
     if not kinds:
         return empty(ax, "no communication yet")
+    if not any(n for v in per_rank.values() for n, _ in v.values()):
+        return empty(ax, "the collectives moved no bytes\n(one rank: nothing to exchange)")
     x = np.arange(len(kinds))
     twin = ax.twinx()
     for i, (target, offset, color) in enumerate(((ax, -0.2, COMM_COLOR),

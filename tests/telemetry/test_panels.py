@@ -168,3 +168,15 @@ def test_dashboard_merges_tail_publications_into_full_history():
     for key in ("metrics", "overlap", "steps", "memory_history"):
         assert [m["step"] if isinstance(m, dict) else m[0] for m in merged[key]] == list(
             range(40)), key
+
+
+def test_one_rank_comm_panel_says_nothing_moved():
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    summary = synthetic.summaries(1, 4)[0]
+    for row in summary["steps"]:  # a world of one: collectives run, ring bytes are 0
+        row["comm"] = {kind: [0, busy] for kind, (_, busy) in row["comm"].items()}
+    fig = panels.figure({0: summary})
+    FigureCanvasAgg(fig).draw()
+    comm = next(a for a in fig.axes if a.get_title().startswith("communication by kind"))
+    assert "moved no bytes" in comm.texts[0].get_text() and not comm.patches
