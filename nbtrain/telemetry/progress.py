@@ -4,9 +4,10 @@ In a terminal (torchrun) rank 0 draws an ordinary tqdm bar; in a plain Jupyter
 kernel, tqdm's widget. On an nbtrain engine rank 0 prints a text bar at most
 every `print_s` seconds (one line each, labelled `[rank 0]`): the notebook's one
 progress display (the dashboard draws none). The other ranks iterate silently.
-Each iteration closes a telemetry step if the loop body did not (OptimManager.step does), and the bar shows the last recorded loss. The
-first interrupt (Ctrl-C, the notebook's stop button) ends the loop on every rank at
-the same step boundary; a second one interrupts at once.
+Each iteration closes a telemetry step if the loop body did not (OptimManager.step
+does), and the bar shows the last recorded loss. The first interrupt (Ctrl-C, the
+notebook's stop button) ends the loop on every rank at the same step boundary; a
+second one interrupts at once.
 """
 from __future__ import annotations
 
