@@ -15,20 +15,24 @@ class Config(Mapping):
     """Read-only mapping: rank, world_size, local_rank, local_size, zero_rank, tp_size, ...
 
     Every lookup reads the current context (a clear error before init_distributed).
-    Parallelisms not enabled report BMTrain's neutral values (tp_size=1, pipe_size=1).
+    The topology keys follow BMTrain: tp_zero_* is the data-parallel group of this
+    tensor-parallel slot, zero_* the ranks of this pipeline stage, and `topology`
+    has BMTrain's `tp_id` and `pipe_idx` (see nbtrain.comm.topology).
     """
 
     def _values(self) -> dict:
         ctx = get_context()
+        topo = ctx.topology
         return {
             "rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
             "local_size": int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)),
             "seed": ctx.seed, "backend": ctx.backend, "device": ctx.device,
-            "zero_rank": ctx.rank, "zero_size": ctx.world_size,
-            "tp_size": 1, "tp_rank": 0,
-            "tp_zero_size": ctx.world_size, "tp_zero_rank": ctx.rank,
-            "pipe_size": 1, "pipe_rank": 0, "pipe_enabled": False,
-            "num_micro_batches": None, "topology": ctx,
+            "zero_rank": topo.zero_rank, "zero_size": topo.tp_size * topo.dp_size,
+            "tp_size": topo.tp_size, "tp_rank": topo.tp_rank,
+            "tp_zero_size": topo.dp_size, "tp_zero_rank": topo.dp_rank,
+            "pipe_size": topo.pipe_size, "pipe_rank": topo.pipe_rank,
+            "pipe_enabled": topo.pipe_size > 1,
+            "num_micro_batches": ctx.num_micro_batches, "topology": topo,
         }
 
     def __getitem__(self, key: str):

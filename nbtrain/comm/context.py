@@ -9,13 +9,15 @@ from __future__ import annotations
 import atexit
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from . import collectives, teardown
+from . import topology as _topology
+from .topology import Topology
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -32,6 +34,8 @@ class DistContext:
         device: where parameters and collectives live (cuda:local_rank or cpu).
         seed: the seed every rank was given.
         group: the process group collectives use (None means the default group).
+        topology: tensor/data/pipeline coordinates and their process groups.
+        num_micro_batches: BMTrain's pipeline setting, kept for the pipeline.
     """
 
     rank: int
@@ -41,6 +45,8 @@ class DistContext:
     device: torch.device
     seed: int
     group: object = None
+    topology: Topology = Topology()
+    num_micro_batches: int | None = None
 
     def __post_init__(self):
         if not 0 <= self.rank < self.world_size:
@@ -88,6 +94,7 @@ def _seed_everything(seed: int) -> None:
 
 def init_distributed(seed: int = 0, backend: str | None = None,
                      timeout: float | timedelta = 600.0, tp_size: int = 1,
+                     pipe_size: int = 1, num_micro_batches: int | None = None,
                      **_bmtrain_compat) -> DistContext:
     """Initialise torch.distributed for this process and return the context.
 
@@ -101,15 +108,29 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         seed: seeds python, numpy and torch identically on every rank.
         backend: "nccl", "gloo" or None (nccl when CUDA is present, else gloo).
         timeout: process-group timeout, seconds or a timedelta.
-        tp_size: accepted for BMTrain compatibility; only 1 is supported.
+        tp_size: ranks that split each tensor-parallel layer (BMTrain's keyword); the
+            world size must be a multiple of tp_size x pipe_size. Tensor-parallel peers
+            are neighbouring ranks: tp_rank = rank % tp_size.
+        pipe_size: pipeline stages; only 1 for now.
+        num_micro_batches: BMTrain's pipeline keyword, kept in the context.
+
+    Called again on an initialised process with other tp_size/pipe_size (a notebook
+    cell on every rank, say), it makes the new topology's groups and keeps the rest.
 
     Collective: every rank calls this.
     """
     global _CONTEXT
+    if pipe_size != 1:
+        raise ValueError(f"pipe_size={pipe_size}: pipeline parallelism is not available yet; "
+                         "use pipe_size=1")
     if _CONTEXT is not None and dist.is_initialized():
+        topo = _CONTEXT.topology
+        if (topo.tp_size, topo.pipe_size) != (tp_size, pipe_size):
+            _topology.check_sizes(_CONTEXT.world_size, tp_size, pipe_size)
+            _CONTEXT = replace(_CONTEXT, topology=_topology.build(
+                _CONTEXT.rank, _CONTEXT.world_size, tp_size, pipe_size),
+                num_micro_batches=num_micro_batches)
         return _CONTEXT
-    if tp_size != 1:
-        raise ValueError(f"tp_size={tp_size}: tensor parallelism is not supported; use tp_size=1")
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
 
@@ -123,6 +144,7 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         rank = _env_int("RANK", 0)
         world = _env_int("WORLD_SIZE", 1)
         local_rank = _env_int("LOCAL_RANK", rank)
+        _topology.check_sizes(world, tp_size, pipe_size)  # before any rank waits for others
         # Before the group exists, so that its default arguments are None, not the group.
         teardown.import_group_functional()
         if have_env and world > 1:
@@ -146,9 +168,23 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     else:
         device = torch.device("cpu")
     _seed_everything(seed)
+    topo = _topology.build(rank, world, tp_size, pipe_size)
     _CONTEXT = DistContext(rank=rank, world_size=world, local_rank=local_rank,
-                           backend=backend, device=device, seed=seed)
+                           backend=backend, device=device, seed=seed, topology=topo,
+                           num_micro_batches=num_micro_batches)
     return _CONTEXT
+
+
+def rebuild_topology() -> None:
+    """Make the topology's groups again (after the default group was rebuilt).
+
+    Collective: every rank calls it (nbtrain.comm.recovery does)."""
+    global _CONTEXT
+    if _CONTEXT is None:
+        return
+    topo = _CONTEXT.topology
+    _CONTEXT = replace(_CONTEXT, topology=_topology.build(
+        _CONTEXT.rank, _CONTEXT.world_size, topo.tp_size, topo.pipe_size))
 
 
 def get_context() -> DistContext:

@@ -217,6 +217,9 @@ def rebuild() -> None:
     dist.init_process_group(_S.backend, store=store, rank=_S.rank, world_size=_S.world,
                             timeout=_S.timeout)
     teardown.unpin_group_defaults()
+    from .context import rebuild_topology
+
+    rebuild_topology()  # the tensor/data/pipeline groups of the new default group
     _start_watcher()
 
 

@@ -15,7 +15,7 @@ def test_bmtrain_keys_match_the_context():
     assert nbt.config["local_rank"] == 0 and nbt.config["zero_rank"] == 0
     assert nbt.config["tp_size"] == 1 and nbt.config["pipe_size"] == 1
     assert nbt.config["tp_zero_size"] == 1 and nbt.config["tp_zero_rank"] == 0
-    assert nbt.config["topology"] is ctx and nbt.config["seed"] == 5
+    assert nbt.config["topology"] is ctx.topology and nbt.config["seed"] == 5
     assert dict(nbt.config)["device"] == ctx.device
 
 

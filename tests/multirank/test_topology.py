@@ -1,0 +1,77 @@
+"""init_distributed(tp_size=...): the rank layout, the named groups, BMTrain's config keys."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from nbtrain.comm import topology
+from ranks import run_ranks
+
+
+def test_layout_is_pipeline_then_data_then_tensor():
+    # world 8, tp 2, pipe 2 -> dp 2; rank = (pipe * dp + dp_rank) * tp + tp_rank
+    assert [topology.coordinates(r, 2, 2) for r in (0, 1, 2, 5, 7)] == [
+        (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert topology.group_ranks("tp", 8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert topology.group_ranks("dp", 8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert topology.group_ranks("zero", 8, 2, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert topology.group_ranks("pipe", 8, 2, 2) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for name in topology.GROUPS:  # every rank in exactly one group of each kind
+        groups = topology.group_ranks(name, 12, 3, 2)
+        assert sorted(r for g in groups for r in g) == list(range(12)), name
+
+
+def test_sizes_that_do_not_divide_name_all_three_numbers():
+    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp_size 4 x "
+                                         r"pipe_size 1 = 4"):
+        topology.check_sizes(6, 4, 1)
+    with pytest.raises(ValueError, match="tp_size=0"):
+        topology.check_sizes(4, 0, 1)
+
+
+def _at_tp2():
+    import nbtrain
+
+    ctx = nbtrain.init_distributed(tp_size=2)  # the harness made a plain world first
+    topo, cfg = ctx.topology, nbtrain.config
+    keys = {k: cfg[k] for k in ("tp_size", "tp_rank", "tp_zero_size", "tp_zero_rank",
+                                "zero_rank", "zero_size", "pipe_size")}
+    sums = {}
+    for name in ("tp", "dp"):
+        x = torch.ones(1) * (ctx.rank + 1)
+        dist.all_reduce(x, group=topo.group(name))
+        sums[name] = x.item()
+    return {"keys": keys, "sums": sums, "tp": topo.ranks("tp"), "dp": topo.ranks("dp"),
+            "label": topo.label(), "tp_id": cfg["topology"].tp_id,
+            "zero_is_world": topo.group("zero") is None}
+
+
+def test_tp2_at_world4_groups_and_config():
+    out = run_ranks(_at_tp2, 4, timeout_s=120)
+    assert [o["tp"] for o in out] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [o["dp"] for o in out] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    # all_reduce over the group sums (rank + 1) over exactly its members
+    assert [o["sums"]["tp"] for o in out] == [3.0, 3.0, 7.0, 7.0]
+    assert [o["sums"]["dp"] for o in out] == [4.0, 6.0, 4.0, 6.0]
+    assert out[3]["keys"] == {"tp_size": 2, "tp_rank": 1, "tp_zero_size": 2,
+                              "tp_zero_rank": 1, "zero_rank": 3, "zero_size": 4,
+                              "pipe_size": 1}
+    assert out[3]["label"] == "rank 3 tp1 dp1" and out[3]["tp_id"] == 1
+    assert all(o["zero_is_world"] for o in out)
+
+
+def _refused(tp, pipe):
+    import nbtrain
+
+    try:
+        nbtrain.init_distributed(tp_size=tp, pipe_size=pipe)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_bad_sizes_are_refused_on_every_rank():
+    assert run_ranks(_refused, 2, 4, 1, timeout_s=60) == [
+        "world size 2 is not divisible by tp_size 4 x pipe_size 1 = 4: choose sizes whose "
+        "product divides the number of ranks"] * 2
+    assert all("pipeline parallelism is not available yet" in m
+               for m in run_ranks(_refused, 2, 1, 2, timeout_s=60))
