@@ -27,6 +27,8 @@ def figure(summaries: dict, width_in: float = 13.0, height_in: float = 11.0):
     """A matplotlib Figure (no pyplot state): 3 x 3 panels above the last step's timeline."""
     from matplotlib.figure import Figure
 
+    # Constrained layout costs ~20% of a draw (1.2 s at 2 ranks and 300 steps) but keeps
+    # twin-axis labels from running into the next panel whatever the tick labels are.
     fig = Figure(figsize=(width_in, height_in), layout="constrained")
     grid = fig.add_gridspec(len(GRID) + 1, 3, height_ratios=[1] * len(GRID) + [1.15])
     summaries = {int(r): s for r, s in summaries.items() if s}
