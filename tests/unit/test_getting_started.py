@@ -1,0 +1,138 @@
+"""Getting started, as the README tells it: the install routes name extras that exist
+and agree with environment.yml, the kernel registration command gives a kernel that
+loads nbtrain, every tutorial and notebook is in the README's index and is saved
+with the outputs of a run (small, no errors, no widget state), and CI's notebook mode
+(`--nbval-lax`) still fails on a cell that raises when outputs are saved."""
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import nbformat
+import pytest
+
+try:
+    import tomllib
+except ImportError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+ENV_YML = (ROOT / "environment.yml").read_text()
+NOTEBOOKS = sorted((ROOT / "tutorials").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb"))
+MAX_NOTEBOOK_BYTES = 150_000
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def _section(title: str) -> str:
+    match = re.search(rf"^## {title}\n(.*?)(?=^## )", README, re.M | re.S)
+    assert match, f"README has no '## {title}' section"
+    return match.group(1)
+
+
+def _requirement_names(reqs):
+    return {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0].lower().replace("_", "-") for r in reqs}
+
+
+def test_the_notebook_extra_brings_jupyterlab_and_the_widget_frontend():
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    assert {"jupyterlab", "ipywidgets", "jupyterlab-widgets", "ipykernel"} <= \
+        _requirement_names(extras["notebook"])
+    # CI installs the test extra only: JupyterLab stays out of it.
+    assert "jupyterlab" not in _requirement_names(extras["test"])
+
+
+def test_every_extra_the_docs_name_exists_and_environment_yml_matches_pyproject():
+    extras = set(PYPROJECT["project"]["optional-dependencies"])
+    named = set()
+    for text in (README, ENV_YML, (ROOT / "tests" / "run.sh").read_text()):
+        for group in re.findall(r"\.\[([\w,\- ]+)\]", text):
+            named.update(e.strip() for e in group.split(","))
+    assert named and named <= extras, named - extras
+    assert re.search(r"-e \.\[[\w,]*notebook[\w,]*\]", ENV_YML), "environment.yml lacks the notebook extra"
+    torch_spec = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
+    assert re.search(rf"^\s*- {re.escape(torch_spec)}\b", ENV_YML, re.M), (torch_spec, ENV_YML)
+    install = _section("Install")
+    for needle in ("pip install torch==2.13.0", '".[notebook]"', '".[gpu,notebook]"', "--index-url",
+                   "conda env create -f environment.yml",
+                   "python3 -m ipykernel install --user --name nbtrain"):
+        assert needle in install, needle
+    assert "ipykernel install --user --name nbtrain" in ENV_YML
+
+
+def test_the_registered_kernel_runs_this_python_and_loads_nbtrain(tmp_path):
+    env = {**os.environ, "JUPYTER_DATA_DIR": str(tmp_path / "data"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "IPYTHONDIR": str(tmp_path / "ipython")}
+    cmd = [sys.executable, "-m", "ipykernel", "install", "--user", "--name", "nbtrain",
+           "--display-name", "Python (nbtrain)"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    spec = json.loads((tmp_path / "data" / "kernels" / "nbtrain" / "kernel.json").read_text())
+    assert spec["argv"][0] == sys.executable and spec["display_name"] == "Python (nbtrain)"
+    code = textwrap.dedent("""
+        import os
+        from jupyter_client.manager import start_new_kernel
+        km, kc = start_new_kernel(kernel_name="nbtrain")
+        try:
+            out = []
+            reply = kc.execute_interactive(
+                "%load_ext nbtrain\\nimport sys, nbtrain; print(sys.executable, nbtrain.__version__)",
+                output_hook=lambda m: out.append(m["content"].get("text", "")), timeout=60)
+            assert reply["content"]["status"] == "ok", reply["content"]
+            print("".join(out))
+        finally:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+    """)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f"{sys.executable} " in run.stdout, run.stdout
+
+
+def test_the_readme_indexes_every_tutorial_and_notebook():
+    index = _section("Tutorials")
+    for path in NOTEBOOKS:
+        rel = str(path.relative_to(ROOT))
+        line = next((l for l in index.splitlines() if f"`{rel}`" in l), None)
+        assert line, f"{rel} is missing from the README's tutorial index"
+        assert len(line.split(":", 1)[-1].split()) >= 5, f"say what {rel} teaches: {line}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_saved_with_the_outputs_of_a_run(path):
+    nb = nbformat.read(path, as_version=4)
+    assert path.stat().st_size < MAX_NOTEBOOK_BYTES, f"{path.name}: {path.stat().st_size} bytes"
+    assert "widgets" not in nb.metadata  # the live dashboard's state: most of the bytes
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    counts = [c.execution_count for c in code]
+    assert counts == list(range(1, len(code) + 1)), \
+        f"{path.name}: cells not saved from one top-to-bottom run: {counts}"
+    assert any(c.outputs for c in code), path.name
+    for cell in code:
+        for out in cell.outputs:
+            assert out.output_type != "error", (path.name, cell.source[:80])
+            assert WIDGET not in out.get("data", {}), (path.name, cell.source[:80])
+
+
+def test_nbval_lax_fails_on_a_raising_cell_though_outputs_are_saved(tmp_path):
+    def notebook(name, source, saved_text):
+        cell = nbformat.v4.new_code_cell(source, execution_count=1, outputs=[
+            nbformat.v4.new_output("stream", name="stdout", text=saved_text)])
+        nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / name)
+
+    notebook("raises.ipynb", "raise ValueError('a tutorial cell failed')", "fine\n")
+    notebook("differs.ipynb", "print(1)", "2\n")  # volatile output: not compared
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython"),
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "--nbval-lax", "raises.ipynb", "differs.ipynb"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert "a tutorial cell failed" in run.stdout
+    assert re.search(r"\b1 failed, 1 passed\b", run.stdout), run.stdout
