@@ -15,7 +15,7 @@ so the saved outputs are those of a CPU run wherever this is run. Then:
 * execution timings and the kernel's version details are dropped from metadata.
 
 CI executes the notebooks again (`pytest --nbval-lax`): errors fail, and the saved
-outputs are not compared (`tests/unit/test_tutorial_outputs.py` checks they are
+outputs are not compared (`tests/unit/test_getting_started.py` checks they are
 there, error-free and small).
 """
 from __future__ import annotations

@@ -136,3 +136,45 @@ def test_nbval_lax_fails_on_a_raising_cell_though_outputs_are_saved(tmp_path):
     assert run.returncode == 1, run.stdout + run.stderr
     assert "a tutorial cell failed" in run.stdout
     assert re.search(r"\b1 failed, 1 passed\b", run.stdout), run.stdout
+
+
+def test_saving_outputs_drops_widget_state_and_keeps_images_small():
+    import base64
+    import importlib.util
+    import io
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    spec = importlib.util.spec_from_file_location("save_outputs", ROOT / "tutorials" / "save_outputs.py")
+    save = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(save)
+
+    fig, ax = plt.subplots(figsize=(9, 6), dpi=100)
+    for i in range(12):  # a busy plot: a large PNG
+        ax.plot(np.random.default_rng(i).standard_normal(2000).cumsum(), lw=0.5)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    png = base64.b64encode(buf.getvalue()).decode()
+    assert len(buf.getvalue()) > save.PALETTE_ABOVE
+
+    out = nbformat.v4.new_output
+    cell = nbformat.v4.new_code_cell("x", execution_count=1, outputs=[
+        out("display_data", data={WIDGET: {"model_id": "ab", "version_major": 2}, "text/plain": "VBox()"}),
+        out("display_data", data={WIDGET: {"model_id": "cd", "version_major": 2}, "text/plain": "VBox()"}),
+        out("stream", name="stdout", text="train:  10%|#\rtrain: 100%|##########|\nnext line\n"),
+        out("display_data", data={"image/png": png, "text/plain": "<Figure>"}),
+    ], metadata={"execution": {"iopub.status.busy": "2026-01-01"}})
+    nb = nbformat.v4.new_notebook(cells=[cell], metadata={"widgets": {"state": {"ab": {}}}})
+    save.sanitize(nb)
+    assert "widgets" not in nb.metadata and "execution" not in cell.metadata
+    kinds = [list(o.get("data", {})) or o.output_type for o in cell.outputs]
+    assert kinds == [["text/plain"], "stream", ["image/png", "text/plain"]]  # one placeholder
+    assert cell.outputs[0].data["text/plain"] == save.PLACEHOLDER
+    assert cell.outputs[1].text == "train: 100%|##########|\nnext line\n"
+    small = base64.b64decode(cell.outputs[2].data["image/png"])
+    assert small[:4] == b"\x89PNG" and len(small) < len(buf.getvalue()) / 2
+    nbformat.validate(nb)
