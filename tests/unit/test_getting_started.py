@@ -111,7 +111,8 @@ def test_saved_with_the_outputs_of_a_run(path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     counts = [c.execution_count for c in code]
     assert counts == list(range(1, len(code) + 1)), \
-        f"{path.name}: cells not saved from one top-to-bottom run: {counts}"
+        f"{path.name}: cells not saved from one top-to-bottom run: {counts}; " \
+        f"run `python tutorials/save_outputs.py {path.relative_to(ROOT)}`"
     assert any(c.outputs for c in code), path.name
     for cell in code:
         for out in cell.outputs:
