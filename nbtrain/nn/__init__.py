@@ -1,1 +1,11 @@
-"""Layers and losses under BMTrain's `bmt.nn` / `bmt.loss` names."""
+"""Layers and losses under BMTrain's `bmt.nn` / `bmt.loss` names.
+
+Tensor-parallel layers (`ColumnParallelLinear`, `RowParallelLinear`, `VPEmbedding`)
+split their weights over the tp ranks of `init_distributed(tp_size=...)`; see
+nbtrain.nn.parallel for the layouts each flag gives.
+"""
+from .loss import FusedCrossEntropy, parallel_cross_entropy
+from .parallel import ColumnParallelLinear, Linear, RowParallelLinear, VPEmbedding
+
+__all__ = ["ColumnParallelLinear", "FusedCrossEntropy", "Linear", "RowParallelLinear",
+           "VPEmbedding", "parallel_cross_entropy"]

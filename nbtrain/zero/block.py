@@ -108,6 +108,12 @@ class Block(nn.Module):
             raise ValueError(f"Block needs a module with parameters; {type(module).__name__} "
                              "has none. Call it directly, outside a Block.")
         ctx = get_context()
+        split = [e.names[0] for e in entries if getattr(e.param, "tp_split_dim", None) is not None]
+        if split:
+            raise NotImplementedError(
+                f"Block: {split[0]} is a tensor-parallel slice; ZeRO sharding of tensor-"
+                "parallel layers is not available yet. Keep tensor-parallel layers outside "
+                "Blocks, with a world size equal to tp_size.")
         for sub in module.modules():
             # A DistributedModule inside gave its plain parameters data-parallel
             # gradients; their storage moves into this block, which reduces them now.

@@ -56,8 +56,25 @@ class ModelRoot:
         named = [(n, p) for n, p in model.named_parameters()
                  if not isinstance(p, DistributedParameter)
                  and not getattr(p, "_nbtrain_flat", False)]
+        split = [n for n, p in named if getattr(p, "tp_split_dim", None) is not None]
+        if split:
+            _check_tp_slices_need_no_reduction(split)
+            named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
         check_replicas_equal(named)
         trainable = [p for _, p in named if p.requires_grad]
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)
         self.data_parallel = (DataParallelGrads(trainable, self.reducer, bucket_numel)
                               if trainable else None)
+
+
+def _check_tp_slices_need_no_reduction(names: list[str]) -> None:
+    """A tensor-parallel slice has its whole gradient on its rank when nobody else
+    holds it (data-parallel size 1). Reducing it over replicas is not done yet."""
+    from ..comm.context import get_context
+
+    dp = get_context().topology.dp_size
+    if dp > 1:
+        raise NotImplementedError(
+            f"{names[0]} is a tensor-parallel slice held by {dp} data-parallel replicas; "
+            "reducing tensor-parallel gradients over replicas is not available yet: use a "
+            "world size equal to tp_size")

@@ -1,0 +1,206 @@
+"""Tensor-parallel layers under BMTrain's names and flags (`bmt.nn`).
+
+Each layer keeps its slice of the weight as a plain parameter tagged with the
+dimension it splits (`param.tp_split_dim`: 0 = rows, 1 = columns) and the full
+shape (`param.tp_full_shape`); replicated parameters (a row-parallel bias) have
+`tp_split_dim = None`. Layouts between layers (see nbtrain.nn.tp_comm):
+
+=====================  ===================  =====================================
+layer, flags           input                output
+=====================  ===================  =====================================
+ColumnParallelLinear   gather_input=True:   (all tokens, out/tp); gather_output=True:
+                       token slice (seq.    (all tokens, out)
+                       parallel, default);
+                       False: all tokens
+                       (Megatron)
+RowParallelLinear      (all tokens, in/tp); all_reduce_output=False (default):
+                       split_input=True:    token slice (seq. parallel);
+                       the whole `in`, this True: all tokens (Megatron)
+                       rank takes its slice
+VPEmbedding            ids: token slice     embeddings of this rank's ids
+                       (sequence_parallel=
+                       True) or all tokens
+VPEmbedding(x,         token slice          (all tokens, vocab/tp) logits, padded
+  projection=True)     (sequence_parallel=  columns -inf: for FusedCrossEntropy(
+                       True) or all tokens  parallel=True)
+=====================  ===================  =====================================
+
+"Token slice" is a slice of the FIRST dimension (the tokens of (tokens, hidden),
+the batch of (batch, seq, hidden)); it must divide by tp_size. The weights start
+as the plain layer's would (the full tensor is drawn with the same generator on
+every rank, then sliced), so a tp run starts from the plain model's values.
+`async_gather_chunks` / `async_chunks` are accepted for BMTrain's signatures; the
+chunked overlap of communication with the GEMMs is not done yet.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import tp_comm
+from ..comm.context import get_context
+
+
+def _tp() -> tuple[int, int]:
+    topo = get_context().topology
+    return topo.tp_size, topo.tp_rank
+
+
+def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int) -> nn.Parameter:
+    if dim is None:
+        data = full
+    else:
+        data = full.chunk(size, dim=dim)[rank].contiguous()
+    param = nn.Parameter(data.clone())
+    param.tp_split_dim = dim
+    param.tp_full_shape = tuple(full.shape)
+    return param
+
+
+def _divides(what: str, n: int, size: int) -> None:
+    if n % size:
+        raise ValueError(f"{what}={n} must divide by tp_size {size}; choose a multiple of "
+                         f"{size} (or another tp_size)")
+
+
+class Linear(nn.Linear):
+    """BMTrain's `bmt.nn.Linear(in_features, out_features, bias=True, dtype=None)`: an
+    ordinary replicated linear layer on the context's device."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, dtype=dtype,
+                         device=get_context().device)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by rows (output features) over the tp ranks."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
+                 gather_output: bool = False, gather_input: bool = True,
+                 async_gather_chunks: int = 2):
+        super().__init__()
+        size, rank = _tp()
+        _divides("ColumnParallelLinear out_features", out_features, size)
+        self.in_features, self.out_features = in_features, out_features
+        self.gather_output, self.gather_input = gather_output, gather_input
+        self.async_gather_chunks = async_gather_chunks
+        plain = nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
+                          device=get_context().device)
+        self.weight = _slice_param(plain.weight.data, 0, size, rank)
+        self.bias = _slice_param(plain.bias.data, 0, size, rank) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = tp_comm.gather_rows(x) if self.gather_input else tp_comm.copy_to_tp(x)
+        y = F.linear(x, self.weight, self.bias)
+        return tp_comm.gather_last(y) if self.gather_output else y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} "
+                f"(local {self.weight.shape[0]}), bias={self.bias is not None}, "
+                f"gather_input={self.gather_input}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by columns (input features) over the tp ranks; the
+    partial sums are reduce-scattered over tokens (default) or all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
+                 split_input: bool = False, all_reduce_output: bool = False,
+                 async_chunks: int = 2):
+        super().__init__()
+        size, rank = _tp()
+        _divides("RowParallelLinear in_features", in_features, size)
+        self.in_features, self.out_features = in_features, out_features
+        self.split_input, self.all_reduce_output = split_input, all_reduce_output
+        self.async_chunks = async_chunks
+        plain = nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
+                          device=get_context().device)
+        self.weight = _slice_param(plain.weight.data, 1, size, rank)
+        self.bias = _slice_param(plain.bias.data, None, size, rank) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.split_input:
+            sequence_parallel = not self.all_reduce_output  # the input is a token slice
+            if sequence_parallel:
+                x = tp_comm.gather_rows(x)
+            x = tp_comm.own_chunk_last(x, after_gather_rows=sequence_parallel)
+        partial = F.linear(x, self.weight)
+        if self.all_reduce_output:
+            y = tp_comm.reduce_to_tp(partial)
+            return y if self.bias is None else y + self.bias
+        y = tp_comm.reduce_scatter_rows(partial)
+        # The bias meets only this rank's tokens: sum its gradient over tp.
+        return y if self.bias is None else y + tp_comm.sum_grad_over_tp(self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+                f"out_features={self.out_features}, bias={self.bias is not None}, "
+                f"split_input={self.split_input}, all_reduce_output={self.all_reduce_output}")
+
+
+class VPEmbedding(nn.Module):
+    """Vocabulary-parallel embedding; `forward(x, projection=True)` is the tied output
+    projection, giving vocabulary-sharded logits.
+
+    A vocabulary that tp_size does not divide is padded to the next multiple; the
+    padding rows are never looked up and their logits are -inf.
+    """
+
+    def __init__(self, vocab_size: int, embedding_size: int, dtype=torch.float32,
+                 init_mean: float = 0.0, init_std: float = 1.0):
+        super().__init__()
+        size, rank = _tp()
+        self.vocab_size, self.embedding_size = vocab_size, embedding_size
+        self.padded_vocab = math.ceil(vocab_size / size) * size
+        self.per_rank = self.padded_vocab // size
+        self.start = rank * self.per_rank
+        full = torch.empty(vocab_size, embedding_size, dtype=dtype, device=get_context().device)
+        nn.init.normal_(full, mean=init_mean, std=init_std)
+        padded = torch.cat([full, full.new_zeros(self.padded_vocab - vocab_size, embedding_size)])
+        self.weight = _slice_param(padded, 0, size, rank)
+        self.weight.tp_full_shape = (vocab_size, embedding_size)  # the padding is not state
+
+    def forward(self, x: torch.Tensor, projection: bool = False, *,
+                sequence_parallel: bool = True) -> torch.Tensor:
+        """Embeddings of the ids `x`, or with `projection=True` the logits of the
+        hidden states `x` over this rank's vocabulary columns.
+
+        sequence_parallel=True (BMTrain's layout): `x` is this tp rank's token slice,
+        each rank gets its own tokens' embeddings, and the projection gathers the
+        tokens (logits for all tokens). False (Megatron): `x` is the same on every tp
+        rank, and so is the result.
+        """
+        if projection:
+            return self._project(x, sequence_parallel)
+        return self._embed(x, sequence_parallel)
+
+    def _embed(self, ids: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        # Each rank looks the ids up in its own rows (zeros for the others' rows); the
+        # sum over tp completes them. With token slices, every rank first gathers all
+        # ids and the reduce-scatter hands each rank its own tokens' rows.
+        ids = ids.to(self.weight.device)
+        if sequence_parallel:
+            ids = tp_comm._gather_rows(ids, "tp gather ids")
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.per_rank)
+        rows = F.embedding(local.clamp(0, self.per_rank - 1), self.weight)
+        rows = rows * inside.unsqueeze(-1).to(rows.dtype)
+        if sequence_parallel:
+            return tp_comm.reduce_scatter_rows(rows)
+        return tp_comm.reduce_to_tp(rows)
+
+    def _project(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        x = tp_comm.gather_rows(x) if sequence_parallel else tp_comm.copy_to_tp(x)
+        logits = F.linear(x, self.weight)
+        valid = self.vocab_size - self.start
+        if valid < self.per_rank:  # this rank holds padding columns
+            mask = torch.arange(self.per_rank, device=logits.device) >= valid
+            logits = logits.masked_fill(mask, float("-inf"))
+        return logits
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size} (rows {self.start}.."
+                f"{self.start + self.per_rank - 1} here), embedding_size={self.embedding_size}")

@@ -1,0 +1,32 @@
+"""Tensor-parallel layers at tp 2 and 3 (odd sizes, batch > 1, every flag) against the
+plain layers: outputs, input gradients and weight gradients within 1e-5."""
+import pytest
+
+from ranks import run_ranks
+from tp_cases import layer_errors
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_every_layer_and_flag_matches_the_plain_layer(tp):
+    for rank, errs in enumerate(run_ranks(layer_errors, tp, timeout_s=120)):
+        assert len(errs) == 11  # 4 column, 4 row, embedding, 2 projection + loss
+        bad = {k: v for k, v in errs.items() if not v < 1e-5}
+        assert not bad, f"rank {rank}: {bad}"
+
+
+@pytest.mark.parametrize("tp,sequence_parallel,optimizer", [
+    (2, True, "sgd"), (2, False, "adamw"), (3, True, "adamw"), (3, False, "sgd")])
+def test_training_matches_one_plain_process(tp, sequence_parallel, optimizer):
+    from tp_cases import training_errors
+
+    for rank, errs in enumerate(run_ranks(training_errors, tp, sequence_parallel, optimizer,
+                                          timeout_s=120)):
+        assert errs["loss"] < 1e-5 and errs["params"] < 1e-5, f"rank {rank}: {errs}"
+
+
+def test_what_is_not_available_yet_is_refused_clearly():
+    from tp_cases import refusals
+
+    out = run_ranks(refusals, 4, timeout_s=120)[0]
+    assert out["block"].startswith("Block: weight is a tensor-parallel slice")
+    assert out["dp"].startswith("up.weight is a tensor-parallel slice held by 2 data-parallel")

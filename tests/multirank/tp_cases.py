@@ -1,0 +1,203 @@
+"""Rank functions for test_tensor_parallel.py: each tp layer against the plain layer."""
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+def _err(a, b):
+    return (a.detach().float() - b.detach().float()).abs().max().item()
+
+
+def layer_errors():
+    """Max |tp - plain| for outputs, input grads and weight grads of every layer and flag."""
+    import nbtrain
+    from nbtrain.nn import ColumnParallelLinear, RowParallelLinear, VPEmbedding
+
+    topo = nbtrain.init_distributed(tp_size=dist.get_world_size()).topology
+    tp, r = topo.tp_size, topo.tp_rank
+
+    def rows(t):
+        return t.chunk(tp, 0)[r]
+
+    def cols(t):
+        return t.chunk(tp, -1)[r]
+
+    errs = {}
+    gen = torch.Generator().manual_seed(11)
+    B, S = 6, 3                      # the batch splits over tp 2 and 3
+    X = torch.randn(B, S, 7, generator=gen)
+    for gi in (True, False):
+        for go in (False, True):
+            torch.manual_seed(5)
+            layer = ColumnParallelLinear(7, 6, gather_input=gi, gather_output=go)
+            torch.manual_seed(5)
+            ref = nn.Linear(7, 6)
+            G = torch.randn(B, S, 6, generator=gen)
+            xr = X.clone().requires_grad_()
+            (ref(xr) * G).sum().backward()
+            x = (rows(X) if gi else X).clone().requires_grad_()
+            y = layer(x)
+            (y * (G if go else cols(G))).sum().backward()
+            key = f"column gather_input={gi} gather_output={go}"
+            expected = ref(X) if go else cols(ref(X))
+            errs[key] = max(_err(y, expected),
+                            _err(x.grad, rows(xr.grad) if gi else xr.grad),
+                            _err(layer.weight.grad, rows(ref.weight.grad)),
+                            _err(layer.bias.grad, rows(ref.bias.grad)))
+    X2 = torch.randn(B, S, 6, generator=gen)
+    for split in (False, True):
+        for aro in (False, True):
+            torch.manual_seed(6)
+            layer = RowParallelLinear(6, 5, split_input=split, all_reduce_output=aro)
+            torch.manual_seed(6)
+            ref = nn.Linear(6, 5)
+            G = torch.randn(B, S, 5, generator=gen)
+            xr = X2.clone().requires_grad_()
+            (ref(xr) * G).sum().backward()
+            if split:
+                x_in, grad_ref = (X2, xr.grad) if aro else (rows(X2), rows(xr.grad))
+            else:
+                x_in, grad_ref = cols(X2), cols(xr.grad)
+            x = x_in.clone().requires_grad_()
+            y = layer(x)
+            (y * (G if aro else rows(G))).sum().backward()
+            key = f"row split_input={split} all_reduce_output={aro}"
+            errs[key] = max(_err(y, ref(X2) if aro else rows(ref(X2))), _err(x.grad, grad_ref),
+                            _err(layer.weight.grad, cols(ref.weight.grad)),
+                            _err(layer.bias.grad, ref.bias.grad))
+    # Vocabulary 11: padded to 12 at tp 2 and 3.
+    V, E = 11, 5
+    torch.manual_seed(7)
+    emb = VPEmbedding(V, E)
+    torch.manual_seed(7)
+    W = torch.empty(V, E).normal_(0.0, 1.0).requires_grad_()
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    G = torch.randn(B, S, E, generator=gen)
+    (F.embedding(ids, W) * G).sum().backward()
+    out = emb(rows(ids))
+    (out * rows(G)).sum().backward()
+    W_pad = torch.cat([W.grad, torch.zeros(1, E)])
+    errs["embedding"] = max(_err(out, F.embedding(rows(ids), W)),
+                            _err(emb.weight.grad, rows(W_pad)))
+    # The tied projection and the parallel loss (ignore_index, label smoothing).
+    emb.weight.grad = None
+    W.grad = None
+    H = torch.randn(B, S, E, generator=gen)
+    target = torch.randint(0, V, (B, S), generator=gen)
+    target[0, :2] = -100
+    for smoothing in (0.0, 0.1):
+        hr = H.clone().requires_grad_()
+        full = F.linear(hr, W)
+        ref_loss = F.cross_entropy(full.reshape(-1, V), target.reshape(-1), ignore_index=-100,
+                                   label_smoothing=smoothing)
+        ref_loss.backward()
+        h = rows(H).clone().requires_grad_()
+        logits = emb(h, projection=True)
+        loss = nbtrain.nn.FusedCrossEntropy(ignore_index=-100, label_smoothing=smoothing,
+                                            parallel=True)(logits, target)
+        loss.backward()
+        finite = torch.isfinite(logits)
+        full_padded = torch.cat([full, torch.full((B, S, 1), float("-inf"))], dim=-1)
+        errs[f"projection + parallel loss, smoothing {smoothing}"] = max(
+            _err(logits[finite], cols(full_padded)[finite]), _err(loss, ref_loss),
+            _err(h.grad, rows(hr.grad)),
+            _err(emb.weight.grad, rows(torch.cat([W.grad, torch.zeros(1, E)]))))
+        emb.weight.grad = W.grad = None
+    return errs
+
+
+def training_errors(sequence_parallel, optimizer):
+    """A tiny tp model (vocab-parallel embedding, column and row layers, tied projection,
+    parallel loss) trained 5 steps against the plain model on this process."""
+    import nbtrain
+    from nbtrain.nn import ColumnParallelLinear, FusedCrossEntropy, RowParallelLinear, VPEmbedding
+
+    topo = nbtrain.init_distributed(tp_size=dist.get_world_size()).topology
+    tp, r = topo.tp_size, topo.tp_rank
+    sp = sequence_parallel
+    V, E, H = 11, 6, 12
+
+    class TinyTP(nbtrain.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.emb = VPEmbedding(V, E)
+            self.up = ColumnParallelLinear(E, H, gather_input=sp)
+            self.down = RowParallelLinear(H, E, all_reduce_output=not sp)
+
+        def forward(self, ids):
+            h = self.emb(ids, sequence_parallel=sp)
+            h = h + self.down(torch.relu(self.up(h)))
+            return self.emb(h, projection=True, sequence_parallel=sp)
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(V, E)
+            self.up, self.down = nn.Linear(E, H), nn.Linear(H, E)
+
+        def forward(self, ids):
+            h = self.emb(ids)
+            h = h + self.down(torch.relu(self.up(h)))
+            return F.linear(h, self.emb.weight)
+
+    torch.manual_seed(3)
+    model = TinyTP()
+    torch.manual_seed(3)
+    plain = Plain()
+
+    def make(params):
+        if optimizer == "sgd":
+            return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1)
+
+    opt, plain_opt = make(model.parameters()), make(plain.parameters())
+    loss_fn = FusedCrossEntropy(parallel=True)
+    gen = torch.Generator().manual_seed(4)
+    loss_err = 0.0
+    for _ in range(5):
+        ids = torch.randint(0, V, (6, 3), generator=gen)
+        target = torch.randint(0, V, (6, 3), generator=gen)
+        logits = model(ids.chunk(tp, 0)[r] if sp else ids)
+        loss = loss_fn(logits, target)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref = F.cross_entropy(plain(ids).reshape(-1, V), target.reshape(-1))
+        ref.backward()
+        plain_opt.step()
+        plain_opt.zero_grad()
+        loss_err = max(loss_err, _err(loss, ref))
+    W = plain.emb.weight.detach()
+    W_pad = torch.cat([W, torch.zeros(1, E)]) if (V % tp) else W
+    param_err = max(
+        _err(model.emb.weight, W_pad.chunk(tp, 0)[r]),
+        _err(model.up.weight, plain.up.weight.chunk(tp, 0)[r]),
+        _err(model.up.bias, plain.up.bias.chunk(tp, 0)[r]),
+        _err(model.down.weight, plain.down.weight.chunk(tp, 1)[r]),
+        _err(model.down.bias, plain.down.bias))
+    return {"loss": loss_err, "params": param_err}
+
+
+def refusals():
+    """What is not available yet says so, naming the parameter."""
+    import nbtrain
+    from nbtrain.nn import ColumnParallelLinear
+
+    nbtrain.init_distributed(tp_size=2)
+    out = {}
+    try:
+        nbtrain.Block(ColumnParallelLinear(4, 4))
+    except NotImplementedError as exc:
+        out["block"] = str(exc)
+
+    class Model(nbtrain.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.up = ColumnParallelLinear(4, 4)
+
+    try:
+        Model()
+    except NotImplementedError as exc:
+        out["dp"] = str(exc)
+    return out
