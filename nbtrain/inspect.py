@@ -322,7 +322,8 @@ class GatherTracker:
         if model is not None:
             for block in _blocks(model):
                 for group in block.groups:
-                    self._sizes[group.label] = group.layout.padded_numel * group.shard.element_size()
+                    size = group.layout.padded_numel * group.shard.element_size()
+                    self._sizes[group.label] = size
         self._live: dict[str, set[str]] = {}
         self._bytes = 0
         self._lock = threading.Lock()

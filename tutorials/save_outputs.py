@@ -31,11 +31,12 @@ import nbformat
 from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOKS = sorted((ROOT / "tutorials").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted(ROOT.glob("tutorials/*.ipynb")) + sorted(ROOT.glob("notebooks/*.ipynb"))
 MAX_IMAGE_BYTES = 120_000
 PALETTE_ABOVE = 40_000
 WIDGET = "application/vnd.jupyter.widget-view+json"
-PLACEHOLDER = "[live widget (a progress bar or the dashboard): drawn while the cell runs, not saved]"
+PLACEHOLDER = ("[live widget (a progress bar or the dashboard): drawn while the cell runs, "
+               "not saved]")
 
 
 def _final_line_state(text: str) -> str:
@@ -53,7 +54,9 @@ def _small_png(payload: str) -> str:
 
     buf = io.BytesIO()
     Image.open(io.BytesIO(raw)).convert("RGB").quantize(colors=128).save(buf, "PNG", optimize=True)
-    return base64.b64encode(buf.getvalue()).decode() + "\n" if len(buf.getvalue()) < len(raw) else payload
+    if len(buf.getvalue()) >= len(raw):
+        return payload
+    return base64.b64encode(buf.getvalue()).decode() + "\n"
 
 
 def sanitize(nb) -> None:
@@ -85,8 +88,8 @@ def sanitize(nb) -> None:
                                          f"{MAX_IMAGE_BYTES}): make the figure smaller")
             outputs.append(out)
         # Consecutive identical placeholders (a bar per chunk) say it once.
-        cell.outputs = [o for i, o in enumerate(outputs)
-                        if not (i and o == outputs[i - 1] and o.get("output_type") == "display_data")]
+        cell.outputs = [o for i, o in enumerate(outputs) if not (
+            i and o == outputs[i - 1] and o.get("output_type") == "display_data")]
 
 
 def execute(path: Path, timeout: int = 900) -> None:

@@ -159,7 +159,8 @@ def _close(a, b, rtol=RTOL) -> bool:
 def _agree(name: str, runs: dict[int, object], rtol=RTOL):
     base = runs[WORLDS[0]]
     for world, got in runs.items():
-        assert _close(got, base, rtol), f"{name}: world {world} gives {got}, world {WORLDS[0]} {base}"
+        assert _close(got, base, rtol), \
+            f"{name}: world {world} gives {got}, world {WORLDS[0]} {base}"
 
 
 # notebook -> (results per session, check(results by world))
@@ -203,7 +204,8 @@ def _check_resume(by_world):
 
 
 NOTEBOOKS = {
-    "tutorials/01_quickstart.ipynb": ([["before", "after", "step"]], _check_losses("before", "after")),
+    "tutorials/01_quickstart.ipynb": ([["before", "after", "step"]],
+                                      _check_losses("before", "after")),
     "tutorials/02_zero_levels_and_memory.ipynb": ([["results"]], _check_memory),
     "tutorials/03_overlap.ipynb": ([["results"]], _check_overlap),
     "tutorials/04_checkpoints_and_resume.ipynb": ([["reference"], ["resumed"]], _check_resume),

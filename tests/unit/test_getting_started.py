@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
 ENV_YML = (ROOT / "environment.yml").read_text()
-NOTEBOOKS = sorted((ROOT / "tutorials").glob("*.ipynb")) + sorted((ROOT / "notebooks").glob("*.ipynb"))
+NOTEBOOKS = sorted(ROOT.glob("tutorials/*.ipynb")) + sorted(ROOT.glob("notebooks/*.ipynb"))
 MAX_NOTEBOOK_BYTES = 150_000
 WIDGET = "application/vnd.jupyter.widget-view+json"
 
@@ -53,7 +53,8 @@ def test_every_extra_the_docs_name_exists_and_environment_yml_matches_pyproject(
         for group in re.findall(r"\.\[([\w,\- ]+)\]", text):
             named.update(e.strip() for e in group.split(","))
     assert named and named <= extras, named - extras
-    assert re.search(r"-e \.\[[\w,]*notebook[\w,]*\]", ENV_YML), "environment.yml lacks the notebook extra"
+    assert re.search(r"-e \.\[[\w,]*notebook[\w,]*\]", ENV_YML), \
+        "environment.yml lacks the notebook extra"
     torch_spec = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
     assert re.search(rf"^\s*- {re.escape(torch_spec)}\b", ENV_YML, re.M), (torch_spec, ENV_YML)
     install = _section("Install")
@@ -66,7 +67,8 @@ def test_every_extra_the_docs_name_exists_and_environment_yml_matches_pyproject(
 
 def test_the_registered_kernel_runs_this_python_and_loads_nbtrain(tmp_path):
     env = {**os.environ, "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"), "IPYTHONDIR": str(tmp_path / "ipython")}
+           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+           "IPYTHONDIR": str(tmp_path / "ipython")}
     cmd = [sys.executable, "-m", "ipykernel", "install", "--user", "--name", "nbtrain",
            "--display-name", "Python (nbtrain)"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
@@ -80,7 +82,8 @@ def test_the_registered_kernel_runs_this_python_and_loads_nbtrain(tmp_path):
         try:
             out = []
             reply = kc.execute_interactive(
-                "%load_ext nbtrain\\nimport sys, nbtrain; print(sys.executable, nbtrain.__version__)",
+                "%load_ext nbtrain\\n"
+                "import sys, nbtrain; print(sys.executable, nbtrain.__version__)",
                 output_hook=lambda m: out.append(m["content"].get("text", "")), timeout=60)
             assert reply["content"]["status"] == "ok", reply["content"]
             print("".join(out))
@@ -149,7 +152,8 @@ def test_saving_outputs_drops_widget_state_and_keeps_images_small():
     import matplotlib.pyplot as plt
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("save_outputs", ROOT / "tutorials" / "save_outputs.py")
+    spec = importlib.util.spec_from_file_location("save_outputs",
+                                                  ROOT / "tutorials" / "save_outputs.py")
     save = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(save)
 
@@ -163,9 +167,10 @@ def test_saving_outputs_drops_widget_state_and_keeps_images_small():
     assert len(buf.getvalue()) > save.PALETTE_ABOVE
 
     out = nbformat.v4.new_output
+    view = {"model_id": "ab", "version_major": 2}
     cell = nbformat.v4.new_code_cell("x", execution_count=1, outputs=[
-        out("display_data", data={WIDGET: {"model_id": "ab", "version_major": 2}, "text/plain": "VBox()"}),
-        out("display_data", data={WIDGET: {"model_id": "cd", "version_major": 2}, "text/plain": "VBox()"}),
+        out("display_data", data={WIDGET: view, "text/plain": "VBox()"}),
+        out("display_data", data={WIDGET: {**view, "model_id": "cd"}, "text/plain": "VBox()"}),
         out("stream", name="stdout", text="train:  10%|#\rtrain: 100%|##########|\nnext line\n"),
         out("display_data", data={"image/png": png, "text/plain": "<Figure>"}),
     ], metadata={"execution": {"iopub.status.busy": "2026-01-01"}})
