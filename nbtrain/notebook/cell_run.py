@@ -35,8 +35,10 @@ def trim_traceback(lines: list[str]) -> list[str]:
 class RankOutput:
     """Prints what each rank has produced so far, once, labelled by rank."""
 
-    def __init__(self, ranks: list[int], metadata: list[dict], stream: bool):
+    def __init__(self, ranks: list[int], metadata: list[dict], stream: bool,
+                 labels: dict[int, str] | None = None):
         self.ranks, self.metadata, self.stream = ranks, metadata, stream
+        self.labels = labels or {}
         self.offsets = {(r, name): 0 for r in ranks for name in ("stdout", "stderr")}
         self.partial = {(r, name): "" for r in ranks for name in ("stdout", "stderr")}
         self.shown_outputs = {r: 0 for r in ranks}
@@ -67,8 +69,21 @@ class RankOutput:
             lines.pop()
         if lines:
             out = sys.stdout if name == "stdout" else sys.stderr
-            out.write("".join(f"[rank {r}] {line}\n" for line in lines))
+            label = self.labels.get(r, f"rank {r}")
+            out.write("".join(f"[{label}] {line}\n" for line in lines))
             out.flush()
+
+
+def rank_labels(cluster) -> dict[int, str]:
+    """'rank 3 tp1 dp1' style labels when the ranks are tensor-parallel, else none."""
+    tp = getattr(cluster, "tp_size", 1)
+    if tp == 1:
+        return {}
+    from ..comm.topology import Topology
+
+    world = cluster.world_size
+    return {r: Topology(rank=r, world_size=world, tp_size=tp, dp_size=world // tp).label()
+            for r in range(world)}
 
 
 def _publish(data: dict, metadata: dict, r: int) -> None:
@@ -118,7 +133,7 @@ def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: 
         The AsyncResult, done and successful; None if `patience_s` ran out first.
     """
     if printer is None:
-        printer = RankOutput(ranks, ar._metadata, stream)
+        printer = RankOutput(ranks, ar._metadata, stream, rank_labels(cluster))
     now = time.monotonic()
     start = now if started is None else started
     give_up = None if patience_s is None else now + patience_s

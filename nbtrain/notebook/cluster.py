@@ -23,9 +23,10 @@ import weakref
 import psutil
 
 from . import engine_boot as _engine_boot, engine_pull
-from .cell_run import run_cell, submit_cell
+from .cell_run import rank_labels, run_cell, submit_cell
 from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config
+from ..comm.topology import check_sizes
 from .pending import PendingCell, refuse_while_pending
 from .procs import pid_alive, rss_bytes
 from .targets import one_rank, select_ranks
@@ -85,6 +86,7 @@ class Cluster:
             Engines on other nodes (slurm) need a routable address here.
         start_timeout_s: how long to wait for engines to register and rendezvous.
         pg_timeout_s: torch.distributed process-group timeout on the ranks.
+        tp_size: tensor-parallel size given to `init_distributed` on every rank.
         slurm: options for the slurm launcher (nodes, ntasks_per_node,
             gpus_per_task, partition, account, time); see `nbtrain.notebook.launchers`.
         profile_dir: ipyparallel profile directory (default: ipyparallel's).
@@ -93,14 +95,15 @@ class Cluster:
     def __init__(self, n: int | None = None, backend: str | None = None,
                  launcher: str = "local", controller_ip: str = "127.0.0.1",
                  start_timeout_s: float = 120.0, pg_timeout_s: float = 600.0,
-                 slurm: dict | None = None, profile_dir: str | None = None):
+                 slurm: dict | None = None, profile_dir: str | None = None,
+                 tp_size: int = 1):
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: use 'gloo', 'nccl' or None to pick")
         if n is not None and n < 1:
             raise ValueError(f"n={n}: a cluster needs at least one rank")
-        self.n, self.backend, self.launcher = n, backend, launcher
+        self.n, self.backend, self.launcher, self.tp_size = n, backend, launcher, tp_size
         self.controller_ip, self.slurm = controller_ip, dict(slurm or {})
         self.start_timeout_s, self.pg_timeout_s = start_timeout_s, pg_timeout_s
         self.profile_dir = profile_dir
@@ -136,6 +139,7 @@ class Cluster:
                              f"{self.controller_ip}: pass controller_ip (`--ip`) with an address "
                              "of this host that the compute nodes can reach")
         n = self.n if self.n is not None else _default_n()
+        check_sizes(n, self.tp_size, 1)  # before any engine starts
         kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}
         self._ipp = ipp.Cluster(
             n=n, engines=self.launcher, controller_ip=self.controller_ip,
@@ -250,7 +254,8 @@ class Cluster:
             if info["local"]:
                 self._watch(info["pid"])
         envs = self._rank_envs()
-        result = view.apply_async(_engine_boot.boot, envs, self.backend, self.pg_timeout_s)
+        result = view.apply_async(_engine_boot.boot, envs, self.backend, self.pg_timeout_s,
+                                  self.tp_size)
         for info, booted in zip(sorted(self.ranks, key=lambda i: i["engine_id"]),
                                 result.get(timeout=self.start_timeout_s)):
             info["device"] = booted["device"]
@@ -332,7 +337,8 @@ class Cluster:
         pull are refused. `timeout` counts from now and is enforced while waiting.
         """
         ranks = self._ready_ranks(targets)
-        self._pending = PendingCell(submit_cell(self, code, ranks), ranks, timeout, stream)
+        self._pending = PendingCell(submit_cell(self, code, ranks), ranks, timeout, stream,
+                                    rank_labels(self))
         return self._pending
 
     def wait(self, timeout: float | None = None, on_poll=None):

@@ -55,7 +55,8 @@ def free_port(address: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float) -> dict:
+def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float,
+         tp_size: int = 1) -> dict:
     """Set this engine's rank variables, initialise torch.distributed, fill the namespace.
 
     Collective: every engine of the cluster runs this at the same time.
@@ -69,7 +70,7 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float) -> dict:
 
     import nbtrain
 
-    ctx = nbtrain.init_distributed(backend=backend, timeout=pg_timeout_s)
+    ctx = nbtrain.init_distributed(backend=backend, timeout=pg_timeout_s, tp_size=tp_size)
     nbtrain.telemetry.publish_to_notebook()  # feeds the dashboard while cells run
     shell = get_ipython()
     shell.user_ns.update({"torch": torch, "nbt": nbtrain})

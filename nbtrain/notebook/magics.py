@@ -19,7 +19,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 
 from .errors import NoClusterError
 from .launchers import LAUNCHERS
-from .cluster import Cluster
+from .cluster import Cluster, _default_n
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
 
@@ -105,6 +105,9 @@ class NbtrainMagics(Magics):
     @argument("--timeout", type=float, default=None,
               help="start: seconds to wait for the engines to register and rendezvous "
                    "(default 120); wait: seconds to wait for the cell (default: until done)")
+    @argument("--tp", type=int, default=1, metavar="T",
+              help="start: tensor-parallel size (init_distributed(tp_size=T) on every rank; "
+                   "it must divide -n); output lines then show each rank's coordinates")
     @argument("--pg-timeout", type=float, default=None, metavar="S",
               help="start: torch.distributed timeout in seconds for a collective that a "
                    "peer never joins (default 600); a failing rank aborts the others' "
@@ -119,7 +122,8 @@ class NbtrainMagics(Magics):
 
         Actions:
           start      start N ranks with torch.distributed ready (-n, --backend,
-                     --launcher, --timeout, --pg-timeout, --ip); keeps a running cluster
+                     --launcher, --timeout, --pg-timeout, --tp, --ip); keeps a
+                     running cluster
           stop       stop every process of the cluster
           restart    fresh ranks with empty namespaces (-n N to change the count)
           status     one line per rank: pid, host, device, memory, step, loss, state
@@ -140,6 +144,11 @@ class NbtrainMagics(Magics):
         """
         args = parse_argstring(self.nbtrain, line)
         _check_n(args.n)
+        if args.action == "start" and args.tp != 1:
+            n = args.n if args.n is not None else _default_n()
+            if args.tp < 1 or n % args.tp:
+                raise UsageError(f"--tp {args.tp} must divide the number of ranks ({n}), "
+                                 f"e.g. -n {2 * max(args.tp, 1)} --tp {max(args.tp, 1)}")
         if args.pg_timeout is not None and args.pg_timeout <= 0:
             raise UsageError(f"--pg-timeout {args.pg_timeout:g}: give a positive number of "
                              "seconds, e.g. --pg-timeout 120")
@@ -162,6 +171,7 @@ class NbtrainMagics(Magics):
             return
         timeout = _START_TIMEOUT_S if args.timeout is None else args.timeout
         extra = {} if args.pg_timeout is None else {"pg_timeout_s": args.pg_timeout}
+        extra["tp_size"] = args.tp
         _current = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
                            controller_ip=args.ip, start_timeout_s=timeout, **extra).start()
         devices = sorted({r["device"] for r in _current.ranks})

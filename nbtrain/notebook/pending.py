@@ -16,10 +16,11 @@ from .errors import DistributedError
 class PendingCell:
     """A submitted cell: its AsyncResult, ranks, timeout and what was shown of it."""
 
-    def __init__(self, ar, ranks: list[int], timeout_s: float | None, stream: bool):
+    def __init__(self, ar, ranks: list[int], timeout_s: float | None, stream: bool,
+                 labels: dict[int, str] | None = None):
         self.ar, self.ranks, self.timeout_s = ar, ranks, timeout_s
         self.started = time.monotonic()
-        self.printer = RankOutput(ranks, ar._metadata, stream)
+        self.printer = RankOutput(ranks, ar._metadata, stream, labels)
 
     def done(self) -> bool:
         return self.ar.done()
