@@ -114,8 +114,9 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         pipe_size: pipeline stages; only 1 for now.
         num_micro_batches: BMTrain's pipeline keyword, kept in the context.
 
-    Called again on an initialised process with other tp_size/pipe_size (a notebook
-    cell on every rank, say), it makes the new topology's groups and keeps the rest.
+    Called again on an initialised process (a notebook cell on every rank, a script
+    on a notebook engine) it seeds again, and with other tp_size/pipe_size makes the
+    new topology's groups; the process group stays.
 
     Collective: every rank calls this.
     """
@@ -127,9 +128,12 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         topo = _CONTEXT.topology
         if (topo.tp_size, topo.pipe_size) != (tp_size, pipe_size):
             _topology.check_sizes(_CONTEXT.world_size, tp_size, pipe_size)
-            _CONTEXT = replace(_CONTEXT, topology=_topology.build(
-                _CONTEXT.rank, _CONTEXT.world_size, tp_size, pipe_size),
-                num_micro_batches=num_micro_batches)
+            topo = _topology.build(_CONTEXT.rank, _CONTEXT.world_size, tp_size, pipe_size)
+        _seed_everything(seed)  # a script's init_distributed(seed=...) still seeds
+        changed = dict(topology=topo, seed=seed, num_micro_batches=num_micro_batches)
+        if any(getattr(_CONTEXT, k) is not v and getattr(_CONTEXT, k) != v
+               for k, v in changed.items()):
+            _CONTEXT = replace(_CONTEXT, **changed)
         return _CONTEXT
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))

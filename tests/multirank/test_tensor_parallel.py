@@ -1,6 +1,7 @@
 """Tensor-parallel layers at tp 2 and 3 (odd sizes, batch > 1, every flag) against the
 plain layers: outputs, input gradients and weight gradients within 1e-5."""
 import pytest
+import torch
 
 from ranks import run_ranks
 from tp_cases import layer_errors
@@ -30,3 +31,18 @@ def test_what_is_not_available_yet_is_refused_clearly():
     out = run_ranks(refusals, 4, timeout_s=120)[0]
     assert out["block"].startswith("Block: weight is a tensor-parallel slice")
     assert out["dp"].startswith("up.weight is a tensor-parallel slice held by 2 data-parallel")
+
+
+def test_a_bmtrain_tp_script_runs_with_only_its_import_changed():
+    import bmtrain_tp_script as script
+
+    ref_losses, ref = script.plain()
+    for rank, (losses, params) in enumerate(run_ranks(script.main, 2, timeout_s=120)):
+        assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, rank
+        split = {"embed.weight": 0, "w_in.weight": 0, "w_in.bias": 0, "w_out.weight": 1}
+        for name, value in params.items():
+            full = ref[name].detach()
+            if name == "embed.weight":  # 13 rows padded to 14
+                full = torch.cat([full, full.new_zeros(1, full.shape[1])])
+            expected = full.chunk(2, split[name])[rank] if name in split else full
+            assert (value - expected).abs().max() < 1e-5, (rank, name)
