@@ -7,8 +7,8 @@ waiting, streaming and error handling.
     %load_ext nbtrain
     %nbtrain start -n 2
     %%distributed
-    x = torch.ones(1) * (nbt.rank() + 1)
-    torch.distributed.all_reduce(x)
+    x = torch.ones(1, device=nbt.get_context().device) * (nbt.rank() + 1)
+    torch.distributed.all_reduce(x)   # on the rank's device: NCCL needs CUDA tensors
     print(x)
 """
 from __future__ import annotations
