@@ -60,25 +60,42 @@ def progress(iterable=None, total: int | None = None, desc: str = "train", rank:
     if _rank() != rank:
         yield from _steps(iterable, None)
         return
-    if _on_engine():
+    lines = _on_engine()
+    if lines:
         from tqdm import tqdm
 
-        bar = tqdm(iterable, total=total, desc=desc, file=_Lines(), mininterval=print_s,
-                   ascii=True, **tqdm_kwargs)
+        bar = tqdm(total=total, desc=desc, file=_Lines(), mininterval=print_s, ascii=True,
+                   **tqdm_kwargs)
     else:
         from tqdm.auto import tqdm
 
-        bar = tqdm(iterable, total=total, desc=desc, **tqdm_kwargs)
+        bar = tqdm(total=total, desc=desc, **tqdm_kwargs)
     start = time.monotonic()
     try:
-        for n, item in enumerate(_steps(bar, bar)):
+        for n, item in enumerate(_steps(_counted(iterable, bar), bar)):
             telemetry.RECORDER.progress = {"n": n, "total": total, "desc": desc,
                                            "rate": n / max(time.monotonic() - start, 1e-9)}
             yield item
         telemetry.RECORDER.progress = {"n": bar.n, "total": total, "desc": desc,
                                        "rate": bar.n / max(time.monotonic() - start, 1e-9)}
     finally:
-        bar.close()
+        _close(bar, lines)
+
+
+def _counted(iterable, bar):
+    """Yield items, counting each on `bar` after its loop body. (A bar that iterates
+    closes itself when the iterable ends, before `_close` can decide how.)"""
+    for item in iterable:
+        yield item
+        bar.update(1)
+
+
+def _close(bar, lines: bool) -> None:
+    """Close `bar`. A text bar (`lines`) whose last line already shows the final count
+    would print that count again, a second "16/16" line: it closes without one."""
+    if lines and bar.last_print_n == bar.n:
+        bar.leave = False
+    bar.close()
 
 
 def _steps(iterable, bar):

@@ -10,7 +10,7 @@ STEPS = 16
 
 CELLS = [
     "%load_ext nbtrain\n%nbtrain start -n 2",
-    """%%distributed
+    f"""%%distributed
 import time
 from nbtrain.models import GPT, GPTConfig
 from nbtrain import progress
@@ -20,10 +20,10 @@ cfg = GPTConfig.preset("tiny")
 model = nbt.wrap(GPT(cfg), zero_level=3)   # ZeRO-3: each rank holds half of every block
 opt = nbt.optim.AdamOptimizer(model.parameters(), lr=3e-3)
 optim = nbt.optim.OptimManager(loss_scale=None)
-optim.add_optimizer(opt, nbt.lr_scheduler.Cosine(opt, 3e-3, 4, STEPS))
+optim.add_optimizer(opt, nbt.lr_scheduler.Cosine(opt, 3e-3, 4, {STEPS}))
 telemetry.watch(model, opt)
 x = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len + 1),
-                  generator=torch.Generator().manual_seed(nbt.rank()))""".replace("STEPS", str(STEPS)),
+                  generator=torch.Generator().manual_seed(nbt.rank()))""",
     f"""%%distributed --dashboard
 for step in progress(range({STEPS}), desc="train"):
     optim.zero_grad()
