@@ -29,6 +29,8 @@ VPEmbedding(x,         token slice          (all tokens, vocab/tp) logits, padde
 the batch of (batch, seq, hidden)); it must divide by tp_size. The weights start
 as the plain layer's would (the full tensor is drawn with the same generator on
 every rank, then sliced), so a tp run starts from the plain model's values.
+`state_dict()` holds the full tensors under the plain layer's names (gathered over
+tp, so every tp rank calls it) and `load_state_dict()` takes full tensors.
 `async_gather_chunks` / `async_chunks` are accepted for BMTrain's signatures; the
 chunked overlap of communication with the GEMMs is not done yet.
 """
@@ -60,6 +62,54 @@ def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int) -> n
     return param
 
 
+class _FullStateDict:
+    """state_dict() of a tp layer holds the full logical tensors under the plain
+    layer's names (gathered over tp: collective, every tp rank calls it);
+    load_state_dict() takes full tensors and keeps this rank's slice."""
+
+    def _setup_full_state_dict(self) -> None:
+        self._register_state_dict_hook(_gather_slices)
+        self._register_load_state_dict_pre_hook(_slice_full, with_module=True)
+
+
+def _tp_params(module: nn.Module):
+    return [(n, p) for n, p in module.named_parameters(recurse=False)
+            if getattr(p, "tp_split_dim", None) is not None]
+
+
+def _gather_slices(module, state_dict, prefix, local_metadata):
+    for name, param in _tp_params(module):
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        dim = param.tp_split_dim
+        moved = param.detach().movedim(dim, -1).contiguous()
+        full = tp_comm._gather_last(moved, "tp gather state").movedim(-1, dim)
+        rows = param.tp_full_shape[dim]
+        state_dict[key] = full.narrow(dim, 0, rows).clone()  # drops vocabulary padding
+    return state_dict
+
+
+def _slice_full(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
+    size, rank = _tp()
+    for name, param in _tp_params(module):
+        key = prefix + name
+        value = state_dict.get(key)
+        if value is None or tuple(value.shape) == tuple(param.shape):
+            continue  # absent, or already this rank's slice
+        if tuple(value.shape) != tuple(param.tp_full_shape):
+            errors.append(f"{key}: shape {tuple(value.shape)}, expected the full "
+                          f"{tuple(param.tp_full_shape)} (or this rank's {tuple(param.shape)})")
+            continue
+        dim = param.tp_split_dim
+        per_rank = param.shape[dim]
+        pad = per_rank * size - value.shape[dim]
+        if pad:
+            value = torch.cat([value, value.new_zeros(
+                *value.shape[:dim], pad, *value.shape[dim + 1:])], dim=dim)
+        state_dict[key] = value.narrow(dim, rank * per_rank, per_rank)
+
+
 def _divides(what: str, n: int, size: int) -> None:
     if n % size:
         raise ValueError(f"{what}={n} must divide by tp_size {size}; choose a multiple of "
@@ -75,7 +125,7 @@ class Linear(nn.Linear):
                          device=get_context().device)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(_FullStateDict, nn.Module):
     """y = x W^T + b with W split by rows (output features) over the tp ranks."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
@@ -91,6 +141,7 @@ class ColumnParallelLinear(nn.Module):
                           device=get_context().device)
         self.weight = _slice_param(plain.weight.data, 0, size, rank)
         self.bias = _slice_param(plain.bias.data, 0, size, rank) if bias else None
+        self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tp_comm.gather_rows(x) if self.gather_input else tp_comm.copy_to_tp(x)
@@ -103,7 +154,7 @@ class ColumnParallelLinear(nn.Module):
                 f"gather_input={self.gather_input}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(_FullStateDict, nn.Module):
     """y = x W^T + b with W split by columns (input features) over the tp ranks; the
     partial sums are reduce-scattered over tokens (default) or all-reduced."""
 
@@ -120,6 +171,7 @@ class RowParallelLinear(nn.Module):
                           device=get_context().device)
         self.weight = _slice_param(plain.weight.data, 1, size, rank)
         self.bias = _slice_param(plain.bias.data, None, size, rank) if bias else None
+        self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
@@ -141,7 +193,7 @@ class RowParallelLinear(nn.Module):
                 f"split_input={self.split_input}, all_reduce_output={self.all_reduce_output}")
 
 
-class VPEmbedding(nn.Module):
+class VPEmbedding(_FullStateDict, nn.Module):
     """Vocabulary-parallel embedding; `forward(x, projection=True)` is the tied output
     projection, giving vocabulary-sharded logits.
 
@@ -162,6 +214,7 @@ class VPEmbedding(nn.Module):
         padded = torch.cat([full, full.new_zeros(self.padded_vocab - vocab_size, embedding_size)])
         self.weight = _slice_param(padded, 0, size, rank)
         self.weight.tp_full_shape = (vocab_size, embedding_size)  # the padding is not state
+        self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor, projection: bool = False, *,
                 sequence_parallel: bool = True) -> torch.Tensor:

@@ -23,6 +23,7 @@ def test_training_matches_one_plain_process(tp, sequence_parallel, optimizer):
     for rank, errs in enumerate(run_ranks(training_errors, tp, sequence_parallel, optimizer,
                                           timeout_s=120)):
         assert errs["loss"] < 1e-5 and errs["params"] < 1e-5, f"rank {rank}: {errs}"
+        assert errs["keys"] and errs["state"] < 1e-5, f"rank {rank}: {errs}"  # state_dict
 
 
 def test_what_is_not_available_yet_is_refused_clearly():

@@ -176,7 +176,18 @@ def training_errors(sequence_parallel, optimizer):
         _err(model.up.bias, plain.up.bias.chunk(tp, 0)[r]),
         _err(model.down.weight, plain.down.weight.chunk(tp, 1)[r]),
         _err(model.down.bias, plain.down.bias))
-    return {"loss": loss_err, "params": param_err}
+    # state_dict: full tensors under the plain names, both ways.
+    state = model.state_dict()
+    state_err = max(_err(state[k], v) for k, v in plain.state_dict().items())
+    fresh = Plain()
+    fresh.load_state_dict(state)
+    torch.manual_seed(99)
+    again = TinyTP()
+    again.load_state_dict(plain.state_dict())
+    state_err = max(state_err, max(_err(a, b) for a, b in zip(again.parameters(),
+                                                              model.parameters())))
+    return {"loss": loss_err, "params": param_err, "state": state_err,
+            "keys": sorted(state) == sorted(plain.state_dict())}
 
 
 def refusals():
