@@ -18,7 +18,7 @@ __all__ = [
     "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
     "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
     "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
-    "inspect", "graceful_stop", "stop_requested",
+    "inspect", "graceful_stop", "stop_requested", "parallelize",
 ]  # the notebook layer's names (Cluster, the errors) load lazily and stay out of `import *`
 
 _LAZY = {
@@ -33,6 +33,7 @@ _LAZY = {
     "inspect": ("nbtrain.inspect", None),
     "progress": ("nbtrain.telemetry.progress", "progress"),
     "graceful_stop": ("nbtrain.comm.recovery", "graceful_stop"),
+    "parallelize": ("nbtrain.nn.parallelize", "parallelize"),
     "stop_requested": ("nbtrain.comm.recovery", "stop_requested"),
     # The notebook layer imports ipyparallel: loaded when first used.
     "Cluster": ("nbtrain.notebook", "Cluster"),

@@ -51,14 +51,19 @@ def _tp() -> tuple[int, int]:
     return topo.tp_size, topo.tp_rank
 
 
-def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int) -> nn.Parameter:
+def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int,
+                 groups: int = 1) -> nn.Parameter:
+    """This rank's slice of `full` along `dim`. With `groups` > 1 the dimension is that
+    many equal parts (q, k and v of a fused projection) and each part is split."""
     if dim is None:
         data = full
     else:
-        data = full.chunk(size, dim=dim)[rank].contiguous()
-    param = nn.Parameter(data.clone())
+        parts = full.chunk(groups, dim=dim)
+        data = torch.cat([part.chunk(size, dim=dim)[rank] for part in parts], dim=dim)
+    param = nn.Parameter(data.contiguous().clone())
     param.tp_split_dim = dim
     param.tp_full_shape = tuple(full.shape)
+    param.tp_groups = groups
     return param
 
 
@@ -82,9 +87,13 @@ def _gather_slices(module, state_dict, prefix, local_metadata):
         key = prefix + name
         if key not in state_dict:
             continue
-        dim = param.tp_split_dim
+        dim, groups = param.tp_split_dim, getattr(param, "tp_groups", 1)
         moved = param.detach().movedim(dim, -1).contiguous()
-        full = tp_comm._gather_last(moved, "tp gather state").movedim(-1, dim)
+        full = tp_comm._gather_last(moved, "tp gather state")
+        if groups > 1:  # [rank][part][rows] -> [part][rank][rows]
+            size, lead = _tp()[0], full.shape[:-1]
+            full = full.reshape(*lead, size, groups, -1).transpose(-3, -2).reshape(*lead, -1)
+        full = full.movedim(-1, dim)
         rows = param.tp_full_shape[dim]
         state_dict[key] = full.narrow(dim, 0, rows).clone()  # drops vocabulary padding
     return state_dict
@@ -101,7 +110,10 @@ def _slice_full(module, state_dict, prefix, local_metadata, strict, missing, une
             errors.append(f"{key}: shape {tuple(value.shape)}, expected the full "
                           f"{tuple(param.tp_full_shape)} (or this rank's {tuple(param.shape)})")
             continue
-        dim = param.tp_split_dim
+        dim, groups = param.tp_split_dim, getattr(param, "tp_groups", 1)
+        if groups > 1:
+            state_dict[key] = _slice_param(value, dim, size, rank, groups).data
+            continue
         per_rank = param.shape[dim]
         pad = per_rank * size - value.shape[dim]
         if pad:
@@ -202,8 +214,10 @@ class VPEmbedding(_FullStateDict, nn.Module):
     """
 
     def __init__(self, vocab_size: int, embedding_size: int, dtype=torch.float32,
-                 init_mean: float = 0.0, init_std: float = 1.0):
+                 init_mean: float = 0.0, init_std: float = 1.0, *,
+                 sequence_parallel: bool = True):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         size, rank = _tp()
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
         self.padded_vocab = math.ceil(vocab_size / size) * size
@@ -217,15 +231,17 @@ class VPEmbedding(_FullStateDict, nn.Module):
         self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor, projection: bool = False, *,
-                sequence_parallel: bool = True) -> torch.Tensor:
+                sequence_parallel: bool | None = None) -> torch.Tensor:
         """Embeddings of the ids `x`, or with `projection=True` the logits of the
         hidden states `x` over this rank's vocabulary columns.
 
         sequence_parallel=True (BMTrain's layout): `x` is this tp rank's token slice,
         each rank gets its own tokens' embeddings, and the projection gathers the
         tokens (logits for all tokens). False (Megatron): `x` is the same on every tp
-        rank, and so is the result.
+        rank, and so is the result. None: the layer's own setting (constructor).
         """
+        if sequence_parallel is None:
+            sequence_parallel = self.sequence_parallel
         if projection:
             return self._project(x, sequence_parallel)
         return self._embed(x, sequence_parallel)

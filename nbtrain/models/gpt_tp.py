@@ -1,0 +1,73 @@
+"""Tensor parallelism for `nbtrain.models.GPT`: the plan `nbtrain.parallelize` takes.
+
+    nbtrain.init_distributed(tp_size=2)
+    model = nbtrain.parallelize(GPT(cfg), gpt_plan(cfg))
+
+Megatron's layout: attention heads and MLP columns split over the tp ranks, the
+vocabulary split for the (tied) embedding and output projection, layer norms and
+position embeddings replicated. `model(idx)` and `model.loss(idx, target)` keep
+their meaning: the logits come back full-width.
+"""
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import nn
+
+from ..comm.context import get_context
+from ..nn.parallel import ColumnParallelLinear, _slice_param
+from ..nn.parallelize import _quietly, row_from
+from .gpt import GPTConfig
+
+
+class TensorParallelAttention(nn.Module):
+    """The GPT's attention with its heads split over the tp ranks (same names)."""
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        topo = get_context().topology
+        size, rank = topo.tp_size, topo.tp_rank
+        if attention.heads % size:
+            raise ValueError(f"attention has {attention.heads} heads, which tp_size {size} "
+                             "does not divide: choose a tp_size that divides the head count")
+        self.heads, self.dropout = attention.heads // size, attention.dropout
+        qkv = attention.qkv
+        layer = _quietly(lambda: ColumnParallelLinear(
+            qkv.in_features, qkv.out_features, bias=qkv.bias is not None,
+            dtype=qkv.weight.dtype, gather_input=False))
+        # q, k and v are three parts of the fused weight: each is split by heads.
+        layer.weight = _slice_param(qkv.weight.data, 0, size, rank, groups=3)
+        if qkv.bias is not None:
+            layer.bias = _slice_param(qkv.bias.data, 0, size, rank, groups=3)
+        self.qkv = layer.to(qkv.weight.device)
+        self.proj = row_from(attention.proj, all_reduce_output=True)
+
+    def forward(self, x):
+        b, t, _ = x.shape
+        local = self.qkv(x)                       # (b, t, 3 * c / tp)
+        q, k, v = local.split(local.shape[-1] // 3, dim=2)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _attention(module, name):
+    return TensorParallelAttention(module)
+
+
+def gpt_plan(cfg: GPTConfig) -> dict:
+    """The tensor-parallel plan for a GPT built from `cfg`."""
+    plan = {
+        "tok": "vocab",
+        "layers.*.attn": _attention,
+        "layers.*.mlp.0": "colwise",
+        "layers.*.mlp.2": "rowwise",
+    }
+    plan["head"] = "tied_head" if cfg.tie_embeddings else _untied_head
+    return plan
+
+
+def _untied_head(module, name):
+    from ..nn.parallelize import column_from
+
+    return column_from(module, gather_input=False, gather_output=True)
