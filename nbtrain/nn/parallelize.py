@@ -93,7 +93,7 @@ def parallelize(model: nn.Module, plan: dict) -> nn.Module:
     """Replace the modules that `plan` names by their tensor-parallel versions, in place.
 
     Collective in spirit: every tp rank calls it on the same plain model. Returns
-    `model`. Raises ValueError for a style that does not exist or does not fit the
+    `model`, moved to the rank's device. Raises ValueError for a style that does not exist or does not fit the
     module, and for a pattern that matches nothing (a typo would otherwise leave a
     layer whole).
     """
@@ -114,7 +114,8 @@ def parallelize(model: nn.Module, plan: dict) -> nn.Module:
     if unused:
         raise ValueError(f"parallelize: pattern(s) {sorted(unused)} matched no module; module "
                          f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}")
-    return model
+    # On the rank's device, as wrap() does: NCCL's collectives need CUDA tensors.
+    return model.to(get_context().device)
 
 
 def plan_style(plan: dict, name: str):
