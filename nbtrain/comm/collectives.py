@@ -138,6 +138,7 @@ class CommHandle:
         self._on_done = on_done
         self._done = work is None
         self.kind, self.nbytes, self.label = kind, nbytes, label
+        self.event_kind = event_kind(kind, label)
         self.issued_at = time.perf_counter()
         self.finished_at: float | None = None
         self._stamp_at_wait = False
@@ -163,8 +164,8 @@ class CommHandle:
 
         def _stamp(_):
             self.finished_at = time.perf_counter()
-            events.comm_span(self.kind.value, self.label, self.issued_at,
-                                self.finished_at, self.nbytes, step=step)
+            events.comm_span(self.event_kind, self.label, self.issued_at,
+                             self.finished_at, self.nbytes, step=step)
         fut.then(_stamp)
 
     def is_completed(self) -> bool:
@@ -177,9 +178,9 @@ class CommHandle:
         IN_FLIGHT.discard(self)
         if self._stamp_at_wait:
             self.finished_at = time.perf_counter()
-            events.comm_span(self.kind.value, self.label, self.issued_at,
-                                self.finished_at, self.nbytes, end_at_wait=True)
-        events.instant("comm_wait", self.label, kind=self.kind.value)
+            events.comm_span(self.event_kind, self.label, self.issued_at,
+                             self.finished_at, self.nbytes, end_at_wait=True)
+        events.instant("comm_wait", self.label, kind=self.event_kind)
         self._done = True
         self._finish()
 
@@ -189,6 +190,12 @@ class CommHandle:
             cb()
 
 
+def event_kind(kind: CommKind, label: str) -> str:
+    """The kind telemetry shows: tensor-parallel collectives (labels "tp ...") are
+    their own kinds ("tp_all_gather", ...), apart from ZeRO's and data parallelism's."""
+    return f"tp_{kind.value}" if label.startswith("tp ") else kind.value
+
+
 def _ring_bytes(t: torch.Tensor, world: int) -> int:
     return t.numel() * t.element_size() * (world - 1) // max(world, 1)
 
@@ -196,14 +203,14 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
 def _issue(kind: CommKind, work, nbytes: int, label: str, async_op: bool,
            on_done=None, started: float | None = None) -> CommHandle | None:
     COUNTERS.add(kind, nbytes)
-    events.instant("comm_issue", label, kind=kind.value, bytes=nbytes)
+    events.instant("comm_issue", label, kind=event_kind(kind, label), bytes=nbytes)
     handle = CommHandle(work, kind, nbytes, label, on_done)
     if async_op:
         return handle
     if started is not None and events.active():
         # A blocking collective is exposed comm: without its span the
         # hidden-comm share would count only the async (overlappable) ones.
-        events.comm_span(kind.value, label, started, time.perf_counter(), nbytes)
+        events.comm_span(event_kind(kind, label), label, started, time.perf_counter(), nbytes)
     handle.wait()
     return None
 

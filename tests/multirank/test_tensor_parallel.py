@@ -47,3 +47,11 @@ def test_a_bmtrain_tp_script_runs_with_only_its_import_changed():
                 full = torch.cat([full, full.new_zeros(1, full.shape[1])])
             expected = full.chunk(2, split[name])[rank] if name in split else full
             assert (value - expected).abs().max() < 1e-5, (rank, name)
+
+
+def test_telemetry_shows_tensor_parallel_collectives_as_their_own_kinds():
+    from tp_cases import telemetry_kinds
+
+    kinds = run_ranks(telemetry_kinds, 2, timeout_s=120)[0]
+    # gather the tokens, reduce-scatter them back, all-reduce the row bias's gradient
+    assert kinds == ["tp_all_gather", "tp_all_reduce", "tp_reduce_scatter"], kinds

@@ -212,3 +212,22 @@ def refusals():
     except NotImplementedError as exc:
         out["dp"] = str(exc)
     return out
+
+
+def telemetry_kinds():
+    """The comm kinds telemetry records for one tensor-parallel step."""
+    import nbtrain
+    from nbtrain import telemetry
+    from nbtrain.nn import ColumnParallelLinear, RowParallelLinear
+
+    nbtrain.init_distributed(tp_size=dist.get_world_size())
+    telemetry.set_enabled(True)
+    up, down = ColumnParallelLinear(4, 8), RowParallelLinear(8, 4)
+    x = torch.randn(4, 4).requires_grad_()
+    down(up(x)).sum().backward()
+    x = torch.ones(2)
+    dist.all_reduce(x)   # not through nbtrain: not counted
+    telemetry.next_step()
+    kinds = sorted(telemetry.summary()["steps"][-1]["comm"])
+    telemetry.set_enabled(False)
+    return kinds
