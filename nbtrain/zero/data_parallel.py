@@ -53,11 +53,13 @@ class DataParallelGrads:
         params: the trainable parameters that every rank holds whole.
         reducer: the model's reduction queue.
         bucket_numel: most elements per bucket.
+        group: the ranks holding copies (None: every rank; a tensor-parallel slice is
+            held by its data-parallel group).
     """
 
     def __init__(self, params: list[nn.Parameter], reducer: GradReducer,
-                 bucket_numel: int = BUCKET_NUMEL):
-        self.reducer = reducer
+                 bucket_numel: int = BUCKET_NUMEL, group=None):
+        self.reducer, self.group = reducer, group
         self.buckets = _make_buckets(params, bucket_numel)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
@@ -104,8 +106,10 @@ class DataParallelGrads:
                 flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 flat[bucket.numel + i] = 1
             offset += p.numel()
-        handle = C.all_reduce(flat, op="sum", async_op=True, label=f"dp.bucket{bucket.index}")
-        world = get_context().world_size
+        handle = C.all_reduce(flat, op="sum", group=self.group, async_op=True,
+                              label=f"dp.bucket{bucket.index}")
+        world = (get_context().world_size if self.group is None
+                 else torch.distributed.get_world_size(self.group))
 
         def finish():
             grads = flat[:bucket.numel].div_(world)

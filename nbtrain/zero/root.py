@@ -17,6 +17,7 @@ from .data_parallel import BUCKET_NUMEL, DataParallelGrads, check_replicas_equal
 from .loose import LooseParams
 from .parameter import DistributedParameter
 from .reducer import GradReducer
+from ..comm.topology import ALONE
 
 
 class ModelRoot:
@@ -26,6 +27,7 @@ class ModelRoot:
         self.reducer = GradReducer()
         self.loose: LooseParams | None = None
         self.data_parallel: DataParallelGrads | None = None
+        self.tp_data_parallel: DataParallelGrads | None = None  # tp slices, over dp
 
     @staticmethod
     def of(model: nn.Module) -> "ModelRoot":
@@ -38,9 +40,11 @@ class ModelRoot:
 
     def release(self) -> None:
         """Gives up the model's plain parameters (another owner takes them)."""
-        if self.data_parallel is not None:
-            self.data_parallel.remove()
-            self.data_parallel = None
+        for name in ("data_parallel", "tp_data_parallel"):
+            owner = getattr(self, name, None)
+            if owner is not None:
+                owner.remove()
+                setattr(self, name, None)
 
     def adopt_blocks(self, model: nn.Module) -> None:
         """Every Block in `model` reduces through this root and is named by its path."""
@@ -56,25 +60,25 @@ class ModelRoot:
         named = [(n, p) for n, p in model.named_parameters()
                  if not isinstance(p, DistributedParameter)
                  and not getattr(p, "_nbtrain_flat", False)]
-        split = [n for n, p in named if getattr(p, "tp_split_dim", None) is not None]
-        if split:
-            _check_tp_slices_need_no_reduction(split)
-            named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
+        # Tensor-parallel slices differ between tp ranks: their copies are held by the
+        # data-parallel group of their tp slot, and reduced there (none when alone).
+        slices = [p for _, p in named
+                  if getattr(p, "tp_split_dim", None) is not None and p.requires_grad]
+        named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
         check_replicas_equal(named)
         trainable = [p for _, p in named if p.requires_grad]
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)
         self.data_parallel = (DataParallelGrads(trainable, self.reducer, bucket_numel)
                               if trainable else None)
+        self.tp_data_parallel = None
+        dp_group = _tp_slice_group() if slices else ALONE
+        if dp_group is not ALONE:
+            self.tp_data_parallel = DataParallelGrads(slices, self.reducer, bucket_numel,
+                                                      group=dp_group)
 
 
-def _check_tp_slices_need_no_reduction(names: list[str]) -> None:
-    """A tensor-parallel slice has its whole gradient on its rank when nobody else
-    holds it (data-parallel size 1). Reducing it over replicas is not done yet."""
+def _tp_slice_group():
+    """The group holding copies of this rank's tensor-parallel slices (ALONE: none)."""
     from ..comm.context import get_context
 
-    dp = get_context().topology.dp_size
-    if dp > 1:
-        raise NotImplementedError(
-            f"{names[0]} is a tensor-parallel slice held by {dp} data-parallel replicas; "
-            "reducing tensor-parallel gradients over replicas is not available yet: use a "
-            "world size equal to tp_size")
+    return get_context().topology.group("dp")
