@@ -114,15 +114,25 @@ class OptimManager:
             torch._foreach_mul_(grads, 1.0 / self.loss_scale)
 
     def _local_sums(self, params, norm_type: float) -> torch.Tensor:
-        """[sharded part, replicated part] of sum |g|^p (or max for inf) on this rank."""
+        """[sharded part, replicated part] of sum |g|^p (or max for inf) on this rank.
+
+        Each element of the model counts once: ZeRO shards on every rank, tensor-
+        parallel slices on the first data-parallel replica, replicated parameters on
+        rank 0."""
         ctx = get_context()
         out = torch.zeros(2, dtype=torch.float32, device=ctx.device)
+        dp_rank = ctx.topology.dp_rank
         for p in params:
             g = param_grad(p)
             if g is None:
                 continue
+            if getattr(p, "tp_split_dim", None) is not None:
+                if dp_rank != 0:
+                    continue  # a tensor-parallel slice: counted by its first replica only
+                part = 0      # ... and summed over the tp ranks, each holding one slice
+            else:
+                part = 0 if _is_sharded(p) else 1
             g = g.detach().float()
-            part = 0 if _is_sharded(p) else 1
             if math.isinf(norm_type):
                 out[part] = torch.maximum(out[part], g.abs().max())
             else:

@@ -24,6 +24,7 @@ def test_training_matches_one_plain_process(tp, sequence_parallel, optimizer):
                                           timeout_s=120)):
         assert errs["loss"] < 1e-5 and errs["params"] < 1e-5, f"rank {rank}: {errs}"
         assert errs["keys"] and errs["state"] < 1e-5, f"rank {rank}: {errs}"  # state_dict
+        assert errs["norm"] < 1e-5, f"rank {rank}: {errs}"  # the global grad norm
 
 
 @pytest.mark.parametrize("sequence_parallel,optimizer", [(True, "sgd"), (False, "adamw")])
@@ -35,6 +36,7 @@ def test_tp2_by_dp2_data_parallel_replicas_match_one_plain_process(sequence_para
                                           timeout_s=180)):
         assert errs["loss"] < 1e-5 and errs["params"] < 1e-5, f"rank {rank}: {errs}"
         assert errs["keys"] and errs["state"] < 1e-5, f"rank {rank}: {errs}"  # state_dict
+        assert errs["norm"] < 1e-5, f"rank {rank}: {errs}"  # the global grad norm
 
 
 def test_what_is_not_available_yet_is_refused_clearly():

@@ -155,8 +155,10 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
 
     opt, plain_opt = make(model.parameters()), make(plain.parameters())
     loss_fn = FusedCrossEntropy(parallel=True)
+    manager = nbtrain.optim.OptimManager(loss_scale=None)
+    manager.add_optimizer(opt)
     gen = torch.Generator().manual_seed(4)
-    loss_err = 0.0
+    loss_err = norm_err = 0.0
     for _ in range(5):
         ids = torch.randint(0, V, (6 * dp, 3), generator=gen)
         target = torch.randint(0, V, (6 * dp, 3), generator=gen)
@@ -164,6 +166,7 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
         logits = model(mine.chunk(tp, 0)[r] if sp else mine)
         loss = loss_fn(logits, my_target)
         loss.backward()
+        norm = manager.clip_grad_norm(1e9)   # the global norm, over tp and dp
         opt.step()
         opt.zero_grad()
         loss = loss.detach().clone()
@@ -171,6 +174,8 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
         loss /= dist.get_world_size()
         ref = F.cross_entropy(plain(ids).reshape(-1, V), target.reshape(-1))
         ref.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9).item()
+        norm_err = max(norm_err, abs(norm - ref_norm))
         plain_opt.step()
         plain_opt.zero_grad()
         loss_err = max(loss_err, _err(loss, ref))
@@ -192,7 +197,7 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
     again.load_state_dict(plain.state_dict())
     state_err = max(state_err, max(_err(a, b) for a, b in zip(again.parameters(),
                                                               model.parameters())))
-    return {"loss": loss_err, "params": param_err, "state": state_err,
+    return {"loss": loss_err, "params": param_err, "state": state_err, "norm": norm_err,
             "keys": sorted(state) == sorted(plain.state_dict())}
 
 
