@@ -56,6 +56,8 @@ else
     MACHINE=$(printf '%s\n' "$PROBE" | sed -n 2p)
 fi
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo "?")
+# A copied tree can carry an older .git: say when the files differ from that commit.
+git diff --quiet HEAD -- . 2>/dev/null || COMMIT="$COMMIT with local changes"
 echo "machine: $MACHINE"
 if [ "$GPUS" -eq 0 ]; then
     echo "NO CUDA GPU visible: the gpu tests will skip and the benches will refuse;"
