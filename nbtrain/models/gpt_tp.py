@@ -63,11 +63,5 @@ def gpt_plan(cfg: GPTConfig) -> dict:
         "layers.*.mlp.0": "colwise",
         "layers.*.mlp.2": "rowwise",
     }
-    plan["head"] = "tied_head" if cfg.tie_embeddings else _untied_head
+    plan["head"] = "tied_head" if cfg.tie_embeddings else "head"
     return plan
-
-
-def _untied_head(module, name):
-    from ..nn.parallelize import column_from
-
-    return column_from(module, gather_input=False, gather_output=True)

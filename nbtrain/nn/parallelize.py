@@ -11,6 +11,8 @@ The plan maps module-name patterns (fnmatch: `*` matches dots too) to a style:
     "vocab"     nn.Embedding -> VPEmbedding (vocabulary rows split)
     "tied_head" nn.Linear whose weight is a "vocab" embedding's -> that embedding's
                 projection, logits gathered to full width (the model's loss is unchanged)
+    "head"      nn.Linear -> ColumnParallelLinear whose output is gathered to full width
+                (an untied output projection)
     a callable  (module, name) -> the module to put in its place
 
 Layouts are Megatron's (activations replicated on every tp rank); the weights are
@@ -86,7 +88,7 @@ class TiedProjection(_FullStateDict, nn.Module):
         return tp_comm.gather_last(logits)[..., :self._embedding.vocab_size]
 
 
-STYLES = ("colwise", "rowwise", "vocab", "tied_head")
+STYLES = ("colwise", "rowwise", "vocab", "tied_head", "head")
 
 
 def parallelize(model: nn.Module, plan: dict) -> nn.Module:
@@ -149,6 +151,8 @@ def _replace(module, name, style, embeddings):
         return column_from(module, gather_input=False)
     if style == "rowwise":
         return row_from(module, all_reduce_output=True)
+    if style == "head":
+        return column_from(module, gather_input=False, gather_output=True)
     embedding = embeddings.get(id(module.weight))
     if embedding is None:
         raise ValueError(f"parallelize: {name} is 'tied_head' but its weight is not the "
