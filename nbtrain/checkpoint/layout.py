@@ -122,6 +122,11 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
             begin, end = shard_range(p.full_numel, ctx.world_size, ctx.rank)
             out.append(Entry(name, p, p.full_numel, "sharded", begin, end,
                              [[name, list(p.full_shape)]]))
+        elif getattr(p, "tp_split_dim", None) is not None:
+            raise NotImplementedError(
+                f"sharded checkpoints of tensor-parallel models are not available yet "
+                f"({name} is a tensor-parallel slice): save with nbtrain.save(model, path), "
+                "which writes full tensors under the plain names and loads at any layout")
         else:  # replicated on every rank: rank 0 stores it
             end = p.numel() if ctx.rank == 0 else 0
             out.append(Entry(name, p, p.numel(), "replicated", 0, end, [[name, list(p.shape)]]))

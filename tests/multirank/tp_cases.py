@@ -233,3 +233,29 @@ def telemetry_kinds():
     kinds = sorted(telemetry.summary()["steps"][-1]["comm"])
     telemetry.set_enabled(False)
     return kinds
+
+
+def checkpoints(folder):
+    """nbtrain.save of a tp model is the plain model's file; save_checkpoint refuses."""
+    import nbtrain
+    from nbtrain.nn import ColumnParallelLinear
+
+    nbtrain.init_distributed(tp_size=2)
+    torch.manual_seed(0)
+    layer = ColumnParallelLinear(4, 6)
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 6)
+    nbtrain.save(layer, f"{folder}/layer.safetensors")
+    torch.manual_seed(1)
+    again = ColumnParallelLinear(4, 6)
+    nbtrain.load(again, f"{folder}/layer.safetensors")
+    out = {"same": bool(torch.equal(again.weight, layer.weight))}
+    from safetensors.torch import load_file
+
+    saved = load_file(f"{folder}/layer.safetensors")
+    out["plain"] = bool(torch.equal(saved["weight"], plain.weight.detach()))
+    try:
+        nbtrain.save_checkpoint(f"{folder}/ckpt", layer)
+    except NotImplementedError as exc:
+        out["refused"] = str(exc)
+    return out
