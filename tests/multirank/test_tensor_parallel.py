@@ -76,3 +76,15 @@ def test_checkpoints_of_a_tp_model(tmp_path):
     assert all(o["same"] and o["plain"] for o in out), out  # full tensors, plain names
     assert out[0]["refused"].startswith("sharded checkpoints of tensor-parallel models are "
                                         "not available yet (weight is a tensor-parallel slice)")
+
+
+def test_weights_saved_at_tp2_load_at_tp1_dp3_and_tp2_dp2(tmp_path):
+    from tp_cases import load_at, save_at
+
+    saved = run_ranks(save_at, 2, str(tmp_path), 2, timeout_s=120)[0]
+    for world, tp in ((3, 1), (4, 2)):
+        for rank, state in enumerate(run_ranks(load_at, world, str(tmp_path), tp,
+                                               timeout_s=120)):
+            assert sorted(state) == sorted(saved)
+            worst = max((state[k] - saved[k]).abs().max().item() for k in saved)
+            assert worst == 0.0, (world, tp, rank, worst)

@@ -259,3 +259,42 @@ def checkpoints(folder):
     except NotImplementedError as exc:
         out["refused"] = str(exc)
     return out
+
+
+def _tiny_tp_model():
+    import nbtrain
+    from nbtrain.nn import ColumnParallelLinear, RowParallelLinear, VPEmbedding
+
+    class TinyTP(nbtrain.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.emb = VPEmbedding(11, 6)
+            self.up = ColumnParallelLinear(6, 12)
+            self.down = RowParallelLinear(12, 6)
+
+    return TinyTP()
+
+
+def save_at(folder, tp_size):
+    """Save a model made at this layout (seed 3) with nbtrain.save; return its state."""
+    import nbtrain
+
+    nbtrain.init_distributed(tp_size=tp_size)
+    torch.manual_seed(3)
+    model = _tiny_tp_model()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.5)     # not what a fresh model at seed 3 holds
+    nbtrain.save(model, f"{folder}/model.safetensors")
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def load_at(folder, tp_size):
+    """Load the file into a model made at this layout; return its (gathered) state."""
+    import nbtrain
+
+    nbtrain.init_distributed(tp_size=tp_size)
+    torch.manual_seed(7)
+    model = _tiny_tp_model()
+    nbtrain.load(model, f"{folder}/model.safetensors")
+    return {k: v.clone() for k, v in model.state_dict().items()}
