@@ -137,6 +137,30 @@ class Linear(nn.Linear):
                          device=get_context().device)
 
 
+class LayerNorm(nn.LayerNorm):
+    """A layer norm for activations between tensor-parallel layers.
+
+    Its weight and bias are replicated on every tp rank. In the sequence-parallel
+    layout (the default) each rank normalises only its slice of the tokens, so each
+    holds part of the gradient: `sequence_parallel=True` sums it over the tp ranks
+    (every rank then holds the whole gradient, as a plain layer norm would). With
+    activations replicated (Megatron), pass False: the gradients already agree.
+    """
+
+    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
+                 bias: bool = True, dtype=None, *, sequence_parallel: bool = True):
+        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
+                         bias=bias, device=get_context().device, dtype=dtype)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight, bias = self.weight, self.bias
+        if self.sequence_parallel:
+            weight = None if weight is None else tp_comm.sum_grad_over_tp(weight)
+            bias = None if bias is None else tp_comm.sum_grad_over_tp(bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
+
+
 class ColumnParallelLinear(_FullStateDict, nn.Module):
     """y = x W^T + b with W split by rows (output features) over the tp ranks."""
 

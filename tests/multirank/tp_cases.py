@@ -124,23 +124,25 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
         def __init__(self):
             super().__init__()
             self.emb = VPEmbedding(V, E)
+            self.norm = nbtrain.nn.LayerNorm(E, sequence_parallel=sp)  # on token slices
             self.up = ColumnParallelLinear(E, H, gather_input=sp)
             self.down = RowParallelLinear(H, E, all_reduce_output=not sp)
 
         def forward(self, ids):
             h = self.emb(ids, sequence_parallel=sp)
-            h = h + self.down(torch.relu(self.up(h)))
+            h = h + self.down(torch.relu(self.up(self.norm(h))))
             return self.emb(h, projection=True, sequence_parallel=sp)
 
     class Plain(nn.Module):
         def __init__(self):
             super().__init__()
             self.emb = nn.Embedding(V, E)
+            self.norm = nn.LayerNorm(E)
             self.up, self.down = nn.Linear(E, H), nn.Linear(H, E)
 
         def forward(self, ids):
             h = self.emb(ids)
-            h = h + self.down(torch.relu(self.up(h)))
+            h = h + self.down(torch.relu(self.up(self.norm(h))))
             return F.linear(h, self.emb.weight)
 
     torch.manual_seed(3)
@@ -186,7 +188,8 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
         _err(model.up.weight, plain.up.weight.chunk(tp, 0)[r]),
         _err(model.up.bias, plain.up.bias.chunk(tp, 0)[r]),
         _err(model.down.weight, plain.down.weight.chunk(tp, 1)[r]),
-        _err(model.down.bias, plain.down.bias))
+        _err(model.down.bias, plain.down.bias),
+        _err(model.norm.weight, plain.norm.weight), _err(model.norm.bias, plain.norm.bias))
     # state_dict: full tensors under the plain names, both ways.
     state = model.state_dict()
     state_err = max(_err(state[k], v) for k, v in plain.state_dict().items())
