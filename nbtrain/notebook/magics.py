@@ -190,6 +190,10 @@ class NbtrainMagics(Magics):
     def _restart(self, args) -> None:
         if _current is None:
             raise NoClusterError(_NO_CLUSTER)
+        tp = getattr(_current, "tp_size", 1)
+        if args.n is not None and args.n % tp:
+            raise UsageError(f"restart -n {args.n}: the cluster has tensor-parallel size {tp}, "
+                             f"which must divide the number of ranks, e.g. -n {2 * tp}")
         _current.restart(n=args.n)
         print(f"nbtrain cluster restarted: {_current.world_size} fresh ranks "
               f"(id {_current.cluster_id})")

@@ -36,6 +36,10 @@ def test_tensor_parallel_cluster(ipython):
                 "      'err', float((y - plain(x)).abs().max()) < 1e-6)"))
         assert "[rank 0 tp0 dp0] tp 2 0 err True" in cap.stdout
         assert "[rank 1 tp1 dp0] tp 2 1 err True" in cap.stdout
+        with pytest.raises(UsageError, match=r"restart -n 3: the cluster has tensor-parallel "
+                                             r"size 2"):
+            ipython.run_line_magic("nbtrain", "restart -n 3")
+        assert cluster.running and cluster.pids() == pids  # nothing was restarted
     finally:
         ipython.run_line_magic("nbtrain", "stop")
     assert wait_gone(pids) == []
