@@ -77,54 +77,26 @@ def _own_chunk_last(x: torch.Tensor) -> torch.Tensor:
     return x.chunk(size, dim=-1)[rank].contiguous()
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _gather_rows(x, "tp gather input")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_rows(grad, "tp reduce-scatter input grad")
+def _pair(name: str, forward, backward):
+    """An autograd Function running `forward` on the input and `backward` on its gradient."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(lambda ctx, x: forward(x)),
+        "backward": staticmethod(lambda ctx, grad: backward(grad)),
+    })
 
 
-class _ReduceScatterRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_rows(x, "tp reduce-scatter output")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, "tp gather output grad")
-
-
-class _CopyToTp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, "tp all-reduce input grad")
-
-
-class _ReduceToTp(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _all_reduce(x, "tp all-reduce output")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad
-
-
-class _GatherLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _gather_last(x, "tp gather output")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk_last(grad)
+_GatherRows = _pair("_GatherRows", lambda x: _gather_rows(x, "tp gather input"),
+                    lambda g: _reduce_scatter_rows(g, "tp reduce-scatter input grad"))
+_ReduceScatterRows = _pair("_ReduceScatterRows",
+                           lambda x: _reduce_scatter_rows(x, "tp reduce-scatter output"),
+                           lambda g: _gather_rows(g, "tp gather output grad"))
+_CopyToTp = _pair("_CopyToTp", lambda x: x, lambda g: _all_reduce(g, "tp all-reduce input grad"))
+_ReduceToTp = _pair("_ReduceToTp", lambda x: _all_reduce(x, "tp all-reduce output"), lambda g: g)
+_GatherLast = _pair("_GatherLast", lambda x: _gather_last(x, "tp gather output"), _own_chunk_last)
+# Identity whose gradient is summed over tp: a replicated parameter used on a token
+# slice (sequence parallel) gets the gradient of all tokens on every rank.
+_SumGradOverTp = _pair("_SumGradOverTp", lambda p: p.view_as(p),
+                       lambda g: _all_reduce(g, "tp all-reduce replicated grad"))
 
 
 class _OwnChunkLast(torch.autograd.Function):
@@ -143,19 +115,6 @@ class _OwnChunkLast(torch.autograd.Function):
         full = grad.new_zeros((*grad.shape[:-1], grad.shape[-1] * size))
         full[..., rank * grad.shape[-1]:(rank + 1) * grad.shape[-1]] = grad
         return full, None
-
-
-class _SumGradOverTp(torch.autograd.Function):
-    """Identity whose gradient is summed over tp: a replicated parameter used on a
-    token slice (sequence parallel) gets the gradient of all tokens on every rank."""
-
-    @staticmethod
-    def forward(ctx, p):
-        return p.view_as(p)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_reduce(grad, "tp all-reduce replicated grad")
 
 
 def gather_rows(x):
