@@ -77,6 +77,20 @@ class _FullStateDict:
         self._register_load_state_dict_pre_hook(_slice_full, with_module=True)
 
 
+class _LinearSlices(_FullStateDict):
+    """A tp linear layer's weight and bias: its slices of a plain nn.Linear's.
+    `SPLIT` is (weight's split dimension, bias's: None when the bias is whole)."""
+
+    SPLIT: tuple = (0, 0)
+
+    def take_slices(self, linear: nn.Linear) -> None:
+        size, rank = _tp()
+        weight_dim, bias_dim = self.SPLIT
+        self.weight = _slice_param(linear.weight.data, weight_dim, size, rank)
+        self.bias = (None if linear.bias is None
+                     else _slice_param(linear.bias.data, bias_dim, size, rank))
+
+
 def _tp_params(module: nn.Module):
     return [(n, p) for n, p in module.named_parameters(recurse=False)
             if getattr(p, "tp_split_dim", None) is not None]
@@ -111,15 +125,16 @@ def _slice_full(module, state_dict, prefix, local_metadata, strict, missing, une
                           f"{tuple(param.tp_full_shape)} (or this rank's {tuple(param.shape)})")
             continue
         dim, groups = param.tp_split_dim, getattr(param, "tp_groups", 1)
-        if groups > 1:
-            state_dict[key] = _slice_param(value, dim, size, rank, groups).data
-            continue
-        per_rank = param.shape[dim]
-        pad = per_rank * size - value.shape[dim]
-        if pad:
-            value = torch.cat([value, value.new_zeros(
-                *value.shape[:dim], pad, *value.shape[dim + 1:])], dim=dim)
-        state_dict[key] = value.narrow(dim, rank * per_rank, per_rank)
+        value = pad_along(value, dim, param.shape[dim] * size)  # a padded vocabulary
+        state_dict[key] = _slice_param(value, dim, size, rank, groups).data
+
+
+def pad_along(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """`t` with zeros appended along `dim` up to `length` (a padded vocabulary)."""
+    pad = length - t.shape[dim]
+    if pad <= 0:
+        return t
+    return torch.cat([t, t.new_zeros(*t.shape[:dim], pad, *t.shape[dim + 1:])], dim=dim)
 
 
 def _divides(what: str, n: int, size: int) -> None:
@@ -161,22 +176,21 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-class ColumnParallelLinear(_FullStateDict, nn.Module):
+class ColumnParallelLinear(_LinearSlices, nn.Module):
     """y = x W^T + b with W split by rows (output features) over the tp ranks."""
+
+    SPLIT = (0, 0)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
                  gather_output: bool = False, gather_input: bool = True,
                  async_gather_chunks: int = 2):
         super().__init__()
-        size, rank = _tp()
-        _divides("ColumnParallelLinear out_features", out_features, size)
+        _divides("ColumnParallelLinear out_features", out_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.gather_input = gather_output, gather_input
         self.async_gather_chunks = async_gather_chunks
-        plain = nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
-                          device=get_context().device)
-        self.weight = _slice_param(plain.weight.data, 0, size, rank)
-        self.bias = _slice_param(plain.bias.data, 0, size, rank) if bias else None
+        self.take_slices(nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
+                                   device=get_context().device))
         self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,23 +204,22 @@ class ColumnParallelLinear(_FullStateDict, nn.Module):
                 f"gather_input={self.gather_input}, gather_output={self.gather_output}")
 
 
-class RowParallelLinear(_FullStateDict, nn.Module):
+class RowParallelLinear(_LinearSlices, nn.Module):
     """y = x W^T + b with W split by columns (input features) over the tp ranks; the
     partial sums are reduce-scattered over tokens (default) or all-reduced."""
+
+    SPLIT = (1, None)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
                  split_input: bool = False, all_reduce_output: bool = False,
                  async_chunks: int = 2):
         super().__init__()
-        size, rank = _tp()
-        _divides("RowParallelLinear in_features", in_features, size)
+        _divides("RowParallelLinear in_features", in_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.split_input, self.all_reduce_output = split_input, all_reduce_output
         self.async_chunks = async_chunks
-        plain = nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
-                          device=get_context().device)
-        self.weight = _slice_param(plain.weight.data, 1, size, rank)
-        self.bias = _slice_param(plain.bias.data, None, size, rank) if bias else None
+        self.take_slices(nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
+                                   device=get_context().device))
         self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -249,8 +262,7 @@ class VPEmbedding(_FullStateDict, nn.Module):
         self.start = rank * self.per_rank
         full = torch.empty(vocab_size, embedding_size, dtype=dtype, device=get_context().device)
         nn.init.normal_(full, mean=init_mean, std=init_std)
-        padded = torch.cat([full, full.new_zeros(self.padded_vocab - vocab_size, embedding_size)])
-        self.weight = _slice_param(padded, 0, size, rank)
+        self.weight = _slice_param(pad_along(full, 0, self.padded_vocab), 0, size, rank)
         self.weight.tp_full_shape = (vocab_size, embedding_size)  # the padding is not state
         self._setup_full_state_dict()
 

@@ -29,7 +29,7 @@ from torch import nn
 from . import tp_comm
 from ..comm.context import get_context
 from .parallel import (ColumnParallelLinear, RowParallelLinear, VPEmbedding, _FullStateDict,
-                       _slice_param, _tp)
+                       _slice_param, _tp, pad_along)
 
 
 def _quietly(make):
@@ -39,26 +39,21 @@ def _quietly(make):
         return make()
 
 
-def column_from(linear: nn.Linear, **flags) -> ColumnParallelLinear:
-    size, rank = _tp()
-    layer = _quietly(lambda: ColumnParallelLinear(
-        linear.in_features, linear.out_features, bias=linear.bias is not None,
-        dtype=linear.weight.dtype, **flags))
-    layer.weight = _slice_param(linear.weight.data, 0, size, rank)
-    if linear.bias is not None:
-        layer.bias = _slice_param(linear.bias.data, 0, size, rank)
+def _from_linear(cls, linear: nn.Linear, **flags):
+    """A `cls` (a tp linear layer) holding this rank's slices of `linear`'s weights."""
+    layer = _quietly(lambda: cls(linear.in_features, linear.out_features,
+                                 bias=linear.bias is not None, dtype=linear.weight.dtype,
+                                 **flags))
+    layer.take_slices(linear)
     return layer.to(linear.weight.device)
+
+
+def column_from(linear: nn.Linear, **flags) -> ColumnParallelLinear:
+    return _from_linear(ColumnParallelLinear, linear, **flags)
 
 
 def row_from(linear: nn.Linear, **flags) -> RowParallelLinear:
-    size, rank = _tp()
-    layer = _quietly(lambda: RowParallelLinear(
-        linear.in_features, linear.out_features, bias=linear.bias is not None,
-        dtype=linear.weight.dtype, **flags))
-    layer.weight = _slice_param(linear.weight.data, 1, size, rank)
-    if linear.bias is not None:
-        layer.bias = _slice_param(linear.bias.data, None, size, rank)
-    return layer.to(linear.weight.device)
+    return _from_linear(RowParallelLinear, linear, **flags)
 
 
 def vocab_from(embedding: nn.Embedding, sequence_parallel: bool = False) -> VPEmbedding:
@@ -66,9 +61,8 @@ def vocab_from(embedding: nn.Embedding, sequence_parallel: bool = False) -> VPEm
     vocab, dim = embedding.weight.shape
     layer = _quietly(lambda: VPEmbedding(vocab, dim, dtype=embedding.weight.dtype,
                                          sequence_parallel=sequence_parallel))
-    padded = torch.cat([embedding.weight.data,
-                        embedding.weight.data.new_zeros(layer.padded_vocab - vocab, dim)])
-    layer.weight = _slice_param(padded, 0, size, rank)
+    layer.weight = _slice_param(pad_along(embedding.weight.data, 0, layer.padded_vocab), 0,
+                                size, rank)
     layer.weight.tp_full_shape = (vocab, dim)
     return layer.to(embedding.weight.device)
 
