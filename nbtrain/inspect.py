@@ -39,7 +39,7 @@ from torch import nn
 from .comm import collectives as C, events
 from .comm.context import get_context
 from .zero.block import Block
-from .zero.parameter import DistributedParameter
+from .zero.parameter import DistributedParameter, group_of
 from .zero.partition import shard_range
 
 __all__ = ["inspect_model", "inspect_tensor", "record_tensor", "format_summary",
@@ -110,7 +110,7 @@ def _model_params(model: nn.Module) -> list[list]:
         base = prefix + "." if prefix else ""
         if isinstance(module, Block):  # its module's parameters live in flat groups
             for group in module.groups:
-                begin, end = group.layout.shard_range(ctx.rank)
+                begin, end = group.layout.shard_range(group.rank)
                 grad = getattr(group.shard, "main_grad", None)
                 grad = group.shard.grad if grad is None else grad
                 for slot, entry in zip(group.layout.slots, group.entries):
@@ -128,7 +128,8 @@ def _model_params(model: nn.Module) -> list[list]:
                 continue
             grad = param.grad
             if isinstance(param, DistributedParameter):
-                begin, _ = shard_range(param.full_numel, ctx.world_size, ctx.rank)
+                ranks = group_of(param)
+                begin, _ = shard_range(param.full_numel, ranks.size, ranks.rank)
                 real = max(0, min(param.numel(), param.full_numel - begin))  # no padding
                 shape = tuple(param.full_shape)
             else:

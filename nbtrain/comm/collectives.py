@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import events
+from .topology import ALONE
 
 # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older
 # torch has only the former. Pick once here.
@@ -196,6 +197,13 @@ def event_kind(kind: CommKind, label: str) -> str:
     return f"tp_{kind.value}" if label.startswith("tp ") else kind.value
 
 
+def _alone(kind: CommKind, label: str, async_op: bool, on_done=None) -> CommHandle | None:
+    """A collective over this rank alone (`topology.ALONE`): the caller did the local
+    copy; nothing travels and nothing is counted."""
+    handle = CommHandle(None, kind, 0, label, on_done)  # done: runs on_done now
+    return handle if async_op else None
+
+
 def _ring_bytes(t: torch.Tensor, world: int) -> int:
     return t.numel() * t.element_size() * (world - 1) // max(world, 1)
 
@@ -224,8 +232,12 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, *, group=None,
         shard: 1-D local shard.
         async_op: return a CommHandle instead of waiting.
 
-    Collective: every rank in the group calls this, in the same order.
+    Collective: every rank in the group calls this, in the same order. A group of
+    this rank alone (`topology.ALONE`) copies.
     """
+    if group is ALONE:
+        output.copy_(shard)
+        return _alone(CommKind.ALL_GATHER, label, async_op)
     world = dist.get_world_size(group)
     if output.numel() != shard.numel() * world:
         raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
@@ -247,8 +259,12 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, op: str = "avg",
         op: "avg" (DDP gradient semantics) or "sum".
         on_done: called once the result is ready (after wait()).
 
-    Collective: every rank in the group calls this, in the same order.
+    Collective: every rank in the group calls this, in the same order. A group of
+    this rank alone (`topology.ALONE`) copies.
     """
+    if group is ALONE:
+        output.copy_(full)
+        return _alone(CommKind.REDUCE_SCATTER, label, async_op, on_done)
     world = dist.get_world_size(group)
     if full.numel() != output.numel() * world:
         raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
@@ -283,7 +299,10 @@ def _reduce_scatter_gloo(output, full, op, world, group, async_op, on_done):
 
 def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None,
                async_op: bool = False, label: str = "") -> CommHandle | None:
-    """In-place all-reduce. Collective: every rank in the group calls this."""
+    """In-place all-reduce. Collective: every rank in the group calls this (a group of
+    this rank alone, `topology.ALONE`, leaves `tensor` as it is)."""
+    if group is ALONE:
+        return _alone(CommKind.ALL_REDUCE, label, async_op)
     world = dist.get_world_size(group)
     started = time.perf_counter()
     work = dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)

@@ -44,6 +44,7 @@ from torch import nn
 
 from . import tp_comm
 from ..comm.context import get_context
+from ..zero.tp_slices import cut, full_from_slice, pad_along, slice_from_full
 
 
 def _tp() -> tuple[int, int]:
@@ -55,12 +56,7 @@ def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int,
                  groups: int = 1) -> nn.Parameter:
     """This rank's slice of `full` along `dim`. With `groups` > 1 the dimension is that
     many equal parts (q, k and v of a fused projection) and each part is split."""
-    if dim is None:
-        data = full
-    else:
-        parts = full.chunk(groups, dim=dim)
-        data = torch.cat([part.chunk(size, dim=dim)[rank] for part in parts], dim=dim)
-    param = nn.Parameter(data.contiguous().clone())
+    param = nn.Parameter(cut(full, dim, size, rank, groups).contiguous().clone())
     param.tp_split_dim = dim
     param.tp_full_shape = tuple(full.shape)
     param.tp_groups = groups
@@ -96,45 +92,33 @@ def _tp_params(module: nn.Module):
             if getattr(p, "tp_split_dim", None) is not None]
 
 
+def _local_shape(param) -> tuple:
+    """The tp slice's shape (a DistributedParameter stores a ZeRO shard of it)."""
+    return tuple(getattr(param, "full_shape", param.shape))
+
+
 def _gather_slices(module, state_dict, prefix, local_metadata):
     for name, param in _tp_params(module):
         key = prefix + name
         if key not in state_dict:
             continue
-        dim, groups = param.tp_split_dim, getattr(param, "tp_groups", 1)
-        moved = param.detach().movedim(dim, -1).contiguous()
-        full = tp_comm._gather_last(moved, "tp gather state")
-        if groups > 1:  # [rank][part][rows] -> [part][rank][rows]
-            size, lead = _tp()[0], full.shape[:-1]
-            full = full.reshape(*lead, size, groups, -1).transpose(-3, -2).reshape(*lead, -1)
-        full = full.movedim(-1, dim)
-        rows = param.tp_full_shape[dim]
-        state_dict[key] = full.narrow(dim, 0, rows).clone()  # drops vocabulary padding
+        local = param.gather_copy() if hasattr(param, "gather_copy") else param.detach()
+        state_dict[key] = full_from_slice(local, param)
     return state_dict
 
 
 def _slice_full(module, state_dict, prefix, local_metadata, strict, missing, unexpected, errors):
-    size, rank = _tp()
     for name, param in _tp_params(module):
         key = prefix + name
         value = state_dict.get(key)
-        if value is None or tuple(value.shape) == tuple(param.shape):
-            continue  # absent, or already this rank's slice
-        if tuple(value.shape) != tuple(param.tp_full_shape):
-            errors.append(f"{key}: shape {tuple(value.shape)}, expected the full "
-                          f"{tuple(param.tp_full_shape)} (or this rank's {tuple(param.shape)})")
+        if value is None:
             continue
-        dim, groups = param.tp_split_dim, getattr(param, "tp_groups", 1)
-        value = pad_along(value, dim, param.shape[dim] * size)  # a padded vocabulary
-        state_dict[key] = _slice_param(value, dim, size, rank, groups).data
-
-
-def pad_along(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
-    """`t` with zeros appended along `dim` up to `length` (a padded vocabulary)."""
-    pad = length - t.shape[dim]
-    if pad <= 0:
-        return t
-    return torch.cat([t, t.new_zeros(*t.shape[:dim], pad, *t.shape[dim + 1:])], dim=dim)
+        local = slice_from_full(value, param, _local_shape(param))
+        if local is None:
+            errors.append(f"{key}: shape {tuple(value.shape)}, expected the full "
+                          f"{tuple(param.tp_full_shape)} (or this rank's {_local_shape(param)})")
+            continue
+        state_dict[key] = local
 
 
 def _divides(what: str, n: int, size: int) -> None:

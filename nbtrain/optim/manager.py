@@ -126,12 +126,14 @@ class OptimManager:
             g = param_grad(p)
             if g is None:
                 continue
-            if getattr(p, "tp_split_dim", None) is not None:
+            if _is_sharded(p):
+                part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
+            elif getattr(p, "tp_split_dim", None) is not None:
                 if dp_rank != 0:
                     continue  # a tensor-parallel slice: counted by its first replica only
                 part = 0      # ... and summed over the tp ranks, each holding one slice
             else:
-                part = 0 if _is_sharded(p) else 1
+                part = 1
             g = g.detach().float()
             if math.isinf(norm_type):
                 out[part] = torch.maximum(out[part], g.abs().max())

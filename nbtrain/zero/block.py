@@ -18,11 +18,17 @@ ZeRO-2 keeps the buffer gathered from forward until its gradient is reduced.
 
 Names add no level: the block shares the module's submodules and buffers, and
 `state_dict()` holds full tensors under the module's own names.
+
+Tensor-parallel slices (the weights of nbtrain.nn's parallel layers) go into flat
+buffers of their own, sharded over the data-parallel group of this rank's tp slot
+(the ranks holding the same slice); `state_dict()` gathers them over tp into the
+full logical tensors, and `load_state_dict` takes full tensors or this rank's slices.
 """
 from __future__ import annotations
 
 import enum
 import time
+from types import SimpleNamespace
 
 import torch
 from torch import nn
@@ -35,6 +41,8 @@ from .flat import FlatGroup
 from .init import init_range
 from .parameter import DistributedParameter
 from .partition import FlatLayout
+from .placement import copy_tp_meta, is_tp_slice, shard_group
+from .tp_slices import full_from_slice, slice_from_full
 from .reducer import GradReducer
 
 
@@ -60,6 +68,10 @@ class _ParamEntry:
         self.names = [name]
         self.owners = []  # (module, attribute name)
         self.param = param
+        self.tp = None  # a tensor-parallel slice's split dimension and full shape
+        if is_tp_slice(param):
+            self.tp = SimpleNamespace()
+            copy_tp_meta(param, self.tp)
 
 
 def _collect(module: nn.Module) -> list[_ParamEntry]:
@@ -108,12 +120,6 @@ class Block(nn.Module):
             raise ValueError(f"Block needs a module with parameters; {type(module).__name__} "
                              "has none. Call it directly, outside a Block.")
         ctx = get_context()
-        split = [e.names[0] for e in entries if getattr(e.param, "tp_split_dim", None) is not None]
-        if split:
-            raise NotImplementedError(
-                f"Block: {split[0]} is a tensor-parallel slice; ZeRO sharding of tensor-"
-                "parallel layers is not available yet. Keep tensor-parallel layers outside "
-                "Blocks, with a world size equal to tp_size.")
         for sub in module.modules():
             # A DistributedModule inside gave its plain parameters data-parallel
             # gradients; their storage moves into this block, which reduces them now.
@@ -141,11 +147,12 @@ class Block(nn.Module):
     def _build_groups(self, entries: list[_ParamEntry], ctx, reduce_dtype=None) -> None:
         by_key: dict = {}
         for entry in entries:
-            key = (entry.param.dtype, entry.param.requires_grad)
+            key = (entry.param.dtype, entry.param.requires_grad, entry.tp is not None)
             by_key.setdefault(key, []).append(entry)
         self._groups: list[FlatGroup] = []
         self._init_methods: list[list] = []
-        for i, ((dtype, requires_grad), group_entries) in enumerate(by_key.items()):
+        for i, ((dtype, requires_grad, tp_slices), group_entries) in enumerate(by_key.items()):
+            ranks = shard_group(tp_slices)
             values, inits = [], []
             for entry in group_entries:
                 p = entry.param
@@ -156,8 +163,8 @@ class Block(nn.Module):
                     values.append(p.detach())
                     inits.append(None)
             layout = FlatLayout.build([(e.names[0], tuple(v.shape)) for e, v in
-                                       zip(group_entries, values)], ctx.world_size)
-            group = FlatGroup(layout, values, rank=ctx.rank, device=ctx.device, dtype=dtype,
+                                       zip(group_entries, values)], ranks.size)
+            group = FlatGroup(layout, values, ranks=ranks, device=ctx.device, dtype=dtype,
                               requires_grad=requires_grad, label=f"{self.label}.{i}",
                               reducer=self.reducer, grad_dtype=reduce_dtype)
             group.on_grad_ready = self._grad_ready
@@ -286,7 +293,7 @@ class Block(nn.Module):
             entries = group.entries
             full = group.gather_copy()
             for view, entry in zip(group.param_views(full), entries):
-                value = view.clone()
+                value = view.clone() if entry.tp is None else full_from_slice(view, entry.tp)
                 for name in entry.names:
                     destination[prefix + name] = value
 
@@ -309,6 +316,14 @@ class Block(nn.Module):
                     missing_keys.append(keys[0])
                     continue
                 value = state_dict[present[0]]
+                if entry.tp is not None:  # the full tensor, or this rank's slice
+                    value = slice_from_full(value, entry.tp, slot.shape)
+                    if value is None:
+                        raise ValueError(
+                            f"load_state_dict: {present[0]!r} has shape "
+                            f"{tuple(state_dict[present[0]].shape)} in the state dict but "
+                            f"{tuple(entry.tp.tp_full_shape)} in the model (this rank's "
+                            f"tensor-parallel slice: {slot.shape})")
                 if tuple(value.shape) != slot.shape:
                     raise ValueError(f"load_state_dict: {present[0]!r} has shape "
                                      f"{tuple(value.shape)} in the state dict but {slot.shape} "
@@ -352,9 +367,11 @@ class Block(nn.Module):
                 continue
             full = torch.empty(group.layout.padded_numel, dtype=grad.dtype,
                                device=group.shard.device)
-            C.all_gather(full, grad.detach(), label=group.label + ".grad")
+            C.all_gather(full, grad.detach(), group=group.ranks.group,
+                         label=group.label + ".grad")
             for view, entry in zip(group.param_views(full), entries):
-                out[prefix + entry.names[0]] = view.clone()
+                out[prefix + entry.names[0]] = (view.clone() if entry.tp is None
+                                                else full_from_slice(view, entry.tp))
         return out
 
 

@@ -13,6 +13,9 @@ full gradient asynchronously through the model's `GradReducer` and returns
 nothing. The result is added into `shard.grad` when the collective completes: at
 the latest when the next reduction is issued or when the backward pass ends.
 
+The ranks sharing the shards are a `ShardGroup`: the world for replicated
+parameters, the data-parallel group for tensor-parallel slices (placement.py).
+
 A group publishes `gather` and `release` events (with its label), so how many
 blocks are gathered at once can be read from the event stream.
 """
@@ -23,6 +26,7 @@ from torch import nn
 
 from ..comm import collectives as C, events
 from .partition import FlatLayout
+from .placement import ShardGroup
 from .reducer import GradReducer
 
 
@@ -38,13 +42,16 @@ def _restore_version(tensor: torch.Tensor, version: int) -> None:
 class FlatGroup:
     """One flat, sharded buffer for parameters that share dtype and requires_grad."""
 
-    def __init__(self, layout: FlatLayout, full_values: list[torch.Tensor], *, rank: int,
-                 device: torch.device, dtype: torch.dtype, requires_grad: bool, label: str,
-                 reducer: GradReducer, grad_dtype: torch.dtype | None = None):
+    def __init__(self, layout: FlatLayout, full_values: list[torch.Tensor], *,
+                 ranks: ShardGroup, device: torch.device, dtype: torch.dtype,
+                 requires_grad: bool, label: str, reducer: GradReducer,
+                 grad_dtype: torch.dtype | None = None):
+        if layout.world_size != ranks.size:
+            raise ValueError(f"layout for {layout.world_size} ranks, group of {ranks.size}")
         self.layout, self.label, self.reducer = layout, label, reducer
-        self.rank, self.requires_grad = rank, requires_grad
+        self.ranks, self.rank, self.requires_grad = ranks, ranks.rank, requires_grad
         self.grad_dtype = grad_dtype or dtype
-        begin, end = layout.shard_range(rank)
+        begin, end = layout.shard_range(ranks.rank)
         local = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         for slot, value in zip(layout.slots, full_values):
             part = slot.local_part(begin, end)
@@ -75,7 +82,7 @@ class FlatGroup:
         self._shard_version = self.shard._version
         with torch.no_grad():
             self._handle = C.all_gather(self.full, self.shard.detach(), async_op=True,
-                                        label=self.label)
+                                        group=self.ranks.group, label=self.label)
         events.instant("gather", self.label)
 
     def wait_gather(self) -> None:
@@ -129,7 +136,7 @@ class FlatGroup:
         out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
                           device=grad_full.device)
         handle = C.reduce_scatter(out, grad_full, op="avg", async_op=True,
-                                  label=self.label)
+                                  group=self.ranks.group, label=self.label)
         shard = self.shard
 
         def finish(grad_full=grad_full):  # keeps the input alive until done
@@ -155,7 +162,8 @@ class FlatGroup:
         """A fresh gathered copy of the flat buffer. Collective."""
         out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype,
                           device=self.shard.device)
-        C.all_gather(out, self.shard.detach(), label=self.label + ".copy")
+        C.all_gather(out, self.shard.detach(), group=self.ranks.group,
+                     label=self.label + ".copy")
         return out
 
     def load_full(self, index: int, value: torch.Tensor) -> None:

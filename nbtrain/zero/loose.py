@@ -19,19 +19,19 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import collectives as C
-from ..comm.context import get_context
-from .parameter import DistributedParameter
+from .parameter import DistributedParameter, group_of
 
 
 class _GatherMany(torch.autograd.Function):
     """Shards of several DistributedParameters -> their full tensors, one collective."""
 
     @staticmethod
-    def forward(ctx, world: int, *params):
-        ctx.world, ctx.meta = world, [(p.numel(), p.full_shape) for p in params]
+    def forward(ctx, ranks, *params):
+        world = ranks.size
+        ctx.ranks, ctx.meta = ranks, [(p.numel(), p.full_shape) for p in params]
         local = torch.cat([p.detach().reshape(-1) for p in params])  # copy-in: one buffer
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
-        C.all_gather(out, local, label="loose")
+        C.all_gather(out, local, group=ranks.group, label="loose")
         rows, fulls, offset = out.view(world, local.numel()), [], 0
         for numel, shape in ctx.meta:
             full = rows[:, offset:offset + numel].reshape(-1)[:shape.numel()]
@@ -41,7 +41,7 @@ class _GatherMany(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        world, total = ctx.world, sum(n for n, _ in ctx.meta)
+        world, total = ctx.ranks.size, sum(n for n, _ in ctx.meta)
         ref = next(g for g in grads if g is not None)
         flat = torch.zeros(world, total, dtype=ref.dtype, device=ref.device)
         offset = 0
@@ -51,7 +51,8 @@ class _GatherMany(torch.autograd.Function):
                 flat[:, offset:offset + numel].copy_(padded.view(world, numel))
             offset += numel
         out = torch.empty(total, dtype=ref.dtype, device=ref.device)
-        C.reduce_scatter(out, flat.view(-1), op="avg", label="loose.grad")
+        C.reduce_scatter(out, flat.view(-1), op="avg", group=ctx.ranks.group,
+                         label="loose.grad")
         shard_grads, offset = [], 0
         for i, (numel, _) in enumerate(ctx.meta):
             wanted = ctx.needs_input_grad[i + 1]
@@ -61,13 +62,15 @@ class _GatherMany(torch.autograd.Function):
 
 
 def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
-    """Full tensors of `params` by id, one all-gather per dtype. Collective."""
-    by_dtype: dict = {}
+    """Full tensors of `params` by id, one all-gather per dtype and group of ranks
+    (tensor-parallel slices gather over their data-parallel group). Collective."""
+    by_key: dict = {}
     for p in params:
-        by_dtype.setdefault((p.dtype, p.device), []).append(p)
-    world, out = get_context().world_size, {}
-    for group in by_dtype.values():
-        out.update(zip(map(id, group), _GatherMany.apply(world, *group)))
+        ranks = group_of(p)
+        by_key.setdefault((p.dtype, p.device, id(ranks.group)), (ranks, []))[1].append(p)
+    out = {}
+    for ranks, group in by_key.values():
+        out.update(zip(map(id, group), _GatherMany.apply(ranks, *group)))
     return out
 
 

@@ -19,6 +19,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from .partition import shard_range
+from .placement import ShardGroup, copy_tp_meta, is_tp_slice, shard_group
 
 
 class ParameterInitializer:
@@ -54,17 +55,27 @@ class DistributedParameter(nn.Parameter):
         requires_grad: as for nn.Parameter.
         init_method: callable applied to a full-shape tensor by
             `init_parameters(model)`; None keeps `data`.
+        tp_slice_of: a tensor-parallel slice (a parameter of nbtrain.nn's parallel
+            layers) that `data` holds: the shards spread over the ranks holding that
+            slice (its data-parallel group) instead of the world, and the result keeps
+            the slice's tp attributes.
 
     Attributes:
-        full_shape: torch.Size of the full tensor.
+        full_shape: torch.Size of the full tensor (for a tp slice: of the slice).
+        shard_group: the ranks sharing the shards (a `ShardGroup`).
     """
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, init_method=None):
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, init_method=None, *,
+                tp_slice_of=None):
         ctx = get_context()
-        local = _local_slice(data.to(ctx.device), ctx.rank, ctx.world_size)
+        group = shard_group(tp_slice_of is not None and is_tp_slice(tp_slice_of))
+        local = _local_slice(data.to(ctx.device), group.rank, group.size)
         param = super().__new__(cls, local, requires_grad)
         param.full_shape = torch.Size(data.shape)
         param.init_method = init_method
+        param.shard_group = group
+        if tp_slice_of is not None:
+            copy_tp_meta(tp_slice_of, param)
         return param
 
     def __deepcopy__(self, memo):
@@ -93,32 +104,38 @@ class DistributedParameter(nn.Parameter):
         if tuple(value.shape) != tuple(self.full_shape):
             raise ValueError(f"{name or 'parameter'}: checkpoint shape {tuple(value.shape)} "
                              f"does not match the model's {tuple(self.full_shape)}")
-        ctx = get_context()
+        group = self.shard_group
         with torch.no_grad():
-            self.data.copy_(_local_slice(value.to(self.device, self.dtype), ctx.rank,
-                                         ctx.world_size))
+            self.data.copy_(_local_slice(value.to(self.device, self.dtype), group.rank,
+                                         group.size))
+
+
+def group_of(param: DistributedParameter) -> ShardGroup:
+    """The ranks sharing `param`'s shards (the world for one made before groups)."""
+    group = getattr(param, "shard_group", None)
+    return group if group is not None else shard_group()
 
 
 def _gather_full(param: DistributedParameter) -> torch.Tensor:
-    world = get_context().world_size
-    flat = torch.empty(param.numel() * world, dtype=param.dtype, device=param.device)
-    C.all_gather(flat, param.detach(), label="param")
+    group = group_of(param)
+    flat = torch.empty(param.numel() * group.size, dtype=param.dtype, device=param.device)
+    C.all_gather(flat, param.detach(), group=group.group, label="param")
     return flat[: param.full_numel].view(param.full_shape)
 
 
 class _GatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param):
-        ctx.numel = param.numel()
+        ctx.numel, ctx.group = param.numel(), group_of(param)
         return _gather_full(param)
 
     @staticmethod
     def backward(ctx, grad):
-        world = get_context().world_size
-        flat = torch.zeros(ctx.numel * world, dtype=grad.dtype, device=grad.device)
+        group = ctx.group
+        flat = torch.zeros(ctx.numel * group.size, dtype=grad.dtype, device=grad.device)
         flat[: grad.numel()].copy_(grad.reshape(-1))
         out = torch.empty(ctx.numel, dtype=grad.dtype, device=grad.device)
-        C.reduce_scatter(out, flat, op="avg", label="param.grad")
+        C.reduce_scatter(out, flat, op="avg", group=group.group, label="param.grad")
         return out
 
 
@@ -126,13 +143,14 @@ class _GatherParam(torch.autograd.Function):
 
 def _save_hook(module, state_dict, prefix, local_metadata):
     for name, param in module._parameters.items():
+        if is_tp_slice(param):
+            continue  # the tp layer's own hook gathers the full tensor
         if isinstance(param, DistributedParameter) and prefix + name in state_dict:
             state_dict[prefix + name] = param.gather_copy()
 
 
 def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
                    unexpected_keys, error_msgs):
-    ctx = get_context()
     for name, param in module._parameters.items():
         key = prefix + name
         if isinstance(param, DistributedParameter) and key in state_dict:
@@ -140,7 +158,8 @@ def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_k
             if tuple(value.shape) != tuple(param.full_shape):
                 raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)} in "
                                  f"the state dict but {tuple(param.full_shape)} in the model")
-            state_dict[key] = _local_slice(value, ctx.rank, ctx.world_size)
+            group = group_of(param)
+            state_dict[key] = _local_slice(value, group.rank, group.size)
 
 
 def attach_state_dict_hooks(module: nn.Module) -> None:

@@ -8,12 +8,15 @@ from ..comm import collectives as C
 from ..comm.context import get_context
 from .block import Block
 from .init import init_range
-from .parameter import DistributedParameter
+from .parameter import DistributedParameter, group_of
 from .partition import shard_range
+from .placement import is_tp_slice
+from .tp_slices import full_from_slice
 
 
 def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Gathered gradients under the plain model's names. Collective.
+    """Gathered gradients under the plain model's names (tensor-parallel slices
+    gathered into their full tensors). Collective.
 
     Parameters without a gradient are left out.
     """
@@ -30,17 +33,17 @@ def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(param))
             if param.grad is None:
                 continue
-            if isinstance(param, DistributedParameter):
-                out[base + name] = _gather_grad(param)
-            else:
-                out[base + name] = param.grad.detach().clone()
+            grad = (_gather_grad(param) if isinstance(param, DistributedParameter)
+                    else param.grad.detach().clone())
+            # A tensor-parallel slice's gradient: the full one, gathered over tp.
+            out[base + name] = full_from_slice(grad, param) if is_tp_slice(param) else grad
     return out
 
 
 def _gather_grad(param: DistributedParameter) -> torch.Tensor:
-    world = get_context().world_size
-    flat = torch.empty(param.numel() * world, dtype=param.grad.dtype, device=param.device)
-    C.all_gather(flat, param.grad.detach(), label="param.grad")
+    ranks = group_of(param)
+    flat = torch.empty(param.numel() * ranks.size, dtype=param.grad.dtype, device=param.device)
+    C.all_gather(flat, param.grad.detach(), group=ranks.group, label="param.grad")
     return flat[: param.full_numel].view(param.full_shape).clone()
 
 
@@ -58,7 +61,8 @@ def init_parameters(model: nn.Module) -> None:
             continue
         for name, param in module._parameters.items():
             if isinstance(param, DistributedParameter) and param.init_method is not None:
-                begin, end = shard_range(param.full_numel, ctx.world_size, ctx.rank)
+                ranks = group_of(param)
+                begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
                 stop = min(end, param.full_numel)
                 if stop > begin:
                     values = init_range(base + name, param.full_shape, param.dtype,

@@ -61,8 +61,8 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[Distribut
                 continue
             dp = converted.get(id(param))
             if dp is None:
-                dp = converted[id(param)] = DistributedParameter(param.detach(),
-                                                                 param.requires_grad)
+                dp = converted[id(param)] = DistributedParameter(
+                    param.detach(), param.requires_grad, tp_slice_of=param)
             module._parameters[name] = dp
             changed = True
         if changed and not getattr(module, "_nbtrain_gather_hooks", False):

@@ -107,10 +107,11 @@ def layer_errors():
     return errs
 
 
-def training_errors(sequence_parallel, optimizer, tp_size=None):
+def training_errors(sequence_parallel, optimizer, tp_size=None, zero_level=None):
     """A tiny tp model (vocab-parallel embedding, column and row layers, tied projection,
     parallel loss) trained 5 steps against the plain model on this process. With
-    tp_size below the world size, the data-parallel replicas take slices of the batch."""
+    tp_size below the world size, the data-parallel replicas take slices of the batch.
+    With a zero_level the norm and the tp layers live in a Block (ZeRO over dp)."""
     import nbtrain
     from nbtrain.nn import ColumnParallelLinear, FusedCrossEntropy, RowParallelLinear, VPEmbedding
 
@@ -120,29 +121,45 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
     sp = sequence_parallel
     V, E, H = 11, 6, 12
 
-    class TinyTP(nbtrain.DistributedModule):
+    class FFN(nn.Module):
         def __init__(self):
             super().__init__()
-            self.emb = VPEmbedding(V, E)
             self.norm = nbtrain.nn.LayerNorm(E, sequence_parallel=sp)  # on token slices
             self.up = ColumnParallelLinear(E, H, gather_input=sp)
             self.down = RowParallelLinear(H, E, all_reduce_output=not sp)
 
+        def forward(self, h):
+            return self.down(torch.relu(self.up(self.norm(h))))
+
+    class TinyTP(nbtrain.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.emb = VPEmbedding(V, E)
+            self.ffn = FFN() if zero_level is None else nbtrain.Block(FFN(), zero_level)
+
         def forward(self, ids):
             h = self.emb(ids, sequence_parallel=sp)
-            h = h + self.down(torch.relu(self.up(self.norm(h))))
+            h = h + self.ffn(h)
             return self.emb(h, projection=True, sequence_parallel=sp)
+
+    class PlainFFN(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(E)
+            self.up, self.down = nn.Linear(E, H), nn.Linear(H, E)
+
+        def forward(self, h):
+            return self.down(torch.relu(self.up(self.norm(h))))
 
     class Plain(nn.Module):
         def __init__(self):
             super().__init__()
             self.emb = nn.Embedding(V, E)
-            self.norm = nn.LayerNorm(E)
-            self.up, self.down = nn.Linear(E, H), nn.Linear(H, E)
+            self.ffn = PlainFFN()
 
         def forward(self, ids):
             h = self.emb(ids)
-            h = h + self.down(torch.relu(self.up(self.norm(h))))
+            h = h + self.ffn(h)
             return F.linear(h, self.emb.weight)
 
     torch.manual_seed(3)
@@ -181,18 +198,22 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
         plain_opt.step()
         plain_opt.zero_grad()
         loss_err = max(loss_err, _err(loss, ref))
-    W = plain.emb.weight.detach()
-    W_pad = torch.cat([W, torch.zeros(1, E)]) if (V % tp) else W
-    param_err = max(
-        _err(model.emb.weight, W_pad.chunk(tp, 0)[r]),
-        _err(model.up.weight, plain.up.weight.chunk(tp, 0)[r]),
-        _err(model.up.bias, plain.up.bias.chunk(tp, 0)[r]),
-        _err(model.down.weight, plain.down.weight.chunk(tp, 1)[r]),
-        _err(model.down.bias, plain.down.bias),
-        _err(model.norm.weight, plain.norm.weight), _err(model.norm.bias, plain.norm.bias))
     # state_dict: full tensors under the plain names, both ways.
     state = model.state_dict()
     state_err = max(_err(state[k], v) for k, v in plain.state_dict().items())
+    if zero_level is None:  # each rank's slices, one by one
+        W = plain.emb.weight.detach()
+        W_pad = torch.cat([W, torch.zeros(1, E)]) if (V % tp) else W
+        f, pf = model.ffn, plain.ffn
+        param_err = max(
+            _err(model.emb.weight, W_pad.chunk(tp, 0)[r]),
+            _err(f.up.weight, pf.up.weight.chunk(tp, 0)[r]),
+            _err(f.up.bias, pf.up.bias.chunk(tp, 0)[r]),
+            _err(f.down.weight, pf.down.weight.chunk(tp, 1)[r]),
+            _err(f.down.bias, pf.down.bias),
+            _err(f.norm.weight, pf.norm.weight), _err(f.norm.bias, pf.norm.bias))
+    else:  # in a Block: the gathered state is every final parameter
+        param_err = state_err
     fresh = Plain()
     fresh.load_state_dict(state)
     torch.manual_seed(99)
@@ -202,21 +223,6 @@ def training_errors(sequence_parallel, optimizer, tp_size=None):
                                                               model.parameters())))
     return {"loss": loss_err, "params": param_err, "state": state_err, "norm": norm_err,
             "keys": sorted(state) == sorted(plain.state_dict())}
-
-
-def refusals():
-    """What is not available yet says so, naming the parameter."""
-    import nbtrain
-    from nbtrain.nn import ColumnParallelLinear
-
-    nbtrain.init_distributed(tp_size=2)
-    out = {}
-    try:
-        nbtrain.Block(ColumnParallelLinear(4, 4))
-    except NotImplementedError as exc:
-        out["block"] = str(exc)
-
-    return out
 
 
 def telemetry_kinds():
@@ -239,7 +245,7 @@ def telemetry_kinds():
 
 
 def checkpoints(folder):
-    """nbtrain.save of a tp model is the plain model's file; save_checkpoint refuses."""
+    """nbtrain.save of a tp model is the plain model's file."""
     import nbtrain
     from nbtrain.nn import ColumnParallelLinear
 
