@@ -9,7 +9,13 @@ Every parameter is stored as the real (unpadded) elements of this rank's slice o
 its flattened value: a Block's flat buffer (whose order does not depend on the world
 size) or a DistributedParameter's flattened tensor, cut by the one partition rule
 (`nbtrain.zero.partition.shard_range`). A loader of any world size M computes which
-saved files overlap its own slice and reads only those ranges. Optimizer state
+saved files overlap its own slice and reads only those ranges.
+
+Tensor-parallel slices are stored the same way within their tp slot: each tp rank's
+vector (its slices back to back) is cut over that slot's data-parallel group, and
+meta.json records the tp and dp sizes and each slice's split dimension and full
+shape. A loader at another tp size assembles its own slices from the saved slices
+that overlap them (tp_reshard.py), one parameter at a time. Optimizer state
 tensors shaped like their parameter are stored the same way; scalar state (step
 counts), hyper-parameters, schedules and the loss scale are the same on every rank
 and go into meta.json from rank 0.
@@ -29,8 +35,9 @@ from safetensors.torch import save_file
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..zero.block import Block
-from ..zero.parameter import DistributedParameter
+from ..zero.parameter import DistributedParameter, group_of
 from ..zero.partition import shard_range
+from ..zero.placement import is_tp_slice
 
 META = "meta.json"
 FORMAT_VERSION = 1
@@ -93,10 +100,16 @@ def agreed(what: str, fn, run_here: bool = True):
 class Entry:
     """One local parameter: its name, where its real elements sit, how it is laid out."""
 
-    def __init__(self, name, param, numel, kind, begin, end, layout_info):
+    def __init__(self, name, param, numel, kind, begin, end, layout_info, tp=False):
         self.name, self.param, self.numel, self.kind = name, param, numel, kind
         self.begin, self.end = begin, min(end, numel)  # real elements held here
         self.layout_info = layout_info  # JSON: the shapes a loader must match
+        self.tp = tp  # holds tensor-parallel slices: the vector differs per tp rank
+
+    def load_range(self) -> tuple[int, int]:
+        """The elements this rank reads back: a replicated tensor is stored once but
+        every rank holds all of it."""
+        return (0, self.numel) if self.kind == "replicated" else (self.begin, self.end)
 
     @property
     def local_numel(self) -> int:
@@ -106,28 +119,40 @@ class Entry:
         return tensor.detach().reshape(-1)[: self.local_numel].cpu().contiguous().clone()
 
 
+def slot_info(name: str, shape, tp_meta=None) -> list:
+    """[name, shape] of one parameter in a stored vector; a tensor-parallel slice adds
+    its split dimension, part count and full shape."""
+    info = [name, list(shape)]
+    if tp_meta is not None:
+        info.append({"dim": tp_meta.tp_split_dim, "groups": getattr(tp_meta, "tp_groups", 1),
+                     "full": list(tp_meta.tp_full_shape)})
+    return info
+
+
 def local_entries(model: torch.nn.Module) -> list[Entry]:
     ctx = get_context()
+    if ctx.topology.pipe_size > 1:
+        raise NotImplementedError("save_checkpoint/load_checkpoint with pipe_size > 1")
     groups = {id(g.shard): g for m in model.modules() if isinstance(m, Block) for g in m.groups}
     out = []
     for name, p in model.named_parameters():
         group = groups.get(id(p))
         if group is not None:
             prefix = name.rpartition(".")[0]
-            slots = [[f"{prefix}.{s.name}" if prefix else s.name, list(s.shape)]
-                     for s in group.layout.slots]
-            begin, end = group.layout.shard_range(ctx.rank)
-            out.append(Entry(name, p, group.layout.numel, "flat", begin, end, slots))
-        elif isinstance(p, DistributedParameter):
-            begin, end = shard_range(p.full_numel, ctx.world_size, ctx.rank)
-            out.append(Entry(name, p, p.full_numel, "sharded", begin, end,
-                             [[name, list(p.full_shape)]]))
-        elif getattr(p, "tp_split_dim", None) is not None:
-            raise NotImplementedError(
-                f"sharded checkpoints of tensor-parallel models are not available yet "
-                f"({name} is a tensor-parallel slice): save with nbtrain.save(model, path), "
-                "which writes full tensors under the plain names and loads at any layout")
-        else:  # replicated on every rank: rank 0 stores it
-            end = p.numel() if ctx.rank == 0 else 0
-            out.append(Entry(name, p, p.numel(), "replicated", 0, end, [[name, list(p.shape)]]))
+            slots = [slot_info(f"{prefix}.{s.name}" if prefix else s.name, s.shape, e.tp)
+                     for s, e in zip(group.layout.slots, group.entries)]
+            begin, end = group.layout.shard_range(group.rank)
+            out.append(Entry(name, p, group.layout.numel, "flat", begin, end, slots,
+                             tp=any(e.tp is not None for e in group.entries)))
+            continue
+        tp = is_tp_slice(p)
+        info = [slot_info(name, getattr(p, "full_shape", p.shape), p if tp else None)]
+        if isinstance(p, DistributedParameter):
+            ranks = group_of(p)
+            begin, end = shard_range(p.full_numel, ranks.size, ranks.rank)
+            out.append(Entry(name, p, p.full_numel, "sharded", begin, end, info, tp))
+        else:  # the same on every rank (of its tp slot): the first one stores it
+            first = ctx.topology.dp_rank == 0 if tp else ctx.rank == 0
+            end = p.numel() if first else 0
+            out.append(Entry(name, p, p.numel(), "replicated", 0, end, info, tp))
     return out

@@ -4,6 +4,7 @@ A loader at world size M needs, for each parameter, the real elements of its own
 slice; the checkpoint's meta.json gives the saving world size S, and the same
 partition rule tells which saved rank files hold which ranges. Each overlapping
 range is read with safetensors' lazy slicing, so a rank reads what it keeps.
+Tensor-parallel slices reshard across tp sizes through tp_reshard.py.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from safetensors import safe_open
 
 from ..zero.partition import shard_range
 from .layout import META, local_entries
+from .tp_reshard import read_tp_entry
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
            "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
@@ -26,6 +28,9 @@ class _Reader:
     def __init__(self, path: str, meta: dict):
         self.folder = os.path.join(path, meta["version"])
         self.world = int(meta["world_size"])
+        self.tp = int(meta.get("tp_size", 1))
+        self.dp = int(meta.get("dp_size", self.world))
+        self.params = meta["params"]
         self._files: dict = {}
 
     def file(self, rank: int):
@@ -37,12 +42,17 @@ class _Reader:
         return self._files[rank]
 
     def read(self, key: str, kind: str, numel: int, begin: int, end: int,
-             out: torch.Tensor) -> None:
-        """Copies elements [begin, end) of saved vector `key` into `out[: end - begin]`."""
+             out: torch.Tensor, tp_rank: int | None = None) -> None:
+        """Copies elements [begin, end) of saved vector `key` into `out[: end - begin]`;
+        with `tp_rank`, of the vector of that tp slot (cut over its dp group)."""
+        if tp_rank is None:
+            ranks, size = list(range(self.world)), self.world
+        else:  # the saving ranks of that tp slot: rank = dp_rank * tp_size + tp_rank
+            ranks, size = [d * self.tp + tp_rank for d in range(self.dp)], self.dp
         if kind == "replicated":
-            sources = [(0, 0, numel)]
+            sources = [(ranks[0], 0, numel)]
         else:
-            sources = [(s, *shard_range(numel, self.world, s)) for s in range(self.world)]
+            sources = [(r, *shard_range(numel, size, i)) for i, r in enumerate(ranks)]
         for rank, lo, hi in sources:
             a, b = max(lo, begin), min(hi, end, numel)
             if a < b:
@@ -50,26 +60,47 @@ class _Reader:
                 out[a - begin:b - begin].copy_(piece)
 
 
+def _logical(info) -> tuple:
+    """(name, shape) of a stored parameter; a tp slice by its full shape and split, as
+    its slice's shape varies with the tp size."""
+    name, shape, *tp = info
+    return name, (tuple(tp[0]["full"]), tp[0]["dim"], tp[0]["groups"]) if tp else tuple(shape)
+
+
 def _check_fits(entry, saved: dict | None) -> None:
     if saved is None:
         raise KeyError(f"load_checkpoint: parameter {entry.name!r} is not in the checkpoint")
-    mine = {n: tuple(s) for n, s in entry.layout_info}
-    theirs = {n: tuple(s) for n, s in saved["shapes"]}
+    mine = dict(map(_logical, entry.layout_info))
+    theirs = dict(map(_logical, saved["shapes"]))
     for name, shape in mine.items():
         if name not in theirs:
             raise KeyError(f"load_checkpoint: {name!r} is not in the checkpoint")
+        if isinstance(theirs[name][0], tuple) != isinstance(shape[0], tuple):
+            ways = ["whole", "as tensor-parallel slices"]
+            if isinstance(shape[0], tuple):
+                ways.reverse()
+            raise ValueError(
+                f"load_checkpoint: {name!r} was saved {ways[1]}, and the model holds it "
+                f"{ways[0]}: build the model "
+                "with the same layers as the saving run (nbtrain.parallelize works at "
+                "tp_size 1 too), or move weights between them with nbtrain.save/load")
         if theirs[name] != shape:
             raise ValueError(f"load_checkpoint: {name!r} has shape {theirs[name]} in the "
                              f"checkpoint but {shape} in the model")
-    if list(mine) != list(theirs) or saved["numel"] != entry.numel:
+    if list(mine) != list(theirs) or (saved["numel"] != entry.numel and not entry.tp):
         raise ValueError(f"load_checkpoint: {entry.name!r} holds {list(theirs)} in the "
                          f"checkpoint but {list(mine)} in the model")
 
 
-def _load_vector(reader, key, entry, saved_kind, target: torch.Tensor) -> None:
+def _load_vector(reader, key, entry, target: torch.Tensor) -> None:
     """Fills `target` (shaped like the local parameter) from the checkpoint; padding 0."""
+    saved = reader.params[entry.name]
     flat = torch.zeros(target.numel(), dtype=target.dtype)
-    reader.read(key, saved_kind, entry.numel, entry.begin, entry.end, flat)
+    begin, end = entry.load_range()
+    if entry.tp:
+        read_tp_entry(reader, key, entry, saved, begin, end, flat)
+    else:
+        reader.read(key, saved["kind"], entry.numel, begin, end, flat)
     with torch.no_grad():
         target.copy_(flat.view(target.shape))
 
@@ -91,8 +122,7 @@ def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
             st = {}
             for key, dtype in part["tensor_keys"][name].items():
                 value = torch.zeros(p.shape, dtype=_DTYPES[dtype])
-                _load_vector(reader, f"optim{reader.optim_index}/{name}/{key}", entry,
-                             reader.kinds[name], value)
+                _load_vector(reader, f"optim{reader.optim_index}/{name}/{key}", entry, value)
                 st[key] = value.to(p.device)
             for key, sc in part["scalars"][name].items():
                 dtype = sc.get("tensor_dtype")
@@ -123,13 +153,11 @@ def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> di
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
     reader = _Reader(path, meta)
-    reader.kinds = {name: p["kind"] for name, p in meta["params"].items()}
     entries = local_entries(model)
     for entry in entries:
         _check_fits(entry, meta["params"].get(entry.name))
     for entry in entries:
-        _load_vector(reader, f"model/{entry.name}", entry, reader.kinds[entry.name],
-                     entry.param.data)
+        _load_vector(reader, f"model/{entry.name}", entry, entry.param.data)
     buffers = dict(model.named_buffers())
     for name in meta["buffers"]:
         if name in buffers:

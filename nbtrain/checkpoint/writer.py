@@ -75,10 +75,12 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
             buffers = {n: b for n, b in model.named_buffers()}
             tensors.update({f"buffer/{n}": b.detach().cpu().contiguous().clone()
                             for n, b in buffers.items()})
+        topo = ctx.topology
         meta = {"format": FORMAT_VERSION, "world_size": ctx.world_size, "step": step,
+                "tp_size": topo.tp_size, "dp_size": topo.dp_size,
                 "version": version, "buffers": sorted(dict(model.named_buffers())),
-                "params": {e.name: {"kind": e.kind, "numel": e.numel, "shapes": e.layout_info}
-                           for e in entries},
+                "params": {e.name: {"kind": e.kind, "numel": e.numel, "shapes": e.layout_info,
+                                    "tp": e.tp} for e in entries},
                 "optimizers": optims,
                 "manager": None if optim_manager is None else optim_manager.scalar_state()}
         write_tensors(os.path.join(path, version, f"rank{ctx.rank:05d}.safetensors"), tensors)

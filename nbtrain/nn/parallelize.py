@@ -89,12 +89,14 @@ def parallelize(model: nn.Module, plan: dict) -> nn.Module:
     """Replace the modules that `plan` names by their tensor-parallel versions, in place.
 
     Collective in spirit: every tp rank calls it on the same plain model. Returns
-    `model`, moved to the rank's device. Raises ValueError for a style that does not exist or does not fit the
-    module, and for a pattern that matches nothing (a typo would otherwise leave a
-    layer whole).
+    `model`, moved to the rank's device. Raises ValueError for a style that does not
+    exist or does not fit the module, and for a pattern that matches nothing (a typo
+    would otherwise leave a layer whole).
+
+    At tp_size 1 the layers are replaced too (each holds a slice of size one and
+    communicates nothing), so a model has the same structure, parameter for
+    parameter, at every tp size: sharded checkpoints move between tp sizes.
     """
-    if get_context().topology.tp_size == 1:
-        return model
     unused = set(plan)
     embeddings: dict[int, VPEmbedding] = {}
     # Embeddings first, so a tied head can find the vocabulary-parallel one.
