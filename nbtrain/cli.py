@@ -10,7 +10,8 @@ import sys
 
 COMMANDS = {
     "demo": ("nbtrain.demo", "train a small GPT with ZeRO-3 on local ranks"),
-    "bench": ("nbtrain.bench", "compare nbtrain ZeRO-3/ZeRO-2 with FSDP2 and DDP"),
+    "bench": ("nbtrain.bench", "compare nbtrain ZeRO-3/ZeRO-2 with FSDP2 and DDP (--tp T: "
+                               "tensor parallelism with DTensor)"),
     "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
 }
 

@@ -11,6 +11,10 @@ step time after warm-up (slowest rank per step), peak memory per rank (RSS on
 CPU, CUDA peak allocation on GPU), model-state bytes per rank and wire bytes per
 step against the ZeRO theory, the hidden-comm percentage, and loss parity with
 DDP over every step (a fast engine that computes something else cannot win).
+
+With `--tp T` it compares nbtrain's tensor parallelism with torch DTensor's
+`parallelize_module` instead (see tp.py): step time, wire bytes against the Megatron
+count, model state against 16 bytes x params / tp, and the loss difference.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import sys
 import time
 
 from . import report
+from . import tp as tp_bench
 from .engines import ENGINES
 from ..launch import run_ranks
 from .worker import run_rank
@@ -40,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size: compare nbtrain's tensor parallelism with "
+                        "DTensor parallelize_module (use --ranks equal to --tp)")
     return p
 
 
@@ -59,15 +67,17 @@ def _settings(args) -> dict:
         "steps": args.steps or (4 if quick else 20),
         "warmup": args.warmup if args.warmup is not None else (2 if quick else 3),
         "rounds": args.rounds or (2 if quick else 3),
-        "timeout_s": 300.0,
+        "timeout_s": 300.0, "tp": args.tp,
     }
 
 
 def run(ranks: int, settings: dict, log=print) -> dict:
     """Runs every engine `settings["rounds"]` times, interleaved; returns the results."""
-    rounds: dict[str, list] = {e: [] for e in ENGINES}
+    tp = settings.get("tp", 1)
+    names = tp_bench.TP_ENGINES if tp > 1 else ENGINES
+    rounds: dict[str, list] = {e: [] for e in names}
     for k in range(settings["rounds"]):
-        order = ENGINES[k % len(ENGINES):] + ENGINES[:k % len(ENGINES)]
+        order = names[k % len(names):] + names[:k % len(names)]
         for engine in order:
             start = time.perf_counter()
             spec = {**settings, "engine": engine}
@@ -76,7 +86,17 @@ def run(ranks: int, settings: dict, log=print) -> dict:
                                             backend=backend, timeout_s=spec["timeout_s"]))
             log(f"round {k + 1}/{settings['rounds']} {engine}: "
                 f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
-    runs = {e: report.summarize(e, rounds[e], ranks) for e in ENGINES}
+    if tp > 1:
+        from ..models import GPTConfig
+
+        cfg = GPTConfig.preset(settings["model_size"])
+        runs = {e: report.summarize(e, rounds[e], ranks, tp_bench.theory(
+            cfg, settings["batch_per_rank"], tp, ranks // tp,
+            rounds[e][0][0]["param_numel"])) for e in names}
+        report.add_parity(runs, reference="dtensor_tp")
+        return {"settings": {**settings, "ranks": ranks}, "runs": runs,
+                "ratios": report.tp_ratios(runs)}
+    runs = {e: report.summarize(e, rounds[e], ranks) for e in names}
     report.add_parity(runs)
     return {"settings": {**settings, "ranks": ranks}, "runs": runs,
             "ratios": report.ratios(runs)}
@@ -87,10 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: need at least 1 rank (1 measures the "
                          "engines' own overhead on one device, no communication)")
+    if args.tp < 1 or (args.tp > 1 and args.ranks != args.tp):
+        raise SystemExit(f"--tp {args.tp} with --ranks {args.ranks}: the tensor-parallel "
+                         f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
     settings = _settings(args)
     result = run(args.ranks, settings)
     s = result["settings"]
-    print(f"nbtrain bench: {s['ranks']} ranks, {s['device']}, GPT {s['model_size']}, "
+    print(f"nbtrain bench: {s['ranks']} ranks{f' (tp {args.tp})' if args.tp > 1 else ''}, "
+          f"{s['device']}, GPT {s['model_size']}, "
           f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "
           f"(+{s['warmup']} warm-up), fp32, AdamW")
     print(report.table(result["runs"], result["ratios"]))

@@ -22,6 +22,7 @@ from nbtrain.comm import COUNTERS
 from nbtrain.models import GPT, GPTConfig
 
 ENGINES = ("zero3", "zero2", "fsdp2", "ddp")
+NBTRAIN_ENGINES = ("zero3", "zero2", "nbtrain_tp")  # their collectives count themselves
 
 
 class WireBytes:
@@ -129,7 +130,7 @@ def reset_wire() -> None:
 
 def wire_bytes(engine: str) -> int:
     """Bytes this rank moved since `reset_wire()`."""
-    return COUNTERS.snapshot()["total_bytes"] if engine in ("zero3", "zero2") else WIRE.total
+    return COUNTERS.snapshot()["total_bytes"] if engine in NBTRAIN_ENGINES else WIRE.total
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

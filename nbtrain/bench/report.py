@@ -17,13 +17,14 @@ def theory(engine: str, param_numel: int, world: int) -> dict:
     return {"state_bytes": state, "wire_bytes": wire}
 
 
-def summarize(engine: str, rounds: list[list[dict]], world: int) -> dict:
-    """One engine's run from its rounds (each a list of per-rank results)."""
+def summarize(engine: str, rounds: list[list[dict]], world: int, th: dict | None = None) -> dict:
+    """One engine's run from its rounds (each a list of per-rank results), against the
+    theory `th` (state_bytes, wire_bytes; default: the ZeRO paper's for `engine`)."""
     steps = [t for ranks in rounds for t in ranks[0]["step_s"]]
     round_medians = [statistics.median(ranks[0]["step_s"]) for ranks in rounds]
     first = rounds[0]
     numel = first[0]["param_numel"]
-    th = theory(engine, numel, world)
+    th = th or theory(engine, numel, world)
     state = max(r["state"]["total"] for r in first)
     wire = statistics.median(w for ranks in rounds for r in ranks for w in r["wire_bytes"])
     hidden = [h for ranks in rounds for r in ranks for h in r["hidden"] if h is not None]
@@ -48,6 +49,7 @@ def add_parity(runs: dict, reference: str = "ddp") -> None:
     ref = runs[reference]["losses"]
     for run in runs.values():
         diff = max(abs(a - b) for a, b in zip(run["losses"], ref))
+        run["reference"] = reference
         run["loss_max_abs_diff_vs_ddp"] = diff
         run["parity"] = diff <= PARITY_ATOL and len(run["losses"]) == len(ref)
 
@@ -69,10 +71,23 @@ def ratios(runs: dict) -> dict:
     }
 
 
+def tp_ratios(runs: dict) -> dict:
+    ours, peer = runs["nbtrain_tp"], runs["dtensor_tp"]
+    return {
+        "tp_step_vs_dtensor": ours["step_time_s"] / peer["step_time_s"],
+        "tp_bytes_vs_megatron": _ratio(ours["wire_bytes_per_step"], ours["wire_theory_bytes"]),
+        "dtensor_bytes_vs_megatron": _ratio(peer["wire_bytes_per_step"],
+                                            peer["wire_theory_bytes"]),
+        "tp_state_mem_vs_theory": ours["state_bytes"] / ours["state_theory_bytes"],
+        "tp_loss_max_abs_diff_vs_dtensor": ours["loss_max_abs_diff_vs_ddp"],
+    }
+
+
 def table(runs: dict, ratio: dict) -> str:
     mib = 2 ** 20
+    reference = next(iter(runs.values())).get("reference", "ddp").replace("_tp", "")
     head = ("engine", "step ms", "rounds ms", "peak MiB", "state MiB", "state/th",
-            "wire MiB", "wire/th", "hidden %", "loss |d| vs ddp")
+            "wire MiB", "wire/th", "hidden %", f"loss |d| vs {reference}")
     rows = [head]
     for name, r in runs.items():
         spread = "-".join(f"{1e3 * t:.0f}" for t in (min(r["step_time_round_medians_s"]),
@@ -88,5 +103,6 @@ def table(runs: dict, ratio: dict) -> str:
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines.append("")
-    lines += [f"{k}: {v:.3f}" for k, v in ratio.items()]
+    lines += [f"{k}: {v:.3f}" if abs(v) >= 1e-3 or v == 0 else f"{k}: {v:.1e}"
+              for k, v in ratio.items()]
     return "\n".join(lines)

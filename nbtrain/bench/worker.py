@@ -5,6 +5,7 @@ the next step, and its time is the slowest rank's (an all-reduce of max).
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 
@@ -16,7 +17,7 @@ from nbtrain import telemetry
 from nbtrain.models import GPTConfig
 from nbtrain.telemetry.overlap import comm_overlap
 
-from . import engines
+from . import engines, tp as tp_bench
 
 
 def _rss_bytes(field: str) -> int:
@@ -79,28 +80,38 @@ def _train(spec: dict, rank: int, world: int) -> dict:
     device, engine = ctx.device, spec["engine"]
     cfg = GPTConfig.preset(spec["model_size"])
     baseline = _rss_bytes("VmRSS") if device.type == "cpu" else torch.cuda.memory_allocated()
-    model = engines.build(engine, cfg, spec["seed"])
+    tp = spec.get("tp", 1) if engine in tp_bench.TP_ENGINES else 1
+    if tp > 1:
+        nbt.init_distributed(seed=spec["seed"], tp_size=tp)
+    dp, dp_rank = world // tp, rank // tp  # tp ranks of one replica share its batch
+    build = tp_bench.build if engine in tp_bench.TP_ENGINES else engines.build
+    model = build(engine, cfg, spec["seed"])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
     total = spec["warmup"] + spec["steps"]
-    xs, ys = batches(cfg, total, spec["batch_per_rank"], world, spec["seed"])
-    lo, hi = rank * spec["batch_per_rank"], (rank + 1) * spec["batch_per_rank"]
-    telemetry.set_enabled(engine in ("zero3", "zero2"))
+    xs, ys = batches(cfg, total, spec["batch_per_rank"], dp, spec["seed"])
+    lo, hi = dp_rank * spec["batch_per_rank"], (dp_rank + 1) * spec["batch_per_rank"]
+    telemetry.set_enabled(engine in engines.NBTRAIN_ENGINES)
     _reset_peak(device)
     times, losses, wire, hidden = [], [], [], []
+    functional = None  # DTensor's bytes, counted in the first (untimed) step
     for step in range(total):
         x, y = xs[step, lo:hi].to(device), ys[step, lo:hi].to(device)
         dist.barrier()
         telemetry.RECORDER.clear()
         engines.reset_wire()
+        counting = contextlib.nullcontext()
+        if engine == "dtensor_tp" and functional is None:
+            counting = functional = tp_bench.FunctionalCollectiveBytes(tp)
         start = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = engines.loss_of(model, x, y)
-        loss.backward()
-        opt.step()
+        with counting:
+            opt.zero_grad(set_to_none=True)
+            loss = engines.loss_of(model, x, y)
+            loss.backward()
+            opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-        moved = engines.wire_bytes(engine)
+        moved = functional.total if functional is not None else engines.wire_bytes(engine)
         stats = torch.tensor([elapsed, loss.item()], dtype=torch.float64, device=device)
         slowest = stats[:1].clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)

@@ -42,13 +42,19 @@ class TensorParallelAttention(nn.Module):
         self.proj = row_from(attention.proj, all_reduce_output=True)
 
     def forward(self, x):
-        b, t, _ = x.shape
-        local = self.qkv(x)                       # (b, t, 3 * c / tp)
-        q, k, v = local.split(local.shape[-1] // 3, dim=2)
-        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+        return local_heads_attention(self, x)
+
+
+def local_heads_attention(attn: nn.Module, x):
+    """Causal attention over this rank's heads: `attn.qkv(x)` gives (b, t, 3 * c / tp),
+    this rank's q, k and v heads back to back; `attn.proj` takes their outputs."""
+    b, t, _ = x.shape
+    local = attn.qkv(x)
+    q, k, v = local.split(local.shape[-1] // 3, dim=2)
+    q, k, v = (z.view(b, t, attn.heads, -1).transpose(1, 2) for z in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                       dropout_p=attn.dropout if attn.training else 0.0)
+    return attn.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 def _attention(module, name):

@@ -31,3 +31,59 @@ def test_quick_bench_runs_and_losses_agree(tmp_path):
     assert set(result["ratios"]) == {"zero3_step_vs_fsdp2", "zero3_step_vs_ddp",
                                      "zero3_state_mem_vs_theory", "zero3_bytes_vs_theory"}
     assert "zero3" in proc.stdout and "hidden %" in proc.stdout
+
+
+def _plain_losses(settings):
+    """The same GPT, batches and AdamW on one process (tp 1, dp 1)."""
+    import torch
+    import torch.nn.functional as F
+
+    from nbtrain.bench.engines import plain_gpt
+    from nbtrain.bench.worker import batches
+    from nbtrain.models import GPTConfig
+
+    cfg = GPTConfig.preset(settings["model_size"])
+    model = plain_gpt(cfg, settings["seed"], "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
+    total = settings["warmup"] + settings["steps"]
+    xs, ys = batches(cfg, total, settings["batch_per_rank"], 1, settings["seed"])
+    losses = []
+    for step in range(total):
+        opt.zero_grad()
+        logits = model(xs[step])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys[step].reshape(-1))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_quick_tp_bench_against_dtensor(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--quick",
+                           "--ranks", "2", "--tp", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"nbtrain_tp", "dtensor_tp"}
+    ratios = result["ratios"]
+    # Both engines move what the Megatron count says, and nbtrain holds 16 B/param / tp.
+    assert abs(ratios["tp_bytes_vs_megatron"] - 1) < 0.05, ratios
+    assert abs(ratios["dtensor_bytes_vs_megatron"] - 1) < 0.05, ratios
+    assert abs(ratios["tp_state_mem_vs_theory"] - 1) < 0.05, ratios
+    assert ratios["tp_loss_max_abs_diff_vs_dtensor"] < 1e-5, ratios
+    # ... and both train what one plain process trains.
+    plain = _plain_losses(result["settings"])
+    for name, run in result["runs"].items():
+        assert max(abs(a - b) for a, b in zip(run["losses"], plain)) < 1e-4, name
+    assert len(set(round(x, 6) for x in plain)) > 1
+    assert "tp_step_vs_dtensor" in proc.stdout
+
+
+def test_tp_bench_needs_one_replica():
+    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--ranks", "4",
+                           "--tp", "2"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0
+    assert "--tp 2 with --ranks 4: the tensor-parallel comparison runs one replica, so use " \
+           "--ranks 2" in proc.stderr, proc.stderr
