@@ -171,6 +171,12 @@ def _check_losses(*names):
     return check
 
 
+def _check_tp(by_world):
+    for name in ("losses", "fresh.loss(x, y).item()"):
+        _agree(name, {w: r[0][name] for w, r in by_world.items()})
+    _agree("zero_losses", {w: r[1]["zero_losses"] for w, r in by_world.items()})
+
+
 def _check_memory(by_world):
     for world, (r,) in by_world.items():
         res = r["results"]
@@ -215,8 +221,10 @@ NOTEBOOKS = {
                                                   _check_losses("bmt.sum_loss(loss).item()")),
     "notebooks/pretraining.ipynb": ([["val_loss()", "step"]], _check_losses("val_loss()", "step")),
     # tp = the world size, so 1, 2 and 3 are all tensor-parallel layouts of one model
-    "tutorials/08_tensor_parallelism.ipynb": ([["losses", "fresh.loss(x, y).item()"]],
-                                              _check_losses("losses", "fresh.loss(x, y).item()")),
+    # (the second session: tp x dp with ZeRO-3 in the notebook, ZeRO-3 data parallel here)
+    "tutorials/08_tensor_parallelism.ipynb": ([["losses", "fresh.loss(x, y).item()"],
+                                               ["zero_losses"]],
+                                              _check_tp),
 }
 # Tensor parallelism splits layers, not data: every rank takes the global batch.
 WHOLE_BATCH = {"tutorials/08_tensor_parallelism.ipynb"}
