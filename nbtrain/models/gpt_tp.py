@@ -3,10 +3,13 @@
     nbtrain.init_distributed(tp_size=2)
     model = nbtrain.parallelize(GPT(cfg), gpt_plan(cfg))
 
-Megatron's layout: attention heads and MLP columns split over the tp ranks, the
-vocabulary split for the (tied) embedding and output projection, layer norms and
-position embeddings replicated. `model(idx)` and `model.loss(idx, target)` keep
-their meaning: the logits come back full-width.
+Attention heads and MLP columns split over the tp ranks, the vocabulary split for the
+(tied) embedding and output projection, layer norms and position embeddings
+replicated. Activations between layers are replicated (Megatron's layout) or, with
+`gpt_plan(cfg, sequence_parallel=True)`, split along the batch (the replicated
+layers then sum their gradients over tp). `model(idx)` and `model.loss(idx, target)`
+keep their meaning: every rank passes the whole batch of its replica and the logits
+come back full-width.
 """
 from __future__ import annotations
 
@@ -15,14 +18,14 @@ from torch import nn
 
 from ..comm.context import get_context
 from ..nn.parallel import ColumnParallelLinear, _slice_param
-from ..nn.parallelize import _quietly, row_from
+from ..nn.parallelize import Plan, _quietly, row_from
 from .gpt import GPTConfig
 
 
 class TensorParallelAttention(nn.Module):
     """The GPT's attention with its heads split over the tp ranks (same names)."""
 
-    def __init__(self, attention: nn.Module):
+    def __init__(self, attention: nn.Module, sequence_parallel: bool = False):
         super().__init__()
         topo = get_context().topology
         size, rank = topo.tp_size, topo.tp_rank
@@ -33,13 +36,13 @@ class TensorParallelAttention(nn.Module):
         qkv = attention.qkv
         layer = _quietly(lambda: ColumnParallelLinear(
             qkv.in_features, qkv.out_features, bias=qkv.bias is not None,
-            dtype=qkv.weight.dtype, gather_input=False))
+            dtype=qkv.weight.dtype, gather_input=sequence_parallel))
         # q, k and v are three parts of the fused weight: each is split by heads.
         layer.weight = _slice_param(qkv.weight.data, 0, size, rank, groups=3)
         if qkv.bias is not None:
             layer.bias = _slice_param(qkv.bias.data, 0, size, rank, groups=3)
         self.qkv = layer.to(qkv.weight.device)
-        self.proj = row_from(attention.proj, all_reduce_output=True)
+        self.proj = row_from(attention.proj, all_reduce_output=not sequence_parallel)
 
     def forward(self, x):
         return local_heads_attention(self, x)
@@ -48,8 +51,8 @@ class TensorParallelAttention(nn.Module):
 def local_heads_attention(attn: nn.Module, x):
     """Causal attention over this rank's heads: `attn.qkv(x)` gives (b, t, 3 * c / tp),
     this rank's q, k and v heads back to back; `attn.proj` takes their outputs."""
-    b, t, _ = x.shape
-    local = attn.qkv(x)
+    local = attn.qkv(x)  # all rows (sequence parallel: gathered from the token slices)
+    b, t, _ = local.shape
     q, k, v = local.split(local.shape[-1] // 3, dim=2)
     q, k, v = (z.view(b, t, attn.heads, -1).transpose(1, 2) for z in (q, k, v))
     y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
@@ -57,17 +60,22 @@ def local_heads_attention(attn: nn.Module, x):
     return attn.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
-def _attention(module, name):
-    return TensorParallelAttention(module)
+def gpt_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> Plan:
+    """The tensor-parallel plan for a GPT built from `cfg`, in Megatron's layout or
+    (`sequence_parallel=True`) with activations split along the batch between layers
+    (the batch must then divide by tp_size)."""
+    def attention(module, name):
+        return TensorParallelAttention(module, sequence_parallel)
 
-
-def gpt_plan(cfg: GPTConfig) -> dict:
-    """The tensor-parallel plan for a GPT built from `cfg`."""
-    plan = {
+    styles = {
         "tok": "vocab",
-        "layers.*.attn": _attention,
+        "pos": "replicated",
+        "layers.*.ln1": "replicated",
+        "layers.*.ln2": "replicated",
+        "layers.*.attn": attention,
         "layers.*.mlp.0": "colwise",
         "layers.*.mlp.2": "rowwise",
+        "ln_f": "replicated",
+        "head": "tied_head" if cfg.tie_embeddings else "head",
     }
-    plan["head"] = "tied_head" if cfg.tie_embeddings else "head"
-    return plan
+    return Plan(styles, sequence_parallel)

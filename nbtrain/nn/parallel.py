@@ -239,6 +239,9 @@ class VPEmbedding(_FullStateDict, nn.Module):
                  sequence_parallel: bool = True):
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        # The entry of a sequence-parallel model made by `parallelize`: it is given
+        # every token's id (the model's input) and returns its own tokens' rows.
+        self.ids_whole = False
         size, rank = _tp()
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
         self.padded_vocab = math.ceil(vocab_size / size) * size
@@ -271,7 +274,7 @@ class VPEmbedding(_FullStateDict, nn.Module):
         # sum over tp completes them. With token slices, every rank first gathers all
         # ids and the reduce-scatter hands each rank its own tokens' rows.
         ids = ids.to(self.weight.device)
-        if sequence_parallel:
+        if sequence_parallel and not self.ids_whole:
             ids = tp_comm._gather_rows(ids, "tp gather ids")
         local = ids - self.start
         inside = (local >= 0) & (local < self.per_rank)

@@ -13,11 +13,19 @@ The plan maps module-name patterns (fnmatch: `*` matches dots too) to a style:
                 projection, logits gathered to full width (the model's loss is unchanged)
     "head"      nn.Linear -> ColumnParallelLinear whose output is gathered to full width
                 (an untied output projection)
+    "replicated" nn.LayerNorm or nn.Embedding (position embeddings) kept whole on every
+                tp rank; in the sequence-parallel layout its gradient is summed over tp
     a callable  (module, name) -> the module to put in its place
 
-Layouts are Megatron's (activations replicated on every tp rank); the weights are
-the model's own, sliced, so the parallelised model computes what the plain one did,
-and its state_dict (full tensors, plain names) loads into the plain model.
+Two layouts of the activations between layers. Megatron's (the default): replicated
+on every tp rank, an all-reduce after each row-parallel layer. Sequence parallel
+(`sequence_parallel=True`, BMTrain's default): split along the first dimension (the
+batch of a (batch, seq, hidden) activation, which tp must divide) between layers;
+column-parallel layers gather it, row-parallel layers reduce-scatter, the "vocab"
+embedding takes the model's whole input and returns this rank's rows, and the heads
+gather all rows again, so `model(x)` still returns full logits. The weights are the
+model's own, sliced, so the parallelised model computes what the plain one did, and
+its state_dict (full tensors, plain names) loads into the plain model.
 """
 from __future__ import annotations
 
@@ -28,8 +36,10 @@ from torch import nn
 
 from . import tp_comm
 from ..comm.context import get_context
-from .parallel import (ColumnParallelLinear, RowParallelLinear, VPEmbedding, _FullStateDict,
-                       _slice_param, _tp, pad_along)
+import torch.nn.functional as F
+
+from .parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VPEmbedding,
+                       _FullStateDict, _slice_param, _tp, pad_along)
 
 
 def _quietly(make):
@@ -64,28 +74,71 @@ def vocab_from(embedding: nn.Embedding, sequence_parallel: bool = False) -> VPEm
     layer.weight = _slice_param(pad_along(embedding.weight.data, 0, layer.padded_vocab), 0,
                                 size, rank)
     layer.weight.tp_full_shape = (vocab, dim)
+    layer.ids_whole = sequence_parallel  # the model hands it all ids
     return layer.to(embedding.weight.device)
+
+
+class ReplicatedEmbedding(nn.Embedding):
+    """An nn.Embedding (a position embedding) whose table every tp rank holds whole. In
+    the sequence-parallel layout each rank adds it to its own rows only, so its gradient
+    is summed over tp (as nbtrain.nn.LayerNorm's)."""
+
+    sequence_parallel = False
+
+    def forward(self, x):
+        weight = tp_comm.sum_grad_over_tp(self.weight) if self.sequence_parallel else self.weight
+        return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
+                           self.scale_grad_by_freq, self.sparse)
+
+
+def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn.Module:
+    """`module` (a layer norm or an embedding) as a layer kept whole on every tp rank."""
+    if isinstance(module, nn.LayerNorm):
+        layer = _quietly(lambda: LayerNorm(module.normalized_shape, eps=module.eps,
+                                           elementwise_affine=module.elementwise_affine,
+                                           bias=module.bias is not None,
+                                           dtype=None if module.weight is None
+                                           else module.weight.dtype,
+                                           sequence_parallel=sequence_parallel))
+        layer.load_state_dict(module.state_dict())
+        return layer.to(module.weight.device if module.weight is not None else None)
+    if isinstance(module, nn.Embedding):
+        module.__class__ = ReplicatedEmbedding  # same parameters, same names
+        module.sequence_parallel = sequence_parallel
+        return module
+    raise ValueError(f"parallelize: {name} is a {type(module).__name__}; 'replicated' takes "
+                     "an nn.LayerNorm or an nn.Embedding")
 
 
 class TiedProjection(_FullStateDict, nn.Module):
     """The output projection of a vocabulary-parallel embedding, as an nn.Linear with
     that embedding's weight would be: full-width logits (gathered over tp)."""
 
-    def __init__(self, embedding: VPEmbedding):
+    def __init__(self, embedding: VPEmbedding, sequence_parallel: bool = False):
         super().__init__()
         object.__setattr__(self, "_embedding", embedding)  # not a submodule: no new names
         self.weight = embedding.weight
+        self.sequence_parallel = sequence_parallel
         self._setup_full_state_dict()
 
     def forward(self, x):
-        logits = self._embedding(x, projection=True, sequence_parallel=False)
+        logits = self._embedding(x, projection=True, sequence_parallel=self.sequence_parallel)
         return tp_comm.gather_last(logits)[..., :self._embedding.vocab_size]
 
 
-STYLES = ("colwise", "rowwise", "vocab", "tied_head", "head")
+STYLES = ("colwise", "rowwise", "vocab", "tied_head", "head", "replicated")
 
 
-def parallelize(model: nn.Module, plan: dict) -> nn.Module:
+class Plan(dict):
+    """A plan (pattern -> style) that knows its layout: `sequence_parallel`."""
+
+    def __init__(self, styles: dict, sequence_parallel: bool = False):
+        super().__init__(styles)
+        self.sequence_parallel = sequence_parallel
+
+
+def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = None
+                ) -> nn.Module:
     """Replace the modules that `plan` names by their tensor-parallel versions, in place.
 
     Collective in spirit: every tp rank calls it on the same plain model. Returns
@@ -96,7 +149,17 @@ def parallelize(model: nn.Module, plan: dict) -> nn.Module:
     At tp_size 1 the layers are replaced too (each holds a slice of size one and
     communicates nothing), so a model has the same structure, parameter for
     parameter, at every tp size: sharded checkpoints move between tp sizes.
+
+    `sequence_parallel` picks the layout (see the module docstring); None takes the
+    plan's (`Plan.sequence_parallel`, False for a plain dict).
     """
+    planned = getattr(plan, "sequence_parallel", None)
+    if sequence_parallel is None:
+        sequence_parallel = bool(planned)
+    elif planned is not None and planned != sequence_parallel:
+        raise ValueError(f"parallelize: sequence_parallel={sequence_parallel}, but the plan "
+                         f"was made for sequence_parallel={planned} (its callables build "
+                         "layers for that layout): make the plan with the same setting")
     unused = set(plan)
     embeddings: dict[int, VPEmbedding] = {}
     # Embeddings first, so a tied head can find the vocabulary-parallel one.
@@ -108,7 +171,7 @@ def parallelize(model: nn.Module, plan: dict) -> nn.Module:
         if style is None:
             continue
         unused.discard(pattern)
-        _set(model, name, _replace(module, name, style, embeddings))
+        _set(model, name, _replace(module, name, style, embeddings, sequence_parallel))
     if unused:
         raise ValueError(f"parallelize: pattern(s) {sorted(unused)} matched no module; module "
                          f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}")
@@ -127,33 +190,35 @@ def _match(plan: dict, name: str):
     return None, None
 
 
-def _replace(module, name, style, embeddings):
+def _replace(module, name, style, embeddings, sp: bool):
     if callable(style):
         return style(module, name)
     if style not in STYLES:
         raise ValueError(f"parallelize: style {style!r} for {name}; use one of "
                          f"{', '.join(STYLES)} or a callable")
+    if style == "replicated":
+        return replicated_from(module, name, sp)
     if style == "vocab":
         if not isinstance(module, nn.Embedding):
             raise ValueError(f"parallelize: {name} is a {type(module).__name__}, not an "
                              "nn.Embedding, so it cannot be 'vocab'")
-        layer = vocab_from(module)
+        layer = vocab_from(module, sequence_parallel=sp)
         embeddings[id(module.weight)] = layer
         return layer
     if not isinstance(module, nn.Linear):
         raise ValueError(f"parallelize: {name} is a {type(module).__name__}, not an nn.Linear, "
                          f"so it cannot be {style!r}")
     if style == "colwise":
-        return column_from(module, gather_input=False)
+        return column_from(module, gather_input=sp)
     if style == "rowwise":
-        return row_from(module, all_reduce_output=True)
+        return row_from(module, all_reduce_output=not sp)
     if style == "head":
-        return column_from(module, gather_input=False, gather_output=True)
+        return column_from(module, gather_input=sp, gather_output=True)
     embedding = embeddings.get(id(module.weight))
     if embedding is None:
         raise ValueError(f"parallelize: {name} is 'tied_head' but its weight is not the "
                          "weight of a module the plan makes 'vocab'")
-    return TiedProjection(embedding)
+    return TiedProjection(embedding, sequence_parallel=sp)
 
 
 def _set(model: nn.Module, name: str, new: nn.Module) -> None:
