@@ -151,10 +151,14 @@ def _train_zero(tp, zero_level, optimizer, sequence_parallel=False):
             "total": sum(p.numel() for p in plain.parameters())}
 
 
+# (world, tp, zero_level): tp 2 and 3 alone, and two data-parallel replicas of tp 2 under
+# ZeRO-2 and ZeRO-3; each with both optimizers and both layouts.
+LAYOUTS = [(2, 2, None), (3, 3, None), (4, 2, 2), (4, 2, 3)]
+
+
 @pytest.mark.parametrize("world,tp,zero_level,optimizer,sequence_parallel", [
-    (4, 2, 3, "adamw", False), (4, 2, 2, "sgd", False), (2, 2, 3, "sgd", False),
-    (4, 2, 3, "sgd", True), (4, 2, 2, "adamw", True), (3, 3, None, "sgd", True),
-    (2, 2, None, "adamw", True)])
+    (*layout, optimizer, sp) for layout in LAYOUTS for optimizer in ("adamw", "sgd")
+    for sp in (False, True)])
 def test_parallelized_and_wrapped_gpt_trains_like_the_plain_one(world, tp, zero_level,
                                                                  optimizer, sequence_parallel):
     """Megatron's layout and sequence parallel, plain (tp = world) and wrapped with ZeRO."""
