@@ -33,6 +33,7 @@ class CommKind(str, enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
+    P2P = "p2p"  # point-to-point sends between pipeline stages
 
 
 class CommCounters:
@@ -308,6 +309,23 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None,
     work = dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)
     return _issue(CommKind.ALL_REDUCE, work if async_op else None,
                   2 * _ring_bytes(tensor, world), label, async_op, started=started)
+
+
+def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, label: str = "") -> CommHandle:
+    """Sends `tensor` to global rank `dst` without waiting; `wait()` the handle before
+    changing `tensor`. Counted as its size in bytes, on the sender."""
+    tensor = tensor.contiguous()
+    started = time.perf_counter()
+    work = dist.isend(tensor, dst=dst, tag=tag)
+    handle = _issue(CommKind.P2P, work, tensor.numel() * tensor.element_size(), label,
+                    async_op=True, started=started)
+    handle.keep = tensor  # alive until sent
+    return handle
+
+
+def recv(tensor: torch.Tensor, src: int, *, tag: int = 0, label: str = "") -> None:
+    """Receives into `tensor` from global rank `src` (blocks; matched by `tag`, in order)."""
+    dist.recv(tensor, src=src, tag=tag)
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, label: str = "") -> None:

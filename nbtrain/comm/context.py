@@ -111,7 +111,7 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         tp_size: ranks that split each tensor-parallel layer (BMTrain's keyword); the
             world size must be a multiple of tp_size x pipe_size. Tensor-parallel peers
             are neighbouring ranks: tp_rank = rank % tp_size.
-        pipe_size: pipeline stages; only 1 for now.
+        pipe_size: pipeline stages (outermost: a stage's ranks are neighbours).
         num_micro_batches: BMTrain's pipeline keyword, kept in the context.
 
     Called again on an initialised process (a notebook cell on every rank, a script
@@ -121,9 +121,6 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     Collective: every rank calls this.
     """
     global _CONTEXT
-    if pipe_size != 1:
-        raise ValueError(f"pipe_size={pipe_size}: pipeline parallelism is not available yet; "
-                         "use pipe_size=1")
     if _CONTEXT is not None and dist.is_initialized():
         topo = _CONTEXT.topology
         if (topo.tp_size, topo.pipe_size) != (tp_size, pipe_size):

@@ -29,6 +29,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
+from ..comm.topology import ALONE
 from .reducer import GradReducer, current_backward
 
 BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
@@ -66,12 +67,18 @@ class DataParallelGrads:
         self._backward_id: int | None = None  # the pass these buckets are filling for
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
                        for b in self.buckets for p in b.params]
+        for b in self.buckets:
+            for p in b.params:
+                p._nbtrain_dp_owned = True  # its gradient has an owner (see owned())
 
     def remove(self) -> None:
         """Detaches the gradient hooks (the parameters get a new owner)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for b in self.buckets:
+            for p in b.params:
+                p.__dict__.pop("_nbtrain_dp_owned", None)
 
     # -- backward ---------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -142,16 +149,17 @@ def _make_buckets(params: list[nn.Parameter], bucket_numel: int) -> list[_Bucket
     return buckets
 
 
-def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]]) -> None:
+def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]], group=None) -> None:
     """Raises if any parameter's value differs between ranks, naming the first one.
 
     Compares per-parameter fingerprints (sum and a position-weighted sum, in fp64,
     taken in chunks so no full-size fp64 copy is made) with one max and one min
     all-reduce: bytes independent of the model's size.
 
-    Collective: every rank calls this with the same names in the same order.
+    Collective: every rank of `group` (None: the world) calls this with the same
+    names in the same order.
     """
-    if not named_params:
+    if not named_params or group is ALONE:
         return
     ctx = get_context()
     prints = torch.zeros(len(named_params), 2, dtype=torch.float64, device=ctx.device)
@@ -165,8 +173,8 @@ def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]]) -> None:
                 prints[i, 0] += chunk.sum()
                 prints[i, 1] += (chunk * weights).sum()
     high, low = prints.clone(), prints.clone()
-    C.all_reduce(high, op="max", label="dp.check")
-    C.all_reduce(low, op="min", label="dp.check")
+    C.all_reduce(high, op="max", group=group, label="dp.check")
+    C.all_reduce(low, op="min", group=group, label="dp.check")
     differ = (high != low).any(dim=1).nonzero().flatten().tolist()
     if differ:
         names = [named_params[i][0] for i in differ]

@@ -1,9 +1,10 @@
 """Which ranks share the ZeRO shards of a parameter.
 
-A replicated parameter (every rank holds the same tensor) is sharded over the
-whole world. A tensor-parallel slice differs between the tp ranks: only the ranks
-of its data-parallel group hold copies of it, so its shards are spread over that
-group, and its gradient is reduced there. With tp_size 1 the two coincide.
+A replicated parameter (every rank of its pipeline stage holds the same tensor) is
+sharded over the ranks of that stage (the "zero" group: the whole world without a
+pipeline). A tensor-parallel slice differs between the tp ranks: only the ranks of
+its data-parallel group hold copies of it, so its shards are spread over that group,
+and its gradient is reduced there. With tp_size 1 the two coincide.
 """
 from __future__ import annotations
 
@@ -28,10 +29,9 @@ def is_tp_slice(param) -> bool:
 
 def shard_group(tp_slice: bool = False) -> ShardGroup:
     """The ranks that shard a tensor-parallel slice (`tp_slice`) or a replicated tensor."""
-    ctx = get_context()
+    topo = get_context().topology
     if not tp_slice:
-        return ShardGroup(None, ctx.rank, ctx.world_size)
-    topo = ctx.topology
+        return ShardGroup(topo.group("zero"), topo.zero_rank, topo.tp_size * topo.dp_size)
     return ShardGroup(topo.group("dp"), topo.dp_rank, topo.dp_size)
 
 

@@ -65,16 +65,26 @@ class ModelRoot:
         slices = [p for _, p in named
                   if getattr(p, "tp_split_dim", None) is not None and p.requires_grad]
         named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
-        check_replicas_equal(named)
+        stage = _stage_group()  # the ranks holding this pipeline stage (the world without one)
+        check_replicas_equal(named, group=stage)
         trainable = [p for _, p in named if p.requires_grad]
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)
-        self.data_parallel = (DataParallelGrads(trainable, self.reducer, bucket_numel)
-                              if trainable else None)
+        self.data_parallel = None
+        if trainable and stage is not ALONE:
+            self.data_parallel = DataParallelGrads(trainable, self.reducer, bucket_numel,
+                                                   group=stage)
         self.tp_data_parallel = None
         dp_group = _tp_slice_group() if slices else ALONE
         if dp_group is not ALONE:
             self.tp_data_parallel = DataParallelGrads(slices, self.reducer, bucket_numel,
                                                       group=dp_group)
+
+
+def _stage_group():
+    """The ranks holding copies of this rank's replicated parameters: its stage."""
+    from ..comm.context import get_context
+
+    return get_context().topology.group("zero")
 
 
 def _tp_slice_group():

@@ -12,7 +12,7 @@ import nbtrain
 
 ROOT = pathlib.Path(nbtrain.__file__).parent
 KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
-LAYERS = ["comm", "zero", "nn", "optim", "checkpoint", "telemetry", "notebook"]
+LAYERS = ["comm", "zero", "nn", "pipeline", "optim", "checkpoint", "telemetry", "notebook"]
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -84,3 +84,14 @@ def test_no_import_cycles():
 def test_comm_imports_nothing_else_of_nbtrain():
     for name in (m for m in MODULES if m.startswith("nbtrain.comm")):
         assert all(t.startswith("nbtrain.comm") for t in _imports(name)), name
+
+
+def test_every_subpackage_is_installed():
+    """A package folder missing from pyproject's list works in a checkout (and an
+    editable install) but is left out of a wheel."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
+                 ["tool"]["setuptools"]["packages"])
+    found = {_module_name(p) for p in ROOT.rglob("__init__.py")}
+    assert found - listed == set(), sorted(found - listed)

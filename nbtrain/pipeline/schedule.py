@@ -1,0 +1,145 @@
+"""Pipeline schedules: GPipe and 1F1B, driven by one call.
+
+    losses = run(stage, inputs, targets, loss_fn, schedule="1f1b")
+
+Every rank of a pipeline calls `run` with the same micro-batches: `inputs[i]` (used by
+the first stage) and `targets[i]` (used by the last, which computes
+`loss_fn(output, targets[i])`). Backward runs inside the schedule, on the mean of the
+micro-batch losses, so the gradients are those of one step on the whole batch; the
+optimizer step is the caller's. Returns the M losses on every stage.
+
+GPipe runs all forwards, then all backwards: a stage holds the activations of all M
+micro-batches. 1F1B starts with P - s - 1 forwards on stage s (of P), then alternates
+one forward and one backward, then finishes the backwards: a stage holds at most
+P - s micro-batches' activations. Both leave (P - 1) / (M + P - 1) of the time idle.
+
+Telemetry: each micro-batch's forward and backward is a compute span
+("stage{s}.mb{i}") and each send a p2p transfer with its bytes.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..comm import collectives as C, events
+from ..comm.context import get_context
+from .p2p import Link
+
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def _order(schedule: str, stages: int, stage: int, micro: int) -> list[tuple[str, int]]:
+    """This stage's steps: ("f", i) forward of micro-batch i, ("b", i) its backward."""
+    if schedule == "gpipe":
+        return [("f", i) for i in range(micro)] + [("b", i) for i in range(micro)]
+    warmup = min(stages - stage - 1, micro)
+    steps = [("f", i) for i in range(warmup)]
+    for k in range(micro - warmup):
+        steps += [("f", warmup + k), ("b", k)]
+    return steps + [("b", k) for k in range(micro - warmup, micro)]
+
+
+class _Stage:
+    """One stage's state during a schedule: inputs and outputs kept for backward."""
+
+    def __init__(self, module, inputs, targets, loss_fn):
+        ctx = get_context()
+        topo = ctx.topology
+        self.module, self.inputs, self.targets, self.loss_fn = module, inputs, targets, loss_fn
+        self.stages, self.index = topo.pipe_size, topo.pipe_rank
+        ranks = topo.ranks("pipe")
+        self.first, self.last = self.index == 0, self.index == self.stages - 1
+        self.prev = None if self.first else Link(ranks[self.index - 1], ctx.device,
+                                                 f"pp {self.index - 1}<-{self.index}")
+        self.next = None if self.last else Link(ranks[self.index + 1], ctx.device,
+                                                f"pp {self.index}->{self.index + 1}")
+        self.micro = len(inputs)
+        self.saved: dict[int, tuple] = {}  # micro-batch -> (input, output)
+        self.losses = torch.zeros(self.micro, dtype=torch.float32, device=ctx.device)
+        self.live_peak = 0  # most micro-batches whose activations were held at once
+
+    def forward(self, i: int) -> None:
+        if self.first:
+            x = self.inputs[i]
+            x = x.to(get_context().device) if torch.is_tensor(x) else x
+        else:
+            x = self.prev.recv_act().requires_grad_()
+        with events.compute_span(f"stage{self.index}.mb{i}", "forward"):
+            y = self.module(x)
+            if self.last:
+                loss = self.loss_fn(y, self.targets[i])
+                self.losses[i] = loss.detach().float()
+                y = loss / self.micro  # backward of the mean over micro-batches
+        if not self.last:
+            self.next.send(y, "act")
+        self.saved[i] = (x, y)
+        self.live_peak = max(self.live_peak, len(self.saved))
+
+    def backward(self, i: int) -> None:
+        x, y = self.saved.pop(i)
+        grad = None if self.last else self.next.recv_grad(y)
+        with events.compute_span(f"stage{self.index}.mb{i}", "backward"):
+            y.backward(grad)
+        if not self.first:
+            self.prev.send(x.grad, "grad")
+
+    def finish(self) -> None:
+        for link in (self.prev, self.next):
+            if link is not None:
+                link.finish()
+
+
+def _check_owned(stage: torch.nn.Module) -> None:
+    """With several ranks per stage, every trainable parameter needs an owner that
+    reduces its gradient over them (or the replicas drift apart silently)."""
+    from ..comm.topology import ALONE
+    from ..zero.parameter import DistributedParameter
+
+    if get_context().topology.group("zero") is ALONE:
+        return
+    for name, p in stage.named_parameters():
+        if p.requires_grad and not (isinstance(p, DistributedParameter)
+                                    or getattr(p, "_nbtrain_flat", False)
+                                    or getattr(p, "_nbtrain_dp_owned", False)):
+            raise ValueError(
+                f"pipeline.run: stage parameter {name!r} has no owner that reduces its "
+                "gradient over the stage's data-parallel ranks, so they would drift apart: "
+                "wrap the stage (nbtrain.wrap(stage) for ZeRO, or make it a "
+                "nbtrain.DistributedModule)")
+
+
+def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_fn=None,
+        schedule: str = "1f1b", stats: dict | None = None) -> list[float]:
+    """Runs forward and backward of every micro-batch through the pipeline.
+
+    Args:
+        stage: this rank's part of the model (`stage_of`); it takes the previous
+            stage's output (the first stage: `inputs[i]`) and returns one tensor.
+        inputs, targets: the M micro-batches, the same list on every stage.
+        loss_fn: `loss_fn(last stage's output, targets[i])` -> a scalar.
+        schedule: "gpipe" or "1f1b".
+        stats: a dict to receive "live_peak", the most micro-batches whose activations
+            this stage held at once.
+
+    Returns the M micro-batch losses, on every stage. Collective over the pipeline.
+    """
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
+    if not inputs:
+        raise ValueError("pipeline.run needs at least one micro-batch")
+    _check_owned(stage)
+    state = _Stage(stage, inputs, targets, loss_fn)
+    if state.last and (loss_fn is None or targets is None or len(targets) != state.micro):
+        raise ValueError(f"pipeline.run: the last stage needs loss_fn and {state.micro} "
+                         f"targets (got {None if targets is None else len(targets)})")
+    try:
+        for kind, i in _order(schedule, state.stages, state.index, state.micro):
+            state.forward(i) if kind == "f" else state.backward(i)
+    finally:
+        state.finish()
+    if stats is not None:
+        stats["live_peak"] = state.live_peak
+    topo = get_context().topology
+    if state.stages > 1:  # the last stage's losses, to every stage
+        C.broadcast(state.losses, src=topo.ranks("pipe")[-1], group=topo.group("pipe"),
+                    label="pp losses")
+    return state.losses.tolist()

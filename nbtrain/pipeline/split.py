@@ -1,0 +1,52 @@
+"""Which layers each pipeline stage owns: contiguous runs, balanced by parameter count."""
+from __future__ import annotations
+
+from torch import nn
+
+from ..comm.context import get_context
+
+
+def balanced_split(sizes: list[int], stages: int) -> list[range]:
+    """Contiguous ranges of `sizes` (one weight per layer), one per stage, every stage at
+    least one layer, the heaviest stage as light as it can be (a binary search on it)."""
+    if not 1 <= stages <= len(sizes):
+        raise ValueError(f"{len(sizes)} layers cannot fill {stages} pipeline stages: use "
+                         f"pipe_size <= {len(sizes)}")
+
+    def cuts(limit):
+        out, start, load = [], 0, 0
+        for i, size in enumerate(sizes):
+            if load + size > limit and i > start:
+                out.append(range(start, i))
+                start, load = i, 0
+            load += size
+        out.append(range(start, len(sizes)))
+        return out
+
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if len(cuts(mid)) <= stages:
+            hi = mid
+        else:
+            lo = mid + 1
+    parts = cuts(lo)
+    while len(parts) < stages:  # fewer heavy stages than asked: split the longest run
+        i = max(range(len(parts)), key=lambda k: len(parts[k]))
+        r = parts[i]
+        half = r.start + len(r) // 2
+        parts[i:i + 1] = [range(r.start, half), range(half, r.stop)]
+    return parts
+
+
+def stage_of(layers, split: list[range] | None = None) -> nn.Sequential:
+    """This rank's stage: its contiguous run of `layers` (balanced by parameter count
+    unless `split`, one range per stage, is given), as an nn.Sequential."""
+    layers = list(layers)
+    topo = get_context().topology
+    if split is None:
+        split = balanced_split([max(1, sum(p.numel() for p in m.parameters()))
+                                for m in layers], topo.pipe_size)
+    if len(split) != topo.pipe_size:
+        raise ValueError(f"split has {len(split)} ranges for pipe_size {topo.pipe_size}")
+    return nn.Sequential(*[layers[i] for i in split[topo.pipe_rank]])

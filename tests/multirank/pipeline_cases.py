@@ -1,0 +1,79 @@
+"""Rank functions for test_pipeline.py: a pipelined model against one plain process."""
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+STEPS, MICRO, BATCH = 10, 4, 8
+
+
+def _layers():
+    torch.manual_seed(0)
+    dims = [6, 16, 12, 16, 10, 12, 5]  # six layers of different sizes
+    out = []
+    for i, (a, b) in enumerate(zip(dims, dims[1:])):
+        out.append(nn.Sequential(nn.Linear(a, b), nn.Tanh()) if i < 5 else nn.Linear(a, b))
+    return out
+
+
+def _optimizer(params, name):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def parity(pipe, schedule, optimizer, zero_level=None):
+    """STEPS steps of a pipelined stack of layers against the same stack on this process:
+    max |loss difference| and max |parameter difference| of this stage's layers."""
+    import nbtrain
+    from nbtrain import pipeline
+
+    topo = nbtrain.init_distributed(pipe_size=pipe).topology
+    dp, d = topo.dp_size, topo.dp_rank
+    layers = _layers()
+    plain = nn.Sequential(*copy.deepcopy(layers))
+    split = pipeline.balanced_split([sum(p.numel() for p in m.parameters()) for m in layers],
+                                    pipe)
+    stage = pipeline.stage_of(layers, split)
+    if zero_level is not None:  # ZeRO inside the stage, over its data-parallel ranks
+        stage = nbtrain.wrap(Stack(list(stage)), zero_level=zero_level)
+    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
+    gen = torch.Generator().manual_seed(1)
+    loss_err, peak = 0.0, 0
+    for _ in range(STEPS):
+        x = torch.randn(BATCH * dp, 6, generator=gen)
+        y = torch.randn(BATCH * dp, 5, generator=gen)
+        ref = F.mse_loss(plain(x), y)
+        ref.backward()
+        mine_x, mine_y = x.chunk(dp)[d], y.chunk(dp)[d]   # this replica's rows
+        stats = {}
+        losses = pipeline.run(stage, list(mine_x.chunk(MICRO)), list(mine_y.chunk(MICRO)),
+                              F.mse_loss, schedule=schedule, stats=stats)
+        peak = max(peak, stats["live_peak"])
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        mean = torch.tensor(sum(losses) / MICRO)
+        dist.all_reduce(mean)
+        loss_err = max(loss_err, abs(mean.item() / dist.get_world_size() - ref.item()))
+    mine = split[topo.pipe_rank]
+    got = list(stage.state_dict().values())  # full tensors, in the layers' order
+    want = [v for i in mine for v in plain[i].state_dict().values()]
+    param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
+    return {"loss": loss_err, "params": param_err, "peak": peak, "layers": list(mine),
+            "n": (len(got), len(want))}
+
+
+class Stack(nn.Module):
+    """Layers run in order, held in a ModuleList (wrap() makes each a Block)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x

@@ -1,0 +1,37 @@
+"""Pipeline parallelism: GPipe and 1F1B at pp 2 and 3 with 4 micro-batches, ZeRO-3 inside
+stages and pp 2 x dp 2, against one plain process (10 steps, AdamW and SGD with momentum:
+losses and every final parameter within 1e-5); 1F1B holds at most P - s micro-batches'
+activations on stage s, GPipe all M."""
+import pytest
+
+from ranks import run_ranks
+from pipeline_cases import MICRO, parity
+
+
+@pytest.mark.parametrize("pipe,schedule,optimizer", [
+    (2, "gpipe", "adamw"), (2, "1f1b", "sgd"), (3, "gpipe", "sgd"), (3, "1f1b", "adamw")])
+def test_pipeline_matches_one_plain_process(pipe, schedule, optimizer):
+    out = run_ranks(parity, pipe, pipe, schedule, optimizer, timeout_s=180)
+    covered = sorted(i for o in out for i in o["layers"])
+    assert covered == list(range(6)), covered  # every layer on exactly one stage
+    for stage, o in enumerate(out):
+        assert o["n"][0] == o["n"][1] > 0, (stage, o)
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (stage, o)
+        # activations held at once: 1F1B at most P - s, GPipe all M
+        assert o["peak"] == (MICRO if schedule == "gpipe" else min(pipe - stage, MICRO)), \
+            (stage, o)
+
+
+@pytest.mark.parametrize("world,pipe,zero_level,optimizer,schedule", [
+    (2, 2, 3, "adamw", "1f1b"), (4, 2, 3, "sgd", "1f1b"), (4, 2, 2, "adamw", "gpipe")])
+def test_zero_inside_stages_and_pipe_by_data_parallel(world, pipe, zero_level, optimizer,
+                                                      schedule):
+    out = run_ranks(parity, world, pipe, schedule, optimizer, zero_level, timeout_s=180)
+    for rank, o in enumerate(out):
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+
+
+def test_a_stage_whose_gradients_nobody_reduces_is_refused():
+    """pp 2 x dp 2 with a plain nn.Module stage: its replicas would drift apart."""
+    with pytest.raises(AssertionError, match="stage parameter '0.0.weight' has no owner"):
+        run_ranks(parity, 4, 2, "1f1b", "sgd", timeout_s=120)
