@@ -14,7 +14,10 @@ DDP over every step (a fast engine that computes something else cannot win).
 
 With `--tp T` it compares nbtrain's tensor parallelism with torch DTensor's
 `parallelize_module` instead (see tp.py): step time, wire bytes against the Megatron
-count, model state against 16 bytes x params / tp, and the loss difference.
+count, model state against 16 bytes x params / tp, and the loss difference. With
+`--pp P` it compares nbtrain's 1F1B pipeline with torch.distributed.pipelining's
+(see pp.py): step time, the measured bubble against (P - 1) / (M + P - 1), and the
+point-to-point bytes against the activation count.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import sys
 import time
 
 from . import report
-from . import tp as tp_bench
+from . import pp as pp_bench, tp as tp_bench
 from .engines import ENGINES
 from ..launch import run_ranks
 from .worker import run_rank
@@ -48,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel size: compare nbtrain's tensor parallelism with "
                         "DTensor parallelize_module (use --ranks equal to --tp)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: compare nbtrain's 1F1B pipeline with "
+                        "torch.distributed.pipelining (use --ranks equal to --pp)")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="micro-batches per step with --pp (default 4)")
     return p
 
 
@@ -67,14 +75,16 @@ def _settings(args) -> dict:
         "steps": args.steps or (4 if quick else 20),
         "warmup": args.warmup if args.warmup is not None else (2 if quick else 3),
         "rounds": args.rounds or (2 if quick else 3),
-        "timeout_s": 300.0, "tp": args.tp,
+        "timeout_s": 300.0, "tp": args.tp, "pp": args.pp,
+        "micro_batches": args.micro_batches,
     }
 
 
 def run(ranks: int, settings: dict, log=print) -> dict:
     """Runs every engine `settings["rounds"]` times, interleaved; returns the results."""
-    tp = settings.get("tp", 1)
-    names = tp_bench.TP_ENGINES if tp > 1 else ENGINES
+    tp, pp = settings.get("tp", 1), settings.get("pp", 1)
+    names = tp_bench.TP_ENGINES if tp > 1 else pp_bench.PP_ENGINES if pp > 1 else ENGINES
+    worker = pp_bench.run_rank if pp > 1 else run_rank
     rounds: dict[str, list] = {e: [] for e in names}
     for k in range(settings["rounds"]):
         order = names[k % len(names):] + names[:k % len(names)]
@@ -82,10 +92,12 @@ def run(ranks: int, settings: dict, log=print) -> dict:
             start = time.perf_counter()
             spec = {**settings, "engine": engine}
             backend = "nccl" if spec["device"] == "cuda" else "gloo"
-            rounds[engine].append(run_ranks(run_rank, ranks, spec, seed=spec["seed"],
+            rounds[engine].append(run_ranks(worker, ranks, spec, seed=spec["seed"],
                                             backend=backend, timeout_s=spec["timeout_s"]))
             log(f"round {k + 1}/{settings['rounds']} {engine}: "
                 f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    if pp > 1:
+        return _pp_result(ranks, settings, rounds, names)
     if tp > 1:
         from ..models import GPTConfig
 
@@ -102,18 +114,48 @@ def run(ranks: int, settings: dict, log=print) -> dict:
             "ratios": report.ratios(runs)}
 
 
+def _pp_result(ranks: int, settings: dict, rounds: dict, names) -> dict:
+    import statistics
+
+    cfg = pp_bench._config(settings)
+    batch = settings["batch_per_rank"] * ranks
+    runs = {}
+    for e in names:
+        th = pp_bench.theory(cfg, batch, settings["pp"], rounds[e][0][0]["param_numel"])
+        runs[e] = report.summarize(e, rounds[e], ranks, th)
+        bubbles = [b for r in rounds[e] for rank in r for b in rank["bubble"]]
+        runs[e]["bubble"] = statistics.mean(bubbles) if bubbles else None
+    report.add_parity(runs, reference="torch_pp")
+    theory_bubble = pp_bench.bubble_theory(settings["pp"], settings["micro_batches"])
+    ours, peer = runs["nbtrain_pp"], runs["torch_pp"]
+    ratios = {
+        "pp_step_vs_torch": ours["step_time_s"] / peer["step_time_s"],
+        "pp_bubble_measured": ours["bubble"] if ours["bubble"] is not None else float("nan"),
+        "pp_bubble_theory": theory_bubble,
+        "pp_p2p_bytes_vs_activations": ours["wire_bytes_per_step"] / ours["wire_theory_bytes"],
+        "torch_p2p_bytes_vs_activations": peer["wire_bytes_per_step"] / peer["wire_theory_bytes"],
+        "pp_loss_max_abs_diff_vs_torch": ours["loss_max_abs_diff_vs_ddp"],
+    }
+    return {"settings": {**settings, "ranks": ranks}, "runs": runs, "ratios": ratios}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: need at least 1 rank (1 measures the "
                          "engines' own overhead on one device, no communication)")
+    if args.pp < 1 or (args.pp > 1 and args.ranks != args.pp) or (args.pp > 1 and args.tp > 1):
+        raise SystemExit(f"--pp {args.pp} with --ranks {args.ranks}: the pipeline comparison "
+                         f"runs one replica without tp, so use --ranks {max(args.pp, 1)}")
     if args.tp < 1 or (args.tp > 1 and args.ranks != args.tp):
         raise SystemExit(f"--tp {args.tp} with --ranks {args.ranks}: the tensor-parallel "
                          f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
     settings = _settings(args)
     result = run(args.ranks, settings)
     s = result["settings"]
-    print(f"nbtrain bench: {s['ranks']} ranks{f' (tp {args.tp})' if args.tp > 1 else ''}, "
+    split = f" (tp {args.tp})" if args.tp > 1 else ""
+    split += f" (pp {args.pp}, {args.micro_batches} micro-batches)" if args.pp > 1 else ""
+    print(f"nbtrain bench: {s['ranks']} ranks{split}, "
           f"{s['device']}, GPT {s['model_size']}, "
           f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "
           f"(+{s['warmup']} warm-up), fp32, AdamW")

@@ -33,7 +33,7 @@ def test_quick_bench_runs_and_losses_agree(tmp_path):
     assert "zero3" in proc.stdout and "hidden %" in proc.stdout
 
 
-def _plain_losses(settings):
+def _plain_losses(settings, tie=True, rows=None):
     """The same GPT, batches and AdamW on one process (tp 1, dp 1)."""
     import torch
     import torch.nn.functional as F
@@ -42,11 +42,11 @@ def _plain_losses(settings):
     from nbtrain.bench.worker import batches
     from nbtrain.models import GPTConfig
 
-    cfg = GPTConfig.preset(settings["model_size"])
+    cfg = GPTConfig.preset(settings["model_size"], tie_embeddings=tie)
     model = plain_gpt(cfg, settings["seed"], "cpu")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
     total = settings["warmup"] + settings["steps"]
-    xs, ys = batches(cfg, total, settings["batch_per_rank"], 1, settings["seed"])
+    xs, ys = batches(cfg, total, rows or settings["batch_per_rank"], 1, settings["seed"])
     losses = []
     for step in range(total):
         opt.zero_grad()
@@ -87,3 +87,25 @@ def test_tp_bench_needs_one_replica():
     assert proc.returncode != 0
     assert "--tp 2 with --ranks 4: the tensor-parallel comparison runs one replica, so use " \
            "--ranks 2" in proc.stderr, proc.stderr
+
+
+def test_quick_pp_bench_against_torch_pipelining(tmp_path):
+    out = tmp_path / "bench.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--quick",
+                           "--ranks", "2", "--pp", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"nbtrain_pp", "torch_pp"}
+    ratios = result["ratios"]
+    # every activation and gradient crosses the link once, nothing else
+    assert abs(ratios["pp_p2p_bytes_vs_activations"] - 1) < 0.01, ratios
+    assert abs(ratios["torch_p2p_bytes_vs_activations"] - 1) < 0.01, ratios
+    assert 0 < ratios["pp_bubble_measured"] < 1 and ratios["pp_bubble_theory"] == 0.2, ratios
+    # both train what one plain process trains on the whole batch
+    settings = result["settings"]
+    plain = _plain_losses(settings, tie=False, rows=settings["batch_per_rank"] * 2)
+    for name, run in result["runs"].items():
+        assert max(abs(a - b) for a, b in zip(run["losses"], plain)) < 1e-4, name
+    assert "pp_step_vs_torch" in proc.stdout
