@@ -7,6 +7,6 @@
 See schedule.py for the schedules and p2p.py for the transfers between stages.
 """
 from .schedule import SCHEDULES, run
-from .split import balanced_split, stage_of
+from .split import Stage, balanced_split, stage_of
 
-__all__ = ["SCHEDULES", "balanced_split", "run", "stage_of"]
+__all__ = ["SCHEDULES", "Stage", "balanced_split", "run", "stage_of"]

@@ -39,9 +39,25 @@ def balanced_split(sizes: list[int], stages: int) -> list[range]:
     return parts
 
 
-def stage_of(layers, split: list[range] | None = None) -> nn.Sequential:
+class Stage(nn.Module):
+    """One pipeline stage's layers, run in order. `nbtrain.wrap(stage)` (or a Stage that
+    is a DistributedModule's) shards and reduces them over this stage's ranks only:
+    each layer becomes a Block, and any other parameter is sharded over the stage."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self._nbtrain_pipeline_stage = True
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def stage_of(layers, split: list[range] | None = None) -> Stage:
     """This rank's stage: its contiguous run of `layers` (balanced by parameter count
-    unless `split`, one range per stage, is given), as an nn.Sequential."""
+    unless `split`, one range per stage, is given)."""
     layers = list(layers)
     topo = get_context().topology
     if split is None:
@@ -49,4 +65,4 @@ def stage_of(layers, split: list[range] | None = None) -> nn.Sequential:
                                 for m in layers], topo.pipe_size)
     if len(split) != topo.pipe_size:
         raise ValueError(f"split has {len(split)} ranges for pipe_size {topo.pipe_size}")
-    return nn.Sequential(*[layers[i] for i in split[topo.pipe_rank]])
+    return Stage([layers[i] for i in split[topo.pipe_rank]])

@@ -152,7 +152,7 @@ class Block(nn.Module):
         self._groups: list[FlatGroup] = []
         self._init_methods: list[list] = []
         for i, ((dtype, requires_grad, tp_slices), group_entries) in enumerate(by_key.items()):
-            ranks = shard_group(tp_slices)
+            ranks = shard_group(tp_slices, stage=True)  # a block lives on one stage
             values, inits = [], []
             for entry in group_entries:
                 p = entry.param

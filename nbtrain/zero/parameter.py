@@ -59,6 +59,8 @@ class DistributedParameter(nn.Parameter):
             layers) that `data` holds: the shards spread over the ranks holding that
             slice (its data-parallel group) instead of the world, and the result keeps
             the slice's tp attributes.
+        stage: a parameter of one pipeline stage: sharded over that stage's ranks
+            (otherwise over the world).
 
     Attributes:
         full_shape: torch.Size of the full tensor (for a tp slice: of the slice).
@@ -66,9 +68,9 @@ class DistributedParameter(nn.Parameter):
     """
 
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True, init_method=None, *,
-                tp_slice_of=None):
+                tp_slice_of=None, stage: bool = False):
         ctx = get_context()
-        group = shard_group(tp_slice_of is not None and is_tp_slice(tp_slice_of))
+        group = shard_group(tp_slice_of is not None and is_tp_slice(tp_slice_of), stage)
         local = _local_slice(data.to(ctx.device), group.rank, group.size)
         param = super().__new__(cls, local, requires_grad)
         param.full_shape = torch.Size(data.shape)

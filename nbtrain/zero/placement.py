@@ -1,7 +1,8 @@
 """Which ranks share the ZeRO shards of a parameter.
 
-A replicated parameter (every rank of its pipeline stage holds the same tensor) is
-sharded over the ranks of that stage (the "zero" group: the whole world without a
+A replicated parameter is sharded over the ranks that hold it: a parameter of a
+pipeline stage (in a Block, or in a module marked as a stage) over that stage's ranks
+(the "zero" group), any other over the whole world (the two coincide without a
 pipeline). A tensor-parallel slice differs between the tp ranks: only the ranks of
 its data-parallel group hold copies of it, so its shards are spread over that group,
 and its gradient is reduced there. With tp_size 1 the two coincide.
@@ -27,12 +28,21 @@ def is_tp_slice(param) -> bool:
     return getattr(param, "tp_split_dim", None) is not None
 
 
-def shard_group(tp_slice: bool = False) -> ShardGroup:
-    """The ranks that shard a tensor-parallel slice (`tp_slice`) or a replicated tensor."""
-    topo = get_context().topology
-    if not tp_slice:
+def shard_group(tp_slice: bool = False, stage: bool = False) -> ShardGroup:
+    """The ranks that shard a tensor-parallel slice (`tp_slice`) or a replicated tensor
+    of a pipeline stage (`stage`) or of every stage."""
+    ctx = get_context()
+    topo = ctx.topology
+    if tp_slice:
+        return ShardGroup(topo.group("dp"), topo.dp_rank, topo.dp_size)
+    if stage:
         return ShardGroup(topo.group("zero"), topo.zero_rank, topo.tp_size * topo.dp_size)
-    return ShardGroup(topo.group("dp"), topo.dp_rank, topo.dp_size)
+    return ShardGroup(None, ctx.rank, ctx.world_size)
+
+
+def is_stage(module) -> bool:
+    """Whether `module` is one pipeline stage's part of a model (nbtrain.pipeline.Stage)."""
+    return bool(getattr(module, "_nbtrain_pipeline_stage", False))
 
 
 def copy_tp_meta(src, dst) -> None:

@@ -18,6 +18,7 @@ from .loose import LooseParams
 from .parameter import DistributedParameter
 from .reducer import GradReducer
 from ..comm.topology import ALONE
+from .placement import is_stage
 
 
 class ModelRoot:
@@ -65,7 +66,8 @@ class ModelRoot:
         slices = [p for _, p in named
                   if getattr(p, "tp_split_dim", None) is not None and p.requires_grad]
         named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
-        stage = _stage_group()  # the ranks holding this pipeline stage (the world without one)
+        # The ranks holding copies: a pipeline stage's, or (outside a stage) the world's.
+        stage = _stage_group() if is_stage(model) else None
         check_replicas_equal(named, group=stage)
         trainable = [p for _, p in named if p.requires_grad]
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)

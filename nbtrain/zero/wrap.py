@@ -16,6 +16,7 @@ from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
 from .loose import LooseParams
 from .parameter import DistributedParameter, attach_state_dict_hooks
+from .placement import is_stage
 from .root import ModelRoot
 
 
@@ -49,6 +50,7 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
 
 def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[DistributedParameter]:
     """Converts parameters outside Blocks; returns those the hooks gather (unique)."""
+    stage = is_stage(model)  # a pipeline stage's parameters shard over its ranks only
     converted: dict[int, DistributedParameter] = {}
     hooked: dict[int, DistributedParameter] = {}
     for module in model.modules():
@@ -62,7 +64,7 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[Distribut
             dp = converted.get(id(param))
             if dp is None:
                 dp = converted[id(param)] = DistributedParameter(
-                    param.detach(), param.requires_grad, tp_slice_of=param)
+                    param.detach(), param.requires_grad, tp_slice_of=param, stage=stage)
             module._parameters[name] = dp
             changed = True
         if changed and not getattr(module, "_nbtrain_gather_hooks", False):

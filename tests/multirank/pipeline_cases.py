@@ -38,7 +38,7 @@ def parity(pipe, schedule, optimizer, zero_level=None):
                                     pipe)
     stage = pipeline.stage_of(layers, split)
     if zero_level is not None:  # ZeRO inside the stage, over its data-parallel ranks
-        stage = nbtrain.wrap(Stack(list(stage)), zero_level=zero_level)
+        stage = nbtrain.wrap(stage, zero_level=zero_level)
     opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
     gen = torch.Generator().manual_seed(1)
     loss_err, peak = 0.0, 0
@@ -64,16 +64,3 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
     return {"loss": loss_err, "params": param_err, "peak": peak, "layers": list(mine),
             "n": (len(got), len(want))}
-
-
-class Stack(nn.Module):
-    """Layers run in order, held in a ModuleList (wrap() makes each a Block)."""
-
-    def __init__(self, layers):
-        super().__init__()
-        self.layers = nn.ModuleList(layers)
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
-        return x
