@@ -18,7 +18,8 @@ __all__ = [
     "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
     "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
     "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
-    "inspect", "graceful_stop", "stop_requested", "parallelize",
+    "inspect", "graceful_stop", "stop_requested", "parallelize", "pipeline",
+    "PipelineTransformerBlockList",
 ]  # the notebook layer's names (Cluster, the errors) load lazily and stay out of `import *`
 
 _LAZY = {
@@ -34,6 +35,8 @@ _LAZY = {
     "progress": ("nbtrain.telemetry.progress", "progress"),
     "graceful_stop": ("nbtrain.comm.recovery", "graceful_stop"),
     "parallelize": ("nbtrain.nn.parallelize", "parallelize"),
+    "pipeline": ("nbtrain.pipeline", None),
+    "PipelineTransformerBlockList": ("nbtrain.pipeline", "PipelineTransformerBlockList"),
     "stop_requested": ("nbtrain.comm.recovery", "stop_requested"),
     # The notebook layer imports ipyparallel: loaded when first used.
     "Cluster": ("nbtrain.notebook", "Cluster"),

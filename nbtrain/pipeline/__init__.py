@@ -6,7 +6,8 @@
 
 See schedule.py for the schedules and p2p.py for the transfers between stages.
 """
+from .blocklist import PipelineTransformerBlockList
 from .schedule import SCHEDULES, run
 from .split import Stage, balanced_split, stage_of
 
-__all__ = ["SCHEDULES", "Stage", "balanced_split", "run", "stage_of"]
+__all__ = ["PipelineTransformerBlockList", "SCHEDULES", "Stage", "balanced_split", "run", "stage_of"]

@@ -64,3 +64,66 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
     return {"loss": loss_err, "params": param_err, "peak": peak, "layers": list(mine),
             "n": (len(got), len(want))}
+
+
+def blocklist_script(pipe, zero_level, optimizer):
+    """A BMTrain-style script: `import nbtrain as bmt`, a DistributedModule whose middle
+    is a PipelineTransformerBlockList of Blocks, every rank passing its own batch slice;
+    against the same model on one process with the whole batch."""
+    import nbtrain as bmt
+
+    bmt.init_distributed(pipe_size=pipe, num_micro_batches=2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+
+    class Layer(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.linear = nn.Linear(8, 8)
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return x + torch.tanh(self.linear(self.norm(x)))
+
+    class Plain(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = nn.Linear(4, 8), nn.Linear(8, 3)
+            self.layers = nn.ModuleList(Layer(8) for _ in range(5))
+
+        def forward(self, x):
+            h = self.embed(x)
+            for layer in self.layers:
+                h = layer(h)
+            return self.head(h)
+
+    class Model(bmt.DistributedModule):
+        def __init__(self, plain):
+            super().__init__()
+            self.embed, self.head = copy.deepcopy(plain.embed), copy.deepcopy(plain.head)
+            self.layers = bmt.PipelineTransformerBlockList(
+                [bmt.Block(copy.deepcopy(m), zero_level=zero_level) for m in plain.layers])
+
+        def forward(self, x):
+            return self.head(self.layers(self.embed(x)))
+
+    torch.manual_seed(0)
+    plain = Plain()
+    model = Model(plain)
+    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(model.parameters(), optimizer)]
+    gen = torch.Generator().manual_seed(3)
+    loss_err = 0.0
+    for _ in range(STEPS):
+        x = torch.randn(2 * world, 4, generator=gen)
+        y = torch.randn(2 * world, 3, generator=gen)
+        ref = F.mse_loss(plain(x), y)
+        ref.backward()
+        loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])  # my rows
+        loss.backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        loss_err = max(loss_err, abs(bmt.sum_loss(loss).item() - ref.item()))
+    state, ref_state = model.state_dict(), plain.state_dict()
+    param_err = max((state[k] - ref_state[k]).abs().max().item() for k in state)
+    return {"loss": loss_err, "params": param_err, "keys": sorted(state),
+            "local": list(model.layers.local)}

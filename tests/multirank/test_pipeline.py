@@ -35,3 +35,20 @@ def test_a_stage_whose_gradients_nobody_reduces_is_refused():
     """pp 2 x dp 2 with a plain nn.Module stage: its replicas would drift apart."""
     with pytest.raises(AssertionError, match="stage parameter 'layers.0.0.weight' has no owner"):
         run_ranks(parity, 4, 2, "1f1b", "sgd", timeout_s=120)
+
+
+@pytest.mark.parametrize("world,pipe,zero_level,optimizer", [
+    (2, 2, 3, "adamw"), (3, 3, 2, "sgd"), (4, 2, 3, "sgd"), (4, 2, 2, "adamw")])
+def test_bmtrain_pipeline_block_list_script(world, pipe, zero_level, optimizer):
+    """Every rank passes its own batch slice and gets its slice back; the embedding and
+    head around the list are plain data-parallel code."""
+    from pipeline_cases import blocklist_script
+
+    out = run_ranks(blocklist_script, world, pipe, zero_level, optimizer, timeout_s=180)
+    stages = sorted({tuple(o["local"]) for o in out})
+    assert sorted(i for s in stages for i in s) == list(range(5)), stages
+    for rank, o in enumerate(out):
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+        # this stage's blocks under the plain model's names, and the parts around them
+        assert {k.split(".")[1] for k in o["keys"] if k.startswith("layers.")} \
+            == {str(i) for i in o["local"]}, (rank, o["keys"])

@@ -1,0 +1,161 @@
+"""BMTrain's `PipelineTransformerBlockList`: a pipelined stack of blocks inside an
+ordinary data-parallel model.
+
+    blocks = PipelineTransformerBlockList([Block(Layer()) for _ in range(8)])
+    h = blocks(embed(ids))          # ids: this rank's slice of the batch, as without it
+
+Every rank builds the whole list; each pipeline stage keeps its contiguous share of
+the blocks (balanced by parameter count) under their own indices, so state_dict keys
+are the plain model's. Calling it: the ranks of one pipeline gather their batch
+slices, the gathered batch runs through the stages as `num_micro_batches`
+micro-batches (GPipe order; `init_distributed(num_micro_batches=...)`, default the
+number of stages), the last stage's output is sent to every stage, and each rank gets
+its own slice back. Backward runs through autograd: the output gradients are
+gathered the same way, run back through the stages, and each rank gets the gradient
+of its own input slice. The code around the list (embedding, head, loss) stays
+ordinary data-parallel code, its parameters held and reduced by every rank.
+
+Gradient scale: the blocks see the batches of P ranks at once, so their gradient is
+the sum of P ranks' contributions where data parallelism averages. The gathered
+output gradient is divided by P before it runs back through the stages (the blocks'
+reduction over the stage's ranks then completes the average over every rank), and
+the input gradients handed back are multiplied by P again (each rank's own).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..comm import collectives as C
+from ..comm.context import get_context
+from .p2p import Link
+from .split import balanced_split
+
+
+def _numel(module: nn.Module) -> int:
+    groups = getattr(module, "groups", None)  # a Block: its flat buffers' real sizes
+    if groups is not None:
+        return sum(g.layout.numel for g in groups)
+    return sum(p.numel() for p in module.parameters())
+
+
+class PipelineTransformerBlockList(nn.Module):
+    """A stack of blocks split into pipeline stages (BMTrain's signature).
+
+    Args:
+        modules: the blocks, in order (every rank passes the same list).
+        num_hidden: hidden states passed between blocks; 1 (one tensor) is supported.
+    """
+
+    def __init__(self, modules, num_hidden: int = 1):
+        super().__init__()
+        if num_hidden != 1:
+            raise NotImplementedError(f"num_hidden={num_hidden}: PipelineTransformerBlockList "
+                                      "passes one hidden state between blocks")
+        modules = list(modules)
+        topo = get_context().topology
+        self.split = balanced_split([max(1, _numel(m)) for m in modules], topo.pipe_size)
+        self.local = self.split[topo.pipe_rank]
+        for i in self.local:  # the plain model's indices: its state_dict keys
+            self.add_module(str(i), modules[i])
+        self._nbtrain_pipeline_stage = True
+        self.num_layers = len(modules)
+
+    def run_stage(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.local:
+            x = self._modules[str(i)](x)
+        return x
+
+    def forward(self, hidden: torch.Tensor, *args):
+        if args:
+            raise NotImplementedError("PipelineTransformerBlockList takes the hidden state "
+                                      "only; extra block arguments are not passed yet")
+        if get_context().topology.pipe_size == 1:
+            return self.run_stage(hidden)
+        return _Pipelined.apply(self, hidden)
+
+
+def _pipe():
+    topo = get_context().topology
+    return topo, topo.group("pipe"), topo.ranks("pipe")
+
+
+def _gather(x: torch.Tensor, label: str) -> torch.Tensor:
+    """Every pipeline rank's `x` (same shape), stacked along the first dimension."""
+    topo, group, _ = _pipe()
+    x = x.contiguous()
+    out = torch.empty((topo.pipe_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
+                      device=x.device)
+    C.all_gather(out.view(-1), x.view(-1), group=group, label=label)
+    return out
+
+
+def _share(x: torch.Tensor | None, like: torch.Tensor, src_stage: int, label: str):
+    """Stage `src_stage`'s tensor `x` (shaped like `like`) on every stage."""
+    topo, group, ranks = _pipe()
+    out = x.contiguous() if topo.pipe_rank == src_stage else torch.empty_like(like)
+    C.broadcast(out, src=ranks[src_stage], group=group, label=label)
+    return out
+
+
+class _Pipelined(torch.autograd.Function):
+    """This rank's slice -> the gathered batch through every stage -> this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, blocks: PipelineTransformerBlockList, hidden: torch.Tensor):
+        topo, _, ranks = _pipe()
+        stages, me = topo.pipe_size, topo.pipe_rank
+        device = hidden.device
+        micro = get_context().num_micro_batches or stages
+        full = _gather(hidden, "pp gather batch")
+        if full.shape[0] % micro:
+            raise ValueError(f"PipelineTransformerBlockList: the gathered batch of "
+                             f"{full.shape[0]} rows does not split into num_micro_batches="
+                             f"{micro}: choose a number that divides it")
+        prev = None if me == 0 else Link(ranks[me - 1], device, f"pp {me - 1}<-{me}")
+        nxt = None if me == stages - 1 else Link(ranks[me + 1], device, f"pp {me}->{me + 1}")
+        saved, outputs = [], []
+        with torch.enable_grad():
+            for chunk in full.chunk(micro):
+                x = (chunk if prev is None else prev.recv_act()).detach().requires_grad_()
+                y = blocks.run_stage(x)
+                if nxt is not None:
+                    nxt.send(y, "act")
+                else:
+                    outputs.append(y.detach())
+                saved.append((x, y))
+        for link in (prev, nxt):
+            if link is not None:
+                link.finish()
+        last = torch.cat(outputs) if nxt is None else None
+        like = torch.empty((full.shape[0], *saved[0][1].shape[1:]), dtype=saved[0][1].dtype,
+                           device=device) if last is None else last
+        out = _share(last, like, stages - 1, "pp share output")
+        ctx.blocks, ctx.saved, ctx.rows, ctx.like_input = blocks, saved, hidden.shape[0], full
+        return out.chunk(stages)[me].clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        topo, _, ranks = _pipe()
+        stages, me = topo.pipe_size, topo.pipe_rank
+        device = grad.device
+        full_grad = _gather(grad, "pp gather grad") / stages  # see the module docstring
+        prev = None if me == 0 else Link(ranks[me - 1], device, f"pp {me - 1}<-{me}")
+        nxt = None if me == stages - 1 else Link(ranks[me + 1], device, f"pp {me}->{me + 1}")
+        grads = full_grad.chunk(len(ctx.saved)) if nxt is None else None
+        input_grads = []
+        for i, (x, y) in enumerate(ctx.saved):
+            g = grads[i] if nxt is None else nxt.recv_grad(y)
+            with torch.enable_grad():
+                y.backward(g)
+            if prev is not None:
+                prev.send(x.grad, "grad")
+            else:
+                input_grads.append(x.grad)
+        for link in (prev, nxt):
+            if link is not None:
+                link.finish()
+        first = torch.cat(input_grads) * stages if prev is None else None
+        full_input_grad = _share(first, ctx.like_input, 0, "pp share input grad")
+        ctx.saved = None
+        return None, full_input_grad.chunk(stages)[me].clone()
