@@ -5,8 +5,8 @@
 
 The layers share the GPT's own modules (and weights), so a pipeline made from them
 computes what the GPT does. With tied embeddings the head holds the embedding's
-weight too: a pipeline that puts them on different stages must sum that weight's
-gradient over both (untie the model, `tie_embeddings=False`, until it does).
+weight too: `stage_of` finds the weight on the first and last stages and
+`pipeline.run` sums its gradient over both, so it stays one parameter.
 """
 from __future__ import annotations
 

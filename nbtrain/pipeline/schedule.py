@@ -22,6 +22,7 @@ import torch
 
 from ..comm import collectives as C, events
 from ..comm.context import get_context
+from ..comm.topology import ALONE
 from .p2p import Link
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -91,7 +92,6 @@ class _Stage:
 def _check_owned(stage: torch.nn.Module) -> None:
     """With several ranks per stage, every trainable parameter needs an owner that
     reduces its gradient over them (or the replicas drift apart silently)."""
-    from ..comm.topology import ALONE
     from ..zero.parameter import DistributedParameter
 
     if get_context().topology.group("zero") is ALONE:
@@ -122,6 +122,10 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
 
     Returns the M micro-batch losses, on every stage. Collective over the pipeline.
     """
+    ties = getattr(stage, "ties", [])
+    if ties and get_context().topology.group("zero") is not ALONE:
+        raise NotImplementedError("pipeline.run: parameters shared by several stages (a tied "
+                                  "embedding) are summed only with one rank per stage so far")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
     if not inputs:
@@ -136,6 +140,10 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
             state.forward(i) if kind == "f" else state.backward(i)
     finally:
         state.finish()
+    for param, group in ties:  # one logical parameter: its uses on every stage add up
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        C.all_reduce(param.grad, op="sum", group=group, label="pp tied grad")
     if stats is not None:
         stats["live_peak"] = state.live_peak
     topo = get_context().topology

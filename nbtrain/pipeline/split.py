@@ -1,8 +1,10 @@
 """Which layers each pipeline stage owns: contiguous runs, balanced by parameter count."""
 from __future__ import annotations
 
+import torch.distributed as dist
 from torch import nn
 
+from ..comm import topology as _topology
 from ..comm.context import get_context
 
 
@@ -48,6 +50,7 @@ class Stage(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self._nbtrain_pipeline_stage = True
+        self.ties: list = []  # (parameter, process group of the stages sharing it)
 
     def forward(self, x):
         for layer in self.layers:
@@ -65,4 +68,30 @@ def stage_of(layers, split: list[range] | None = None) -> Stage:
                                 for m in layers], topo.pipe_size)
     if len(split) != topo.pipe_size:
         raise ValueError(f"split has {len(split)} ranges for pipe_size {topo.pipe_size}")
-    return Stage([layers[i] for i in split[topo.pipe_rank]])
+    stage = Stage([layers[i] for i in split[topo.pipe_rank]])
+    stage.ties = _tie_groups(layers, split)
+    return stage
+
+
+def _tie_groups(layers: list, split: list[range]) -> list:
+    """Parameters used by layers of several stages (a tied embedding and output
+    projection): one process group per pipeline over the stages holding each, for
+    `run` to sum their gradients. Collective: every rank makes every group."""
+    owners: dict[int, tuple] = {}
+    for s, part in enumerate(split):
+        for i in part:
+            for p in layers[i].parameters():
+                owners.setdefault(id(p), (p, set()))[1].add(s)
+    ctx = get_context()
+    topo = ctx.topology
+    ties = []
+    for p, stages in owners.values():
+        if len(stages) < 2:
+            continue
+        for pipeline in _topology.group_ranks("pipe", ctx.world_size, topo.tp_size,
+                                              topo.pipe_size):
+            members = [pipeline[s] for s in sorted(stages)]
+            group = dist.new_group(members)
+            if ctx.rank in members:
+                ties.append((p, group))
+    return ties

@@ -127,3 +127,42 @@ def blocklist_script(pipe, zero_level, optimizer):
     param_err = max((state[k] - ref_state[k]).abs().max().item() for k in state)
     return {"loss": loss_err, "params": param_err, "keys": sorted(state),
             "local": list(model.layers.local)}
+
+
+def tied_gpt(pipe, schedule, optimizer):
+    """A GPT whose token embedding is also its output projection, split over `pipe`
+    stages (the two ends on different stages), against the GPT on one process."""
+    import nbtrain
+    from nbtrain import pipeline
+    from nbtrain.models import GPT, GPTConfig
+    from nbtrain.models.gpt_pipe import gpt_layers
+
+    nbtrain.init_distributed(pipe_size=pipe)
+    cfg = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    model = copy.deepcopy(plain)
+    stage = pipeline.stage_of(gpt_layers(model))
+    mine = {id(p) for p in stage.parameters()}
+    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
+    gen = torch.Generator().manual_seed(2)
+    loss_err = 0.0
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), target.reshape(-1))
+
+    for _ in range(STEPS):
+        idx = torch.randint(0, cfg.vocab_size, (MICRO * 2, 8), generator=gen)
+        target = torch.randint(0, cfg.vocab_size, (MICRO * 2, 8), generator=gen)
+        ref = plain.loss(idx, target)
+        ref.backward()
+        losses = pipeline.run(stage, list(idx.chunk(MICRO)), list(target.chunk(MICRO)),
+                              loss_fn, schedule=schedule)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        loss_err = max(loss_err, abs(sum(losses) / MICRO - ref.item()))
+    ref_params = dict(plain.named_parameters())
+    param_err = max((p - ref_params[n]).abs().max().item()
+                    for n, p in model.named_parameters() if id(p) in mine)
+    return {"loss": loss_err, "params": param_err, "ties": len(stage.ties)}

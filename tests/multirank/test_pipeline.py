@@ -52,3 +52,15 @@ def test_bmtrain_pipeline_block_list_script(world, pipe, zero_level, optimizer):
         # this stage's blocks under the plain model's names, and the parts around them
         assert {k.split(".")[1] for k in o["keys"] if k.startswith("layers.")} \
             == {str(i) for i in o["local"]}, (rank, o["keys"])
+
+
+@pytest.mark.parametrize("pipe,schedule,optimizer", [(2, "1f1b", "sgd"), (3, "gpipe", "adamw")])
+def test_gpt_with_tied_embeddings_across_stages(pipe, schedule, optimizer):
+    """The embedding on the first stage and the output projection on the last are one
+    parameter: their gradients are summed over both stages."""
+    from pipeline_cases import tied_gpt
+
+    out = run_ranks(tied_gpt, pipe, pipe, schedule, optimizer, timeout_s=180)
+    assert [o["ties"] for o in out] == [1] + [0] * (pipe - 2) + [1], out
+    for stage, o in enumerate(out):
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (stage, o)
