@@ -90,11 +90,13 @@ class _Stage:
 
 
 def _check_owned(stage: torch.nn.Module) -> None:
-    """With several ranks per stage, every trainable parameter needs an owner that
-    reduces its gradient over them (or the replicas drift apart silently)."""
+    """With data-parallel replicas of a stage, every trainable parameter needs an owner
+    that reduces its gradient over them (or the replicas drift apart silently).
+    Tensor-parallel peers need none: their copies of a replicated parameter get the
+    same gradient (or, sequence parallel, the layer sums it)."""
     from ..zero.parameter import DistributedParameter
 
-    if get_context().topology.group("zero") is ALONE:
+    if get_context().topology.dp_size == 1:
         return
     for name, p in stage.named_parameters():
         if p.requires_grad and not (isinstance(p, DistributedParameter)
@@ -123,9 +125,9 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
     Returns the M micro-batch losses, on every stage. Collective over the pipeline.
     """
     ties = getattr(stage, "ties", [])
-    if ties and get_context().topology.group("zero") is not ALONE:
+    if ties and get_context().topology.dp_size > 1:
         raise NotImplementedError("pipeline.run: parameters shared by several stages (a tied "
-                                  "embedding) are summed only with one rank per stage so far")
+                                  "embedding) are summed only without data parallelism so far")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
     if not inputs:

@@ -64,3 +64,11 @@ def test_gpt_with_tied_embeddings_across_stages(pipe, schedule, optimizer):
     assert [o["ties"] for o in out] == [1] + [0] * (pipe - 2) + [1], out
     for stage, o in enumerate(out):
         assert o["loss"] < 1e-5 and o["params"] < 1e-5, (stage, o)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_pipe_by_tensor_parallel_at_world_4(optimizer):
+    from pipeline_cases import pipe_by_tp
+
+    for rank, o in enumerate(run_ranks(pipe_by_tp, 4, optimizer, timeout_s=180)):
+        assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
