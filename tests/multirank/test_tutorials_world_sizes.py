@@ -221,13 +221,17 @@ NOTEBOOKS = {
                                                   _check_losses("bmt.sum_loss(loss).item()")),
     "notebooks/pretraining.ipynb": ([["val_loss()", "step"]], _check_losses("val_loss()", "step")),
     # tp = the world size, so 1, 2 and 3 are all tensor-parallel layouts of one model
+    # pipe_size = the world size: 1, 2 and 3 stages of one model
+    "tutorials/09_pipeline_parallelism.ipynb": ([["losses", "plain_losses", "block_losses"]],
+                                                _check_losses("losses", "plain_losses",
+                                                              "block_losses")),
     # (the second session: tp x dp with ZeRO-3 in the notebook, ZeRO-3 data parallel here)
     "tutorials/08_tensor_parallelism.ipynb": ([["losses", "fresh.loss(x, y).item()"],
                                                ["zero_losses"]],
                                               _check_tp),
 }
-# Tensor parallelism splits layers, not data: every rank takes the global batch.
-WHOLE_BATCH = {"tutorials/08_tensor_parallelism.ipynb"}
+# Tensor and pipeline parallelism split layers, not data: every rank takes the global batch.
+WHOLE_BATCH = {"tutorials/08_tensor_parallelism.ipynb", "tutorials/09_pipeline_parallelism.ipynb"}
 
 
 def test_every_tutorial_is_run_here_or_has_no_rank_code():
