@@ -137,11 +137,11 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
     if state.last and (loss_fn is None or targets is None or len(targets) != state.micro):
         raise ValueError(f"pipeline.run: the last stage needs loss_fn and {state.micro} "
                          f"targets (got {None if targets is None else len(targets)})")
-    try:
-        for kind, i in _order(schedule, state.stages, state.index, state.micro):
-            state.forward(i) if kind == "f" else state.backward(i)
-    finally:
-        state.finish()
+    # On an error the sends still in flight are not waited for: the peer they go to may
+    # have failed too (and the notebook's recovery aborts the group under them).
+    for kind, i in _order(schedule, state.stages, state.index, state.micro):
+        state.forward(i) if kind == "f" else state.backward(i)
+    state.finish()
     for param, group in ties:  # one logical parameter: its uses on every stage add up
         if param.grad is None:
             param.grad = torch.zeros_like(param)
