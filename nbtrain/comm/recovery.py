@@ -51,6 +51,7 @@ class _State:
         self.loop = 0                          # graceful_stop loops entered (same on all ranks)
         self.interrupts = 0
         self.last_check, self.last_step, self.step_s = None, 0, None
+        self.fastest_s: float | None = None
         self.phases: list[str] = []
         self.interrupted: str | None = None
 
@@ -250,15 +251,19 @@ def stop_requested(step: int) -> bool:
     now = time.monotonic()
     if _S.last_check is not None and step > _S.last_step:
         _S.step_s = (now - _S.last_check) / (step - _S.last_step)
+        _S.fastest_s = _S.step_s if _S.fastest_s is None else min(_S.fastest_s, _S.step_s)
     _S.last_check, _S.last_step = now, step
     return _S.stop_at is not None and step >= _S.stop_at
 
 
 def _lead() -> int:
-    """Steps ahead for a stop: the others learn of it within POLL_S; allow 1 s."""
-    if not _S.step_s:
+    """Steps ahead for a stop: the others learn of it within POLL_S; allow 1 s at the
+    fastest step seen so far. (The last step's time, or a cap in steps, shortened
+    that second when the first steps were slow or the steps very fast, and a peer
+    whose watcher was a little late ran past the stop.)"""
+    if not _S.fastest_s:
         return 10
-    return min(2 + math.ceil(1.0 / _S.step_s), 10_000)
+    return min(2 + math.ceil(1.0 / _S.fastest_s), 10**8)
 
 
 @contextlib.contextmanager
@@ -270,7 +275,7 @@ def graceful_stop():
     """
     _S.loop += 1
     _S.stop_at, _S.interrupts = None, 0
-    _S.last_check, _S.last_step, _S.step_s = None, 0, None
+    _S.last_check, _S.last_step, _S.step_s, _S.fastest_s = None, 0, None, None
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -19,17 +19,20 @@ def _watcher_frees_a_blocked_rank():
     kept = torch.full((2,), float(rank))
     elapsed = None
     if rank == 1:
-        # Write the abort key but keep this rank's group and sockets open: only the
-        # watcher thread on rank 0 can free it from the all_reduce it waits in.
+        # Write the abort key, as a failing rank does; the watchers (rank 0's, and this
+        # rank's own, which closes its sockets) free rank 0 from the all_reduce.
         recovery._S.store.compare_set(recovery._key("abort"), "", "rank 1: planted")
         time.sleep(3.0)
+        origin = recovery.failed_first()
     else:
         start = time.monotonic()
         try:
             dist.all_reduce(torch.ones(1))
         except Exception:
             elapsed = time.monotonic() - start
-    origin = recovery.failed_first()
+        # What the notebook's error handler does: whichever watcher freed this rank,
+        # the first writer of the abort key is the origin.
+        origin = recovery.fail("all_reduce failed")
     recovery.rebuild()
     total = torch.ones(1)
     dist.all_reduce(total)
