@@ -22,7 +22,7 @@ import torch
 
 from ..comm import collectives as C, events
 from ..comm.context import get_context
-from ..comm.topology import ALONE
+from ..zero.parameter import DistributedParameter
 from .p2p import Link
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -94,8 +94,6 @@ def _check_owned(stage: torch.nn.Module) -> None:
     that reduces its gradient over them (or the replicas drift apart silently).
     Tensor-parallel peers need none: their copies of a replicated parameter get the
     same gradient (or, sequence parallel, the layer sums it)."""
-    from ..zero.parameter import DistributedParameter
-
     if get_context().topology.dp_size == 1:
         return
     for name, p in stage.named_parameters():

@@ -129,21 +129,25 @@ def blocklist_script(pipe, zero_level, optimizer):
             "local": list(model.layers.local)}
 
 
-def tied_gpt(pipe, schedule, optimizer):
-    """A GPT whose token embedding is also its output projection, split over `pipe`
-    stages (the two ends on different stages), against the GPT on one process."""
+def gpt_pipeline(pipe, schedule, optimizer, tp=1):
+    """A GPT whose token embedding is also its output projection, cut into `pipe` stages
+    (the two ends on different stages) and, with tp > 1, tensor-parallelised first;
+    10 steps against the GPT on one process. Compares this stage's parameters, gathered
+    over tp into full tensors under the plain names."""
     import nbtrain
     from nbtrain import pipeline
     from nbtrain.models import GPT, GPTConfig
     from nbtrain.models.gpt_pipe import gpt_layers
+    from nbtrain.models.gpt_tp import gpt_plan
 
-    nbtrain.init_distributed(pipe_size=pipe)
+    nbtrain.init_distributed(tp_size=tp, pipe_size=pipe)
     cfg = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2)
     torch.manual_seed(0)
     plain = GPT(cfg)
     model = copy.deepcopy(plain)
+    if tp > 1:
+        model = nbtrain.parallelize(model, gpt_plan(cfg))
     stage = pipeline.stage_of(gpt_layers(model))
-    mine = {id(p) for p in stage.parameters()}
     opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
     gen = torch.Generator().manual_seed(2)
     loss_err = 0.0
@@ -162,48 +166,9 @@ def tied_gpt(pipe, schedule, optimizer):
             opt.step()
             opt.zero_grad()
         loss_err = max(loss_err, abs(sum(losses) / MICRO - ref.item()))
-    ref_params = dict(plain.named_parameters())
-    param_err = max((p - ref_params[n]).abs().max().item()
-                    for n, p in model.named_parameters() if id(p) in mine)
-    return {"loss": loss_err, "params": param_err, "ties": len(stage.ties)}
-
-
-def pipe_by_tp(optimizer):
-    """pp 2 x tp 2 at world 4: the GPT tensor-parallelised (Megatron layout) and cut into
-    two stages, its tied embedding on both ends, against the GPT on one process."""
-    import nbtrain
-    from nbtrain import pipeline
-    from nbtrain.models import GPT, GPTConfig
-    from nbtrain.models.gpt_pipe import gpt_layers
-    from nbtrain.models.gpt_tp import gpt_plan
-
-    nbtrain.init_distributed(tp_size=2, pipe_size=2)
-    cfg = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2)
-    torch.manual_seed(0)
-    plain = GPT(cfg)
-    model = nbtrain.parallelize(copy.deepcopy(plain), gpt_plan(cfg))
-    stage = pipeline.stage_of(gpt_layers(model))
-    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
-    gen = torch.Generator().manual_seed(2)
-    loss_err = 0.0
-
-    def loss_fn(logits, target):
-        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), target.reshape(-1))
-
-    for _ in range(STEPS):
-        idx = torch.randint(0, cfg.vocab_size, (MICRO * 2, 8), generator=gen)
-        target = torch.randint(0, cfg.vocab_size, (MICRO * 2, 8), generator=gen)
-        ref = plain.loss(idx, target)
-        ref.backward()
-        losses = pipeline.run(stage, list(idx.chunk(MICRO)), list(target.chunk(MICRO)),
-                              loss_fn, schedule="1f1b")
-        for opt in opts:
-            opt.step()
-            opt.zero_grad()
-        loss_err = max(loss_err, abs(sum(losses) / MICRO - ref.item()))
-    # this stage's parameters, gathered over tp into full tensors under the plain names
     mine = {id(p) for p in stage.parameters()}
     names = [n for n, p in model.named_parameters() if id(p) in mine]
     state, ref_state = model.state_dict(), plain.state_dict()
     param_err = max((state[n] - ref_state[n]).abs().max().item() for n in names)
-    return {"loss": loss_err, "params": param_err, "checked": len(names)}
+    return {"loss": loss_err, "params": param_err, "checked": len(names),
+            "ties": len(stage.ties)}

@@ -11,14 +11,19 @@ import sys
 ENGINES = {"zero3", "zero2", "fsdp2", "ddp"}
 
 
-def test_quick_bench_runs_and_losses_agree(tmp_path):
+def _quick_bench(tmp_path, *flags):
+    """`nbtrain bench --quick --ranks 2 FLAGS`: its JSON result and its stdout."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--quick",
-                           "--ranks", "2", "--json", str(out)],
+                           "--ranks", "2", *flags, "--json", str(out)],
                           capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+    return json.loads(out.read_text()), proc.stdout
+
+
+def test_quick_bench_runs_and_losses_agree(tmp_path):
+    result, stdout = _quick_bench(tmp_path)
     assert set(result["runs"]) == ENGINES
     for name, run in result["runs"].items():
         assert run["parity"], (name, run["loss_max_abs_diff_vs_ddp"])
@@ -30,7 +35,7 @@ def test_quick_bench_runs_and_losses_agree(tmp_path):
     assert len(set(round(x, 6) for x in losses)) > 1
     assert set(result["ratios"]) == {"zero3_step_vs_fsdp2", "zero3_step_vs_ddp",
                                      "zero3_state_mem_vs_theory", "zero3_bytes_vs_theory"}
-    assert "zero3" in proc.stdout and "hidden %" in proc.stdout
+    assert "zero3" in stdout and "hidden %" in stdout
 
 
 def _plain_losses(settings, tie=True, rows=None):
@@ -59,13 +64,7 @@ def _plain_losses(settings, tie=True, rows=None):
 
 
 def test_quick_tp_bench_against_dtensor(tmp_path):
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--quick",
-                           "--ranks", "2", "--tp", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+    result, stdout = _quick_bench(tmp_path, "--tp", "2")
     assert set(result["runs"]) == {"nbtrain_tp", "dtensor_tp"}
     ratios = result["ratios"]
     # Both engines move what the Megatron count says, and nbtrain holds 16 B/param / tp.
@@ -78,7 +77,7 @@ def test_quick_tp_bench_against_dtensor(tmp_path):
     for name, run in result["runs"].items():
         assert max(abs(a - b) for a, b in zip(run["losses"], plain)) < 1e-4, name
     assert len(set(round(x, 6) for x in plain)) > 1
-    assert "tp_step_vs_dtensor" in proc.stdout
+    assert "tp_step_vs_dtensor" in stdout
 
 
 def test_tp_bench_needs_one_replica():
@@ -90,13 +89,7 @@ def test_tp_bench_needs_one_replica():
 
 
 def test_quick_pp_bench_against_torch_pipelining(tmp_path):
-    out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--quick",
-                           "--ranks", "2", "--pp", "2", "--json", str(out)],
-                          capture_output=True, text=True, timeout=180, env=env)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    result = json.loads(out.read_text())
+    result, stdout = _quick_bench(tmp_path, "--pp", "2")
     assert set(result["runs"]) == {"nbtrain_pp", "torch_pp"}
     ratios = result["ratios"]
     # every activation and gradient crosses the link once, nothing else
@@ -108,4 +101,4 @@ def test_quick_pp_bench_against_torch_pipelining(tmp_path):
     plain = _plain_losses(settings, tie=False, rows=settings["batch_per_rank"] * 2)
     for name, run in result["runs"].items():
         assert max(abs(a - b) for a, b in zip(run["losses"], plain)) < 1e-4, name
-    assert "pp_step_vs_torch" in proc.stdout
+    assert "pp_step_vs_torch" in stdout

@@ -58,9 +58,9 @@ def test_bmtrain_pipeline_block_list_script(world, pipe, zero_level, optimizer):
 def test_gpt_with_tied_embeddings_across_stages(pipe, schedule, optimizer):
     """The embedding on the first stage and the output projection on the last are one
     parameter: their gradients are summed over both stages."""
-    from pipeline_cases import tied_gpt
+    from pipeline_cases import gpt_pipeline
 
-    out = run_ranks(tied_gpt, pipe, pipe, schedule, optimizer, timeout_s=180)
+    out = run_ranks(gpt_pipeline, pipe, pipe, schedule, optimizer, timeout_s=180)
     assert [o["ties"] for o in out] == [1] + [0] * (pipe - 2) + [1], out
     for stage, o in enumerate(out):
         assert o["loss"] < 1e-5 and o["params"] < 1e-5, (stage, o)
@@ -68,7 +68,8 @@ def test_gpt_with_tied_embeddings_across_stages(pipe, schedule, optimizer):
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_pipe_by_tensor_parallel_at_world_4(optimizer):
-    from pipeline_cases import pipe_by_tp
+    from pipeline_cases import gpt_pipeline
 
-    for rank, o in enumerate(run_ranks(pipe_by_tp, 4, optimizer, timeout_s=180)):
+    for rank, o in enumerate(run_ranks(gpt_pipeline, 4, 2, "1f1b", optimizer, 2,
+                                       timeout_s=180)):
         assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
