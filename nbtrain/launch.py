@@ -50,13 +50,15 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
     import torch.distributed as dist
 
     import nbtrain
+    from nbtrain.comm import links
     from nbtrain.comm.context import _pick_backend
 
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(_pick_backend(backend), init_method=f"file://{init_file}",
-                                rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=pg_timeout_s))
+        with links.recording():  # recovery can close the group's connections
+            dist.init_process_group(_pick_backend(backend), init_method=f"file://{init_file}",
+                                    rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=pg_timeout_s))
         nbtrain.init_distributed(seed=seed)
         buf = io.BytesIO()
         torch.save(fn(*args), buf)

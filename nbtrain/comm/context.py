@@ -15,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from . import collectives, teardown
+from . import collectives, links, teardown
 from . import topology as _topology
 from .topology import Topology
 
@@ -153,7 +153,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
             if missing:
                 raise ValueError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set; "
                                  "launch with torchrun or set the rendezvous address")
-            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+            with links.recording():  # the group's connections, closed on a failure
+                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
         else:
             # A world of one: an in-memory store, so nothing listens on a port.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
@@ -169,7 +170,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     else:
         device = torch.device("cpu")
     _seed_everything(seed)
-    topo = _topology.build(rank, world, tp_size, pipe_size)
+    with links.recording():
+        topo = _topology.build(rank, world, tp_size, pipe_size)
     _CONTEXT = DistContext(rank=rank, world_size=world, local_rank=local_rank,
                            backend=backend, device=device, seed=seed, topology=topo,
                            num_micro_batches=num_micro_batches)
@@ -184,8 +186,9 @@ def rebuild_topology() -> None:
     if _CONTEXT is None:
         return
     topo = _CONTEXT.topology
-    _CONTEXT = replace(_CONTEXT, topology=_topology.build(
-        _CONTEXT.rank, _CONTEXT.world_size, topo.tp_size, topo.pipe_size))
+    with links.recording():
+        _CONTEXT = replace(_CONTEXT, topology=_topology.build(
+            _CONTEXT.rank, _CONTEXT.world_size, topo.tp_size, topo.pipe_size))
 
 
 def get_context() -> DistContext:

@@ -32,7 +32,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from . import collectives, teardown
+from . import collectives, links, teardown
 
 POLL_S = 0.2
 _PREFIX = "nbtrain/recovery"
@@ -166,6 +166,11 @@ def _abort_local_group() -> None:
             dist.destroy_process_group()
     except Exception:
         pass
+    if _S.backend == "gloo":
+        # An aborted gloo group keeps its connections while anything refers to it (a
+        # traceback's frames, a Work): a collective blocked on it, here or on a peer,
+        # would wait out the group timeout. Closing them fails it at both ends now.
+        links.close_all(getattr(_S.store, "port", None))
 
 
 def fail(summary: str) -> str | None:
@@ -215,8 +220,9 @@ def rebuild() -> None:
     _S.interrupted = None
     teardown.import_group_functional()
     store = dist.PrefixStore(f"{_PREFIX}/group{_S.generation}", _S.store)
-    dist.init_process_group(_S.backend, store=store, rank=_S.rank, world_size=_S.world,
-                            timeout=_S.timeout)
+    with links.recording():
+        dist.init_process_group(_S.backend, store=store, rank=_S.rank, world_size=_S.world,
+                                timeout=_S.timeout)
     teardown.unpin_group_defaults()
     from .context import rebuild_topology
 
