@@ -107,6 +107,13 @@ def _check_owned(stage: torch.nn.Module) -> None:
                 "nbtrain.DistributedModule)")
 
 
+def _name_the_stage(exc: BaseException, state: "_Stage", kind: str, micro: int) -> None:
+    """Notes on the error which stage raised, and where in the schedule."""
+    what = "forward" if kind == "f" else "backward"
+    exc.add_note(f"nbtrain.pipeline: raised on stage {state.index} of {state.stages} "
+                 f"(rank {get_context().rank}), in the {what} of micro-batch {micro}")
+
+
 def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_fn=None,
         schedule: str = "1f1b", stats: dict | None = None) -> list[float]:
     """Runs forward and backward of every micro-batch through the pipeline.
@@ -137,8 +144,12 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
                          f"targets (got {None if targets is None else len(targets)})")
     # On an error the sends still in flight are not waited for: the peer they go to may
     # have failed too (and the notebook's recovery aborts the group under them).
-    for kind, i in _order(schedule, state.stages, state.index, state.micro):
-        state.forward(i) if kind == "f" else state.backward(i)
+    try:
+        for kind, i in _order(schedule, state.stages, state.index, state.micro):
+            state.forward(i) if kind == "f" else state.backward(i)
+    except BaseException as exc:
+        _name_the_stage(exc, state, kind, i)
+        raise
     state.finish()
     for param, group in ties:  # one logical parameter: its uses on every stage add up
         if param.grad is None:
