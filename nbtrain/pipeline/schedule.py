@@ -1,6 +1,8 @@
-"""Pipeline schedules: GPipe and 1F1B, driven by one call.
+"""Pipeline schedules: GPipe, 1F1B and interleaved 1F1B, driven by one call.
 
     losses = run(stage, inputs, targets, loss_fn, schedule="1f1b")
+    losses = run(stages_of(layers, virtual=2), inputs, targets, loss_fn,
+                 schedule="interleaved")
 
 Every rank of a pipeline calls `run` with the same micro-batches: `inputs[i]` (used by
 the first stage) and `targets[i]` (used by the last, which computes
@@ -13,8 +15,13 @@ micro-batches. 1F1B starts with P - s - 1 forwards on stage s (of P), then alter
 one forward and one backward, then finishes the backwards: a stage holds at most
 P - s micro-batches' activations. Both leave (P - 1) / (M + P - 1) of the time idle.
 
+Interleaved 1F1B (interleaved.py, Megatron-LM's order) gives each rank V chunks of the
+model instead of one stage, and M (a multiple of P) micro-batches visit every rank V
+times: the idle time shrinks to (P - 1) / (V * M + P - 1) for V times the transfers.
+
 Telemetry: each micro-batch's forward and backward is a compute span
-("stage{s}.mb{i}") and each send a p2p transfer with its bytes.
+("stage{s}.mb{i}"; interleaved: "stage{s}.v{v}.mb{i}" for chunk v) and each send a p2p
+transfer with its bytes.
 """
 from __future__ import annotations
 
@@ -23,9 +30,10 @@ import torch
 from ..comm import collectives as C, events
 from ..comm.context import get_context
 from ..zero.parameter import DistributedParameter
+from .interleaved import Interleaved
 from .p2p import Link
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 def _order(schedule: str, stages: int, stage: int, micro: int) -> list[tuple[str, int]]:
@@ -107,11 +115,13 @@ def _check_owned(stage: torch.nn.Module) -> None:
                 "nbtrain.DistributedModule)")
 
 
-def _name_the_stage(exc: BaseException, state: "_Stage", kind: str, micro: int) -> None:
+def _name_the_stage(exc: BaseException, state: "_Stage", kind: str, micro: int,
+                    chunk: int | None = None) -> None:
     """Notes on the error which stage raised, and where in the schedule."""
     what = "forward" if kind == "f" else "backward"
+    where = "" if chunk is None else f" through chunk {chunk}"
     exc.add_note(f"nbtrain.pipeline: raised on stage {state.index} of {state.stages} "
-                 f"(rank {get_context().rank}), in the {what} of micro-batch {micro}")
+                 f"(rank {get_context().rank}), in the {what} of micro-batch {micro}{where}")
 
 
 def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_fn=None,
@@ -120,12 +130,15 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
 
     Args:
         stage: this rank's part of the model (`stage_of`); it takes the previous
-            stage's output (the first stage: `inputs[i]`) and returns one tensor.
-        inputs, targets: the M micro-batches, the same list on every stage.
+            stage's output (the first stage: `inputs[i]`) and returns one tensor. With
+            schedule="interleaved", this rank's list of V chunks (`stages_of`), the
+            same V on every rank.
+        inputs, targets: the M micro-batches, the same list on every stage
+            (interleaved: M a multiple of the pipeline's size P).
         loss_fn: `loss_fn(last stage's output, targets[i])` -> a scalar.
-        schedule: "gpipe" or "1f1b".
+        schedule: "gpipe", "1f1b" or "interleaved".
         stats: a dict to receive "live_peak", the most micro-batches whose activations
-            this stage held at once.
+            this stage held at once (interleaved: summed over its chunks).
 
     Returns the M micro-batch losses, on every stage. Collective over the pipeline.
     """
@@ -137,18 +150,31 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
         raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
     if not inputs:
         raise ValueError("pipeline.run needs at least one micro-batch")
-    _check_owned(stage)
-    state = _Stage(stage, inputs, targets, loss_fn)
+    chunked = isinstance(stage, (list, tuple, torch.nn.ModuleList))
+    if chunked != (schedule == "interleaved"):
+        raise ValueError(
+            f"pipeline.run: schedule={schedule!r} with a {type(stage).__name__}: "
+            "schedule='interleaved' takes this rank's chunks (stages_of(layers, virtual=V)) "
+            "and the other schedules one stage (stage_of(layers))")
+    if chunked:
+        for chunk in stage:
+            _check_owned(chunk)
+        state = Interleaved(stage, inputs, targets, loss_fn)
+        steps = state.order()
+    else:
+        _check_owned(stage)
+        state = _Stage(stage, inputs, targets, loss_fn)
+        steps = _order(schedule, state.stages, state.index, state.micro)
     if state.last and (loss_fn is None or targets is None or len(targets) != state.micro):
         raise ValueError(f"pipeline.run: the last stage needs loss_fn and {state.micro} "
                          f"targets (got {None if targets is None else len(targets)})")
     # On an error the sends still in flight are not waited for: the peer they go to may
     # have failed too (and the notebook's recovery aborts the group under them).
     try:
-        for kind, i in _order(schedule, state.stages, state.index, state.micro):
-            state.forward(i) if kind == "f" else state.backward(i)
+        for kind, i, *chunk in steps:  # interleaved steps name the chunk too
+            state.forward(i, *chunk) if kind == "f" else state.backward(i, *chunk)
     except BaseException as exc:
-        _name_the_stage(exc, state, kind, i)
+        _name_the_stage(exc, state, kind, i, *chunk)
         raise
     state.finish()
     for param, group in ties:  # one logical parameter: its uses on every stage add up
