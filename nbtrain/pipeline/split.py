@@ -1,4 +1,12 @@
-"""Which layers each pipeline stage owns: contiguous runs, balanced by parameter count."""
+"""Which layers each pipeline stage owns: contiguous runs, balanced by parameter count.
+
+A stage names its layers by their index in the whole model, so its state_dict and
+named_parameters are those of the plain `nn.Sequential(*layers)` ("3.0.weight" on
+whichever stage holds layer 3), and a sharded checkpoint (`nbtrain.save_checkpoint`)
+written at one pipeline layout loads at another (pp=2 -> pp=1 with dp=2, the
+reverse, ZeRO inside stages), model and optimizer state. A tied parameter is stored
+once, under its first plain name, and restored on every stage holding it.
+"""
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -42,15 +50,45 @@ def balanced_split(sizes: list[int], stages: int) -> list[range]:
 
 
 class Stage(nn.Module):
-    """One pipeline stage's layers, run in order. `nbtrain.wrap(stage)` (or a Stage that
-    is a DistributedModule's) shards and reduces them over this stage's ranks only:
-    each layer becomes a Block, and any other parameter is sharded over the stage."""
+    """One pipeline stage's layers, run in order, under the plain model's names.
 
-    def __init__(self, layers):
+    Args:
+        layers: this stage's layers, in order.
+        positions: their indices in the whole model (default 0, 1, ...): layer k is
+            registered as `str(positions[k])`, so `state_dict()` and `named_parameters()`
+            give the names of the plain `nn.Sequential(*all_layers)` ("3.0.weight"), the
+            same at every pipeline layout. `stage.layers` lists the layers in order.
+
+    `nbtrain.wrap(stage)` (or a Stage that is a DistributedModule's) shards and reduces
+    them over this stage's ranks only: each layer becomes a Block in place, and any other
+    parameter (a layer sharing a parameter with another layer) is sharded over the stage.
+    """
+
+    def __init__(self, layers, positions=None):
         super().__init__()
-        self.layers = nn.ModuleList(layers)
+        layers = list(layers)
+        positions = list(range(len(layers))) if positions is None else [int(i) for i in positions]
+        if len(positions) != len(layers) or len(set(positions)) != len(positions):
+            raise ValueError(f"Stage: positions {positions} must give {len(layers)} distinct "
+                             "indices, one per layer")
+        self.positions = positions
+        for i, layer in zip(positions, layers):
+            self.add_module(str(i), layer)
         self._nbtrain_pipeline_stage = True
         self.ties: list = []  # (parameter, process group of the stages sharing it)
+        # This stage's name of a parameter shared with an earlier stage -> the plain
+        # model's first name for it (the one a checkpoint stores it under).
+        self.tied_names: dict[str, str] = {}
+
+    @property
+    def layer_keys(self) -> list[str]:
+        """The layers' names in this module, in order."""
+        return [str(i) for i in self.positions]
+
+    @property
+    def layers(self) -> list[nn.Module]:
+        """The layers in order (Blocks once `nbtrain.wrap` has sharded them)."""
+        return [self._modules[k] for k in self.layer_keys]
 
     def forward(self, x):
         for layer in self.layers:
@@ -60,7 +98,15 @@ class Stage(nn.Module):
 
 def stage_of(layers, split: list[range] | None = None) -> Stage:
     """This rank's stage: its contiguous run of `layers` (balanced by parameter count
-    unless `split`, one range per stage, is given)."""
+    unless `split`, one range per stage, is given), named as in `nn.Sequential(*layers)`.
+
+    A parameter used by layers of several stages (a tied embedding and output
+    projection) stays one logical parameter: `pipeline.run` sums its gradients over
+    the stages holding it, and a checkpoint stores it once, under its first name in
+    the plain model, and restores it on every stage holding it.
+
+    Collective: every rank calls this with the same layers (the tie groups).
+    """
     layers = list(layers)
     topo = get_context().topology
     if split is None:
@@ -68,9 +114,26 @@ def stage_of(layers, split: list[range] | None = None) -> Stage:
                                 for m in layers], topo.pipe_size)
     if len(split) != topo.pipe_size:
         raise ValueError(f"split has {len(split)} ranges for pipe_size {topo.pipe_size}")
-    stage = Stage([layers[i] for i in split[topo.pipe_rank]])
+    mine = split[topo.pipe_rank]
+    stage = Stage([layers[i] for i in mine], positions=mine)
     stage.ties = _tie_groups(layers, split)
+    stage.tied_names = _tied_names(layers, mine)
     return stage
+
+
+def _tied_names(layers: list, mine: range) -> dict[str, str]:
+    """This stage's names of parameters an earlier layer also uses -> the first name
+    `nn.Sequential(*layers).named_parameters()` gives them."""
+    first: dict[int, str] = {}
+    out = {}
+    for i, layer in enumerate(layers):
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            plain = f"{i}.{name}"
+            if id(p) not in first:
+                first[id(p)] = plain
+            elif i in mine and first[id(p)] != plain:
+                out[plain] = first[id(p)]
+    return out
 
 
 def _tie_groups(layers: list, split: list[range]) -> list:

@@ -4,7 +4,8 @@ Every ModuleList whose entries hold parameters becomes a TransformerBlockList of
 Blocks (the model's own loop over it keeps working and overlaps); every other
 parameter becomes a DistributedParameter, gathered for the forward of the module
 that owns it. Tied parameters (an embedding shared with the output projection)
-stay one shared parameter.
+stay one shared parameter. A pipeline Stage holds its layers directly, under the
+plain model's indices: each layer becomes a Block in place, so the names stay.
 """
 from __future__ import annotations
 
@@ -46,6 +47,33 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
         if id(p) in inside and not any(pname.startswith(n + ".") for n, _ in lists):
             raise ValueError(f"parameter {pname!r} is tied to {inside[id(p)]!r} inside a layer "
                              "list; untie it or keep that layer list out of wrap()")
+
+
+def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtype) -> list:
+    """Makes each layer of a pipeline Stage (with parameters) a Block in place, under its
+    own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter
+    stay outside Blocks: their parameters are sharded one by one, so the tie holds."""
+    if getattr(model, "ties", None):
+        raise ValueError("wrap: this pipeline stage shares parameters with other stages "
+                         "(a tied embedding); pipeline.run sums their gradients only on "
+                         "unwrapped stages without data parallelism: leave it unwrapped")
+    layers = {k: model._modules[k] for k in model.layer_keys}
+    users: dict[int, set] = {}
+    for k, m in layers.items():
+        for p in m.parameters():
+            users.setdefault(id(p), set()).add(k)
+    shared = {k for ks in users.values() if len(ks) > 1 for k in ks}
+    blocks, prev = [], None
+    for k, m in layers.items():
+        if not isinstance(m, Block) and k not in shared and any(True for _ in m.parameters()):
+            m = model._modules[k] = Block(m, level, use_checkpoint, label=k,
+                                          reduce_dtype=reduce_dtype)
+            blocks.append(m)
+        if isinstance(m, Block) and isinstance(prev, Block):  # neighbours prefetch
+            object.__setattr__(prev, "_next_block", m)
+            object.__setattr__(m, "_prev_block", prev)
+        prev = m
+    return blocks
 
 
 def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[DistributedParameter]:
@@ -92,9 +120,13 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     Collective: every rank calls this on an identical model.
     """
     level = ZeroLevel.parse(zero_level)
-    lists = _layer_lists(model)
-    _check_no_ties_across(model, lists)
     first_blocks = []
+    if is_stage(model) and hasattr(model, "layer_keys"):  # its layers are the list
+        lists = []
+        first_blocks += _stage_layers_to_blocks(model, level, use_checkpoint, reduce_dtype)[:1]
+    else:
+        lists = _layer_lists(model)
+    _check_no_ties_across(model, lists)
     for name, ml in lists:
         blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}",
                                              reduce_dtype=reduce_dtype)
