@@ -20,6 +20,14 @@ tensors shaped like their parameter are stored the same way; scalar state (step
 counts), hyper-parameters, schedules and the loss scale are the same on every rank
 and go into meta.json from rank 0.
 
+Pipeline stages: every rank stores the entries of its own stage under the plain
+model's names (a Stage names its layers by their index in the whole model), a
+stage's replicated tensors and buffers by the stage's first rank, a parameter tied
+across stages (a GPT's embedding and output projection) once, under its first name,
+by the first stage holding it. meta.json joins every rank's entries and records,
+per entry, the ranks that stored its parts (per tp slot), and for each buffer the
+rank that stored it; a loader at any pipeline layout reads the entries it holds.
+
 Atomicity: each file is written to a temporary name, fsynced and renamed; meta.json
 is replaced last. A save that dies anywhere before that rename leaves the previous
 meta.json pointing at the previous, untouched version folder.
@@ -100,11 +108,14 @@ def agreed(what: str, fn, run_here: bool = True):
 class Entry:
     """One local parameter: its name, where its real elements sit, how it is laid out."""
 
-    def __init__(self, name, param, numel, kind, begin, end, layout_info, tp=False):
+    def __init__(self, name, param, numel, kind, begin, end, layout_info, tp=False,
+                 shard=None):
         self.name, self.param, self.numel, self.kind = name, param, numel, kind
         self.begin, self.end = begin, min(end, numel)  # real elements held here
         self.layout_info = layout_info  # JSON: the shapes a loader must match
         self.tp = tp  # holds tensor-parallel slices: the vector differs per tp rank
+        self.shard = shard  # (index, count) of the part this rank stores; None: nothing
+        self.whole = True  # the loader reads it as one saved entry (else by parameter)
 
     def load_range(self) -> tuple[int, int]:
         """The elements this rank reads back: a replicated tensor is stored once but
@@ -113,10 +124,17 @@ class Entry:
 
     @property
     def local_numel(self) -> int:
-        return max(0, self.end - self.begin)
+        return max(0, self.end - self.begin) if self.shard is not None else 0
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().reshape(-1)[: self.local_numel].cpu().contiguous().clone()
+
+    def saved_info(self) -> dict:
+        """This rank's part of the entry's meta.json record (writer.merge_params joins
+        the ranks' parts)."""
+        topo = get_context().topology
+        return {"kind": self.kind, "numel": self.numel, "shapes": self.layout_info,
+                "tp": self.tp, "shard": self.shard, "tp_slot": topo.tp_rank if self.tp else 0}
 
 
 def slot_info(name: str, shape, tp_meta=None) -> list:
@@ -129,10 +147,25 @@ def slot_info(name: str, shape, tp_meta=None) -> list:
     return info
 
 
+def _tie_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """A pipeline stage's names of parameters an earlier stage holds too -> the plain
+    model's first name for them (`Stage.tied_names`), with the stage's prefix."""
+    out = {}
+    for prefix, m in model.named_modules():
+        for local, first in getattr(m, "tied_names", {}).items():
+            out[f"{prefix}.{local}" if prefix else local] = f"{prefix}.{first}" if prefix else first
+    return out
+
+
 def local_entries(model: torch.nn.Module) -> list[Entry]:
-    ctx = get_context()
-    if ctx.topology.pipe_size > 1:
-        raise NotImplementedError("save_checkpoint/load_checkpoint with pipe_size > 1")
+    """This rank's parameters as checkpoint entries, under the plain model's names.
+
+    With pipeline stages every rank holds its stage's parameters only; a parameter
+    tied to an earlier stage's is named (and stored) as that stage's, once. A
+    replicated parameter is stored by the first rank of its stage (or tp slot).
+    """
+    topo = get_context().topology
+    aliases = _tie_aliases(model)
     groups = {id(g.shard): g for m in model.modules() if isinstance(m, Block) for g in m.groups}
     out = []
     for name, p in model.named_parameters():
@@ -143,16 +176,19 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
                      for s, e in zip(group.layout.slots, group.entries)]
             begin, end = group.layout.shard_range(group.rank)
             out.append(Entry(name, p, group.layout.numel, "flat", begin, end, slots,
-                             tp=any(e.tp is not None for e in group.entries)))
+                             tp=any(e.tp is not None for e in group.entries),
+                             shard=(group.rank, group.layout.world_size)))
             continue
         tp = is_tp_slice(p)
-        info = [slot_info(name, getattr(p, "full_shape", p.shape), p if tp else None)]
+        plain = aliases.get(name, name)
+        info = [slot_info(plain, getattr(p, "full_shape", p.shape), p if tp else None)]
         if isinstance(p, DistributedParameter):
             ranks = group_of(p)
             begin, end = shard_range(p.full_numel, ranks.size, ranks.rank)
-            out.append(Entry(name, p, p.full_numel, "sharded", begin, end, info, tp))
-        else:  # the same on every rank (of its tp slot): the first one stores it
-            first = ctx.topology.dp_rank == 0 if tp else ctx.rank == 0
-            end = p.numel() if first else 0
-            out.append(Entry(name, p, p.numel(), "replicated", 0, end, info, tp))
+            out.append(Entry(plain, p, p.full_numel, "sharded", begin, end, info, tp,
+                             shard=(ranks.rank, ranks.size)))
+        else:  # the same on every rank (of its stage, or tp slot): the first one stores it
+            first = (topo.dp_rank if tp else topo.zero_rank) == 0 and plain == name
+            out.append(Entry(plain, p, p.numel(), "replicated", 0, p.numel() if first else 0,
+                             info, tp, shard=(0, 1) if first else None))
     return out

@@ -5,15 +5,24 @@ slice; the checkpoint's meta.json gives the saving world size S, and the same
 partition rule tells which saved rank files hold which ranges. Each overlapping
 range is read with safetensors' lazy slicing, so a rank reads what it keeps.
 Tensor-parallel slices reshard across tp sizes through tp_reshard.py.
+
+Entries are found by name, so a checkpoint reshards between pipeline layouts too
+(saved at pp=2, loaded at pp=1 with dp=2, and the reverse): each rank reads the
+entries of the layers it holds. meta.json lists, per entry, the ranks that stored its
+parts (a stage's entries are stored by that stage's ranks only). A parameter stored
+in another grouping (a Block's flat vector at one layout, single tensors at another)
+is read by its own name from whichever saved vector holds it.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 
 import torch
 from safetensors import safe_open
 
+from ..comm.context import get_context
 from ..zero.partition import shard_range
 from .layout import META, local_entries
 from .tp_reshard import read_tp_entry
@@ -30,7 +39,14 @@ class _Reader:
         self.world = int(meta["world_size"])
         self.tp = int(meta.get("tp_size", 1))
         self.dp = int(meta.get("dp_size", self.world))
+        self.pipe_size = int(meta.get("pipe_size", 1))
         self.params = meta["params"]
+        self.slots: dict = {}  # parameter name -> (saved entry, offset, shape, tp info)
+        for entry, saved in self.params.items():
+            offset = 0
+            for name, shape, *tp in saved["shapes"]:
+                self.slots.setdefault(name, (entry, offset, tuple(shape), tp))
+                offset += math.prod(shape)
         self._files: dict = {}
 
     def file(self, rank: int):
@@ -41,18 +57,24 @@ class _Reader:
             self._files[rank] = safe_open(name, framework="pt", device="cpu")
         return self._files[rank]
 
-    def read(self, key: str, kind: str, numel: int, begin: int, end: int,
-             out: torch.Tensor, tp_rank: int | None = None) -> None:
-        """Copies elements [begin, end) of saved vector `key` into `out[: end - begin]`;
-        with `tp_rank`, of the vector of that tp slot (cut over its dp group)."""
-        if tp_rank is None:
-            ranks, size = list(range(self.world)), self.world
-        else:  # the saving ranks of that tp slot: rank = dp_rank * tp_size + tp_rank
-            ranks, size = [d * self.tp + tp_rank for d in range(self.dp)], self.dp
-        if kind == "replicated":
+    def _ranks(self, saved: dict, tp_rank: int | None) -> list[int]:
+        """The ranks that stored the parts of an entry, in partition order."""
+        if "ranks" in saved:
+            return saved["ranks"][tp_rank or 0]
+        if tp_rank is None:  # written before pipelines: every rank, in rank order
+            return list(range(self.world))
+        return [d * self.tp + tp_rank for d in range(self.dp)]
+
+    def read(self, key: str, saved: dict, begin: int, end: int, out: torch.Tensor,
+             tp_rank: int | None = None) -> None:
+        """Copies elements [begin, end) of saved vector `key` (described by `saved`, its
+        meta.json record) into `out[: end - begin]`; with `tp_rank`, of the vector of
+        that tp slot (cut over its dp group)."""
+        ranks, numel = self._ranks(saved, tp_rank), saved["numel"]
+        if saved["kind"] == "replicated":
             sources = [(ranks[0], 0, numel)]
         else:
-            sources = [(r, *shard_range(numel, size, i)) for i, r in enumerate(ranks)]
+            sources = [(r, *shard_range(numel, len(ranks), i)) for i, r in enumerate(ranks)]
         for rank, lo, hi in sources:
             a, b = max(lo, begin), min(hi, end, numel)
             if a < b:
@@ -67,42 +89,87 @@ def _logical(info) -> tuple:
     return name, (tuple(tp[0]["full"]), tp[0]["dim"], tp[0]["groups"]) if tp else tuple(shape)
 
 
-def _check_fits(entry, saved: dict | None) -> None:
-    if saved is None:
-        raise KeyError(f"load_checkpoint: parameter {entry.name!r} is not in the checkpoint")
+def _check_shape(name: str, theirs: tuple, shape: tuple) -> None:
+    if isinstance(theirs[0], tuple) != isinstance(shape[0], tuple):
+        ways = ["whole", "as tensor-parallel slices"]
+        if isinstance(shape[0], tuple):
+            ways.reverse()
+        raise ValueError(
+            f"load_checkpoint: {name!r} was saved {ways[1]}, and the model holds it "
+            f"{ways[0]}: build the model "
+            "with the same layers as the saving run (nbtrain.parallelize works at "
+            "tp_size 1 too), or move weights between them with nbtrain.save/load")
+    if theirs != shape:
+        raise ValueError(f"load_checkpoint: {name!r} has shape {theirs} in the "
+                         f"checkpoint but {shape} in the model")
+
+
+def _check_fits(entry, reader) -> bool:
+    """Raises unless every parameter of `entry` is in the checkpoint with its shape.
+    True: saved as one entry of the same name and layout (read whole); False: read
+    parameter by parameter from wherever they are stored (another grouping)."""
+    saved = reader.params.get(entry.name)
     mine = dict(map(_logical, entry.layout_info))
-    theirs = dict(map(_logical, saved["shapes"]))
+    if saved is not None:
+        theirs = dict(map(_logical, saved["shapes"]))
+        for name, shape in mine.items():
+            if name in theirs:
+                _check_shape(name, theirs[name], shape)
+        if list(mine) == list(theirs):
+            if saved["numel"] != entry.numel and not entry.tp:
+                raise ValueError(f"load_checkpoint: {entry.name!r} holds {saved['numel']} "
+                                 f"elements in the checkpoint but {entry.numel} in the model")
+            return True
     for name, shape in mine.items():
-        if name not in theirs:
-            raise KeyError(f"load_checkpoint: {name!r} is not in the checkpoint")
-        if isinstance(theirs[name][0], tuple) != isinstance(shape[0], tuple):
-            ways = ["whole", "as tensor-parallel slices"]
-            if isinstance(shape[0], tuple):
-                ways.reverse()
-            raise ValueError(
-                f"load_checkpoint: {name!r} was saved {ways[1]}, and the model holds it "
-                f"{ways[0]}: build the model "
-                "with the same layers as the saving run (nbtrain.parallelize works at "
-                "tp_size 1 too), or move weights between them with nbtrain.save/load")
-        if theirs[name] != shape:
-            raise ValueError(f"load_checkpoint: {name!r} has shape {theirs[name]} in the "
-                             f"checkpoint but {shape} in the model")
-    if list(mine) != list(theirs) or (saved["numel"] != entry.numel and not entry.tp):
-        raise ValueError(f"load_checkpoint: {entry.name!r} holds {list(theirs)} in the "
-                         f"checkpoint but {list(mine)} in the model")
+        found = reader.slots.get(name)
+        if found is None:
+            raise KeyError(f"load_checkpoint: parameter {name!r} is not in the checkpoint")
+        _check_shape(name, _logical([name, list(found[2]), *found[3]])[1], shape)
+        if found[3] or isinstance(shape[0], tuple):
+            raise ValueError(f"load_checkpoint: {name!r} is a tensor-parallel slice saved in "
+                             f"{found[0]!r} and held in {entry.name!r}: tp slices reshard "
+                             "only when the model groups them as the saving run did")
+    return False
 
 
-def _load_vector(reader, key, entry, target: torch.Tensor) -> None:
-    """Fills `target` (shaped like the local parameter) from the checkpoint; padding 0."""
-    saved = reader.params[entry.name]
+def _load_vector(reader, entry, target: torch.Tensor, prefix: str = "model/",
+                 suffix: str = "") -> None:
+    """Fills `target` (shaped like the local parameter) from the checkpoint vector
+    `{prefix}{name}{suffix}`; padding 0."""
     flat = torch.zeros(target.numel(), dtype=target.dtype)
     begin, end = entry.load_range()
-    if entry.tp:
-        read_tp_entry(reader, key, entry, saved, begin, end, flat)
+    if entry.whole:
+        saved, key = reader.params[entry.name], f"{prefix}{entry.name}{suffix}"
+        if entry.tp:
+            read_tp_entry(reader, key, entry, saved, begin, end, flat)
+        else:
+            reader.read(key, saved, begin, end, flat)
     else:
-        reader.read(key, saved["kind"], entry.numel, begin, end, flat)
+        offset = 0
+        for name, shape, *_ in entry.layout_info:
+            numel = math.prod(shape)
+            lo, hi = max(begin, offset), min(end, offset + numel)
+            if lo < hi:
+                source, at, _, _ = reader.slots[name]
+                reader.read(f"{prefix}{source}{suffix}", reader.params[source],
+                            at + lo - offset, at + hi - offset, flat[lo - begin:])
+            offset += numel
     with torch.no_grad():
         target.copy_(flat.view(target.shape))
+
+
+def _saved_state_names(reader, entry, group_names: set) -> str:
+    """The name the checkpoint keeps `entry`'s optimizer state under: its own, or that of
+    the saved vector holding its first parameter (another grouping)."""
+    if entry.whole and entry.name in group_names:
+        return entry.name
+    names = [reader.slots[n][0] for n, *_ in entry.layout_info]
+    missing = [n for n, s in zip(entry.layout_info, names) if s not in group_names]
+    if missing:
+        raise ValueError(f"load_checkpoint: optimizer parameter {entry.name!r} holds "
+                         f"{[m[0] for m in missing]}, which the checkpoint's param group "
+                         "does not: build the optimizer's param groups as the saving run did")
+    return names[0]
 
 
 def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
@@ -113,18 +180,21 @@ def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
     state, saved_groups, index = {}, [], 0
     for saved, group in zip(groups, opt.param_groups):
         names = [entries_by_id[id(p)].name for p in group["params"]]
-        if names != saved["params"]:
+        same_layout = reader.pipe_size == 1 == get_context().topology.pipe_size
+        if same_layout and names != saved["params"] and all(
+                entries_by_id[id(p)].whole for p in group["params"]):
             raise ValueError(f"load_checkpoint: optimizer parameters {names} differ from the "
                              f"checkpoint's {saved['params']}")
         ids = []
-        for p, name in zip(group["params"], names):
+        for p in group["params"]:
             entry = entries_by_id[id(p)]
+            source = _saved_state_names(reader, entry, set(saved["params"]))
             st = {}
-            for key, dtype in part["tensor_keys"][name].items():
+            for key, dtype in part["tensor_keys"][source].items():
                 value = torch.zeros(p.shape, dtype=_DTYPES[dtype])
-                _load_vector(reader, f"optim{reader.optim_index}/{name}/{key}", entry, value)
+                _load_vector(reader, entry, value, f"optim{reader.optim_index}/", f"/{key}")
                 st[key] = value.to(p.device)
-            for key, sc in part["scalars"][name].items():
+            for key, sc in part["scalars"][source].items():
                 dtype = sc.get("tensor_dtype")
                 st[key] = sc["value"] if dtype is None else torch.tensor(
                     sc["value"], dtype=_DTYPES[dtype])
@@ -155,14 +225,15 @@ def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> di
     reader = _Reader(path, meta)
     entries = local_entries(model)
     for entry in entries:
-        _check_fits(entry, meta["params"].get(entry.name))
-    for entry in entries:
-        _load_vector(reader, f"model/{entry.name}", entry, entry.param.data)
+        entry.whole = _check_fits(entry, reader)
+    for entry in entries:  # a parameter tied across stages: every stage reads it
+        _load_vector(reader, entry, entry.param.data)
     buffers = dict(model.named_buffers())
     for name in meta["buffers"]:
         if name in buffers:
+            rank = meta.get("buffer_ranks", {}).get(name, 0)
             with torch.no_grad():
-                buffers[name].copy_(reader.file(0).get_tensor(f"buffer/{name}"))
+                buffers[name].copy_(reader.file(rank).get_tensor(f"buffer/{name}"))
     if optim_manager is not None:
         parts = meta.get("optimizers") or []
         if len(parts) != len(optim_manager.optimizers):

@@ -39,8 +39,7 @@ def _assemble(reader, key: str, saved: dict, offset: int, saved_shape, shape, in
         if lo >= hi:
             continue
         piece = torch.zeros(numel, dtype=dtype)
-        reader.read(key, saved["kind"], saved["numel"], offset, offset + numel, piece,
-                    tp_rank=slot)
+        reader.read(key, saved, offset, offset + numel, piece, tp_rank=slot)
         piece = piece.view(saved_shape)
         for part in range(groups):
             out.narrow(dim, part * mine_rows + lo - me * mine_rows, hi - lo).copy_(

@@ -1,6 +1,8 @@
 """`save_checkpoint`: model, optimizer state, schedules and loss scale, as shards.
 
-The layout is described in `layout.py`; `reader.py` reads it back at any world size.
+The layout is described in `layout.py`; `reader.py` reads it back at any world size
+and pipeline layout. Each rank describes the entries it holds; rank 0 joins the
+descriptions (with pipeline stages they differ) into meta.json.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import shutil
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..comm import collectives as C
 from ..comm.context import get_context
@@ -71,28 +74,82 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
         by_id = {id(e.param): e for e in entries}
         optims = [] if optim_manager is None else [
             _optim_part(opt, by_id, tensors, i) for i, opt in enumerate(optim_manager.optimizers)]
-        if ctx.rank == 0:
-            buffers = {n: b for n, b in model.named_buffers()}
+        topo = ctx.topology
+        buffers = {}
+        if topo.zero_rank == 0:  # a stage's buffers: its first rank stores them
+            buffers = dict(model.named_buffers())
             tensors.update({f"buffer/{n}": b.detach().cpu().contiguous().clone()
                             for n, b in buffers.items()})
-        topo = ctx.topology
-        meta = {"format": FORMAT_VERSION, "world_size": ctx.world_size, "step": step,
-                "tp_size": topo.tp_size, "dp_size": topo.dp_size,
-                "version": version, "buffers": sorted(dict(model.named_buffers())),
-                "params": {e.name: {"kind": e.kind, "numel": e.numel, "shapes": e.layout_info,
-                                    "tp": e.tp} for e in entries},
-                "optimizers": optims,
-                "manager": None if optim_manager is None else optim_manager.scalar_state()}
         write_tensors(os.path.join(path, version, f"rank{ctx.rank:05d}.safetensors"), tensors)
-        return meta
+        return {"params": {e.name: e.saved_info() for e in entries}, "optimizers": optims,
+                "buffers": sorted(buffers)}
 
     def write_meta() -> None:
+        topo = ctx.topology
+        meta = {"format": FORMAT_VERSION, "world_size": ctx.world_size, "step": step,
+                "tp_size": topo.tp_size, "dp_size": topo.dp_size, "pipe_size": topo.pipe_size,
+                "version": version, **merge_parts(parts),
+                "manager": None if optim_manager is None else optim_manager.scalar_state()}
         write_json(os.path.join(path, META), meta)
         _remove_other_versions(path, version)
 
     # Every shard is on disk before the metadata names them.
-    meta = agreed("save_checkpoint (shards)", write_shard)
+    part = agreed("save_checkpoint (shards)", write_shard)
+    parts = [None] * ctx.world_size
+    dist.all_gather_object(parts, part)  # every rank's entries: stages hold different ones
     agreed("save_checkpoint (metadata)", write_meta, run_here=ctx.rank == 0)
+
+
+def merge_parts(parts: list[dict]) -> dict:
+    """meta.json's "params", "buffers" and "optimizers" from every rank's description
+    (in rank order): each parameter once, with the ranks that store its parts."""
+    params: dict = {}
+    for rank, part in enumerate(parts):
+        for name, info in part["params"].items():
+            info = dict(info)
+            shard, slot = info.pop("shard"), info.pop("tp_slot")
+            merged = params.setdefault(name, {**info, "ranks": {}})
+            if shard is not None:
+                merged["ranks"].setdefault(slot, {}).setdefault(shard[0], rank)
+    for name, info in params.items():
+        # "ranks": per tp slot, the ranks storing its parts in partition order
+        slots = info["ranks"]
+        info["ranks"] = [[slots.get(t, {})[i] for i in sorted(slots.get(t, {}))]
+                         for t in range(max(slots, default=0) + 1)]
+        if any(sorted(slots.get(t, {})) != list(range(len(r)))
+               for t, r in enumerate(info["ranks"])) or not any(info["ranks"]):
+            raise RuntimeError(f"save_checkpoint: the parts of {name!r} stored by the ranks "
+                               f"({slots}) do not cover it")
+    buffer_ranks: dict = {}
+    for rank, part in enumerate(parts):
+        for name in part["buffers"]:
+            buffer_ranks.setdefault(name, rank)
+    return {"params": params, "buffers": sorted(buffer_ranks), "buffer_ranks": buffer_ranks,
+            "optimizers": _merge_optimizers([p["optimizers"] for p in parts])}
+
+
+def _merge_optimizers(per_rank: list[list[dict]]) -> list[dict]:
+    """One record per optimizer index: the stages' param groups joined (hyper-parameters
+    of the first rank holding the group), state records by parameter name."""
+    counts = {len(o) for o in per_rank}
+    if len(counts) > 1:
+        raise ValueError(f"save_checkpoint: the ranks hold {sorted(counts)} optimizers: give "
+                         "every rank's OptimManager the same number")
+    out = []
+    for parts in zip(*per_rank):
+        groups, scalars, tensor_keys = [], {}, {}
+        for part in parts:
+            for g, group in enumerate(part["param_groups"]):
+                if g == len(groups):
+                    groups.append({**group, "params": []})
+                groups[g]["params"] += [n for n in group["params"]
+                                        if n not in groups[g]["params"]]
+            for name, value in part["scalars"].items():
+                scalars.setdefault(name, value)
+            for name, value in part["tensor_keys"].items():
+                tensor_keys.setdefault(name, value)
+        out.append({"param_groups": groups, "scalars": scalars, "tensor_keys": tensor_keys})
+    return out
 
 
 def _remove_other_versions(path: str, keep: str) -> None:
