@@ -56,7 +56,8 @@ def stages_of(layers, virtual: int, split: list[range] | None = None) -> Virtual
     Returns V `Stage`s: chunk v holds the layers of part v * pipe_size + pipe_rank.
     A parameter shared by chunks of one rank gets its uses summed by autograd; one
     shared by chunks of several ranks is summed over them by `run` (without data
-    parallelism only, as for `stage_of`).
+    parallelism only, as for `stage_of`). With data parallelism, wrap each chunk
+    (`[nbtrain.wrap(chunk) for chunk in stages]`) and pass that list to `run`.
 
     Collective over the world: every rank calls it (the ties' process groups).
     """
