@@ -53,7 +53,8 @@ def stages_of(layers, virtual: int, split: list[range] | None = None) -> Virtual
         split: one range of layer indices per part (pipe_size * V of them, in order);
             by default balanced by parameter count (`balanced_split`).
 
-    Returns V `Stage`s: chunk v holds the layers of part v * pipe_size + pipe_rank.
+    Returns V `Stage`s: chunk v holds the layers of part v * pipe_size + pipe_rank,
+    each named by its index in the whole model, as in `stage_of`.
     A parameter shared by chunks of one rank gets its uses summed by autograd; one
     shared by chunks of several ranks is summed over them by `run` (without data
     parallelism only, as for `stage_of`). With data parallelism, wrap each chunk
@@ -79,8 +80,10 @@ def stages_of(layers, virtual: int, split: list[range] | None = None) -> Virtual
                          f"{virtual} = {parts} parts: give one range per part, in order")
     per_rank = [[i for v in range(virtual) for i in split[v * stages + p]]
                 for p in range(stages)]
-    chunks = [Stage([layers[i] for i in split[v * stages + topo.pipe_rank]])
-              for v in range(virtual)]
+    chunks = []
+    for v in range(virtual):
+        part = split[v * stages + topo.pipe_rank]
+        chunks.append(Stage([layers[i] for i in part], positions=part))
     return VirtualStages(chunks, _tie_groups(layers, per_rank))
 
 
