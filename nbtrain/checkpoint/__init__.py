@@ -1,4 +1,5 @@
-"""The checkpoint layer: one consolidated safetensors file, or sharded and reshardable N -> M."""
+"""The checkpoint layer: one consolidated safetensors file, or sharded and reshardable N -> M
+across data-parallel, tensor-parallel and pipeline layouts."""
 from .consolidated import load, save
 from .reader import load_checkpoint
 from .writer import save_checkpoint

@@ -209,7 +209,10 @@ def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> dict:
-    """Restores a `save_checkpoint` directory into a model (and manager) of any world size.
+    """Restores a `save_checkpoint` directory into a model (and manager) of any world size
+    and pipeline layout (a `nbtrain.pipeline.stage_of` stage reads its own layers'
+    entries, a parameter tied across stages on every stage holding it), whether or not
+    the saving and loading runs group parameters alike (Blocks, plain or sharded ones).
 
     Returns:
         The metadata dict: "step", "world_size" (of the saving run), "version", ...

@@ -60,7 +60,12 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
         optim_manager: an OptimManager whose optimizers (and schedules) to save.
         step: any JSON value, returned by `load_checkpoint` as meta["step"].
 
-    Collective: every rank calls this; each writes its own file, rank 0 the metadata.
+    With pipeline stages every rank passes its own stage (`nbtrain.pipeline.stage_of`)
+    and the manager of its optimizers; the checkpoint holds the plain model's names and
+    loads at any other pipeline layout.
+
+    Collective: every rank calls this; each writes its own file, rank 0 the metadata
+    (every rank's description of its entries is gathered to it).
     """
     ctx = get_context()
     token = torch.tensor([time.time_ns() % (2**62)], dtype=torch.int64, device=ctx.device)
