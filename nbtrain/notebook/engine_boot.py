@@ -94,7 +94,11 @@ def _cell_failed(shell, etype, value, tb, tb_offset=None):
     summary = f"{etype.__name__}: {value}".splitlines()[0][:200]
     phase = recovery.interrupted_phase()
     origin = recovery.fail(summary)
-    notes = []
+    stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    # The exception's own notes (e.g. the pipeline stage that raised), where IPython
+    # did not show them (before 8.15 it drops __notes__).
+    notes = [n for n in getattr(value, "__notes__", ()) or ()
+             if isinstance(n, str) and not any(n in line for line in stb[-3:])]
     who, _, why = (origin or "").partition(": ")
     if who.startswith("rank") and who != f"rank {recovery.rank()}":
         notes.append(f"nbtrain: this rank stopped because {who} failed ({why}); "
@@ -105,9 +109,7 @@ def _cell_failed(shell, etype, value, tb, tb_offset=None):
         notes.append(f"nbtrain: the step was interrupted half way, during {phase}: "
                      "parameters or optimizer state may be partly updated. Reload a "
                      "checkpoint (nbtrain.load_checkpoint) before training on.")
-    # What showtraceback does, with the notes appended (IPython before 8.15 drops
-    # an exception's __notes__ from the traceback it shows).
-    stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    # What showtraceback does, with the notes appended.
     shell._showtraceback(etype, value, stb + notes)
     return None
 

@@ -121,3 +121,43 @@ def test_a_rank_blocked_alone_in_a_collective_is_freed_by_the_timeout(ipython, c
     assert info.value.busy == [0] and info.value.stuck == []
     assert "the cluster is usable" in str(info.value)
     still_works(ipython)
+
+
+PIPELINE_FAILS = """\
+from nbtrain import pipeline
+nbt.init_distributed(pipe_size=3)
+
+class Layer(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.calls = torch.nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if nbt.rank() == 1 and self.calls == 3:
+            raise ValueError('bad micro-batch on stage 1')
+        return self.lin(x)
+
+torch.manual_seed(0)
+stage = pipeline.stage_of([Layer() for _ in range(3)])  # layer i on stage i
+xs = [torch.randn(2, 4) for _ in range(4)]
+pipeline.run(stage, xs, xs, torch.nn.functional.mse_loss, schedule="1f1b")
+"""
+
+
+def test_a_pipeline_stage_raising_frees_the_stages_waiting_on_it(ipython, cluster):
+    # Stage 1 raises in its third forward: stage 2 then waits for its activations and
+    # stage 0 for its gradients, each blocked in a receive that nothing will complete.
+    start = time.monotonic()
+    try:
+        with pytest.raises(RankError) as info:
+            run(ipython, PIPELINE_FAILS)
+        assert time.monotonic() - start < 15  # not the 300 s group timeout
+        assert info.value.origin == 1 and info.value.ranks[0] == 1
+        rendered = ANSI.sub("", "\n".join(info.value._render_traceback_()))
+        assert "ValueError: bad micro-batch on stage 1" in rendered
+        assert "raised on stage 1 of 3 (rank 1), in the forward of micro-batch 2" in rendered
+        assert "this rank stopped because rank 1 failed" in rendered, rendered
+    finally:
+        run(ipython, "nbt.init_distributed()")  # back to one stage for the other tests
+    still_works(ipython)
