@@ -5,7 +5,8 @@ notebook and a torchrun run show the same pictures. Input: {rank: summary} as ma
 by `StepLog.summary()`. This file lays the figure out; `panels_train` draws the
 training curves (step time with the skew between ranks, tokens/s, loss with user
 metrics, grad norm, learning rate), `panels_system` memory, communication and the
-last step's timeline, and `panels_base` holds what they share (up to
+last step's timeline (`pipeline_view` the pipeline's, when the ranks ran one), and
+`panels_base` holds what they share (up to
 `MAX_RANKS_SHOWN` ranks a line each, above that a min/median/max band; integer
 step ticks).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import io
 
 from . import panels_system as system
+from . import pipeline_view
 from . import panels_train as train
 from .panels_base import MAX_RANKS_SHOWN, shown_ranks, step_times  # noqa: F401 (public)
 
@@ -35,7 +37,12 @@ def figure(summaries: dict, width_in: float = 13.0, height_in: float = 11.0):
     for i, row in enumerate(GRID):
         for j, draw in enumerate(row):
             draw(fig.add_subplot(grid[i, j]), summaries)
-    system.draw_timeline(fig.add_subplot(grid[len(GRID), :]), summaries)
+    bottom = fig.add_subplot(grid[len(GRID), :])
+    pipeline = pipeline_view.analyse(summaries)
+    if pipeline is not None:  # stages and micro-batches say more than compute vs comm
+        pipeline_view.draw(bottom, summaries, pipeline)
+    else:
+        system.draw_timeline(bottom, summaries)
     return fig
 
 

@@ -5,7 +5,9 @@ same `StepLog` the notebook uses and draws the same panels as the live dashboard
 (`telemetry.panels`): step time and tokens/s per rank with the skew between ranks,
 loss with user metrics, grad norm, learning rate, hidden-comm share per step,
 memory over time, the model-state split, comm bytes and bandwidth by kind, and the
-last step's timeline; and prints one row of numbers per rank.
+last step's timeline (a pipeline's stages and micro-batches, if the ranks ran one);
+and prints one row of numbers per rank, and a pipeline's measured bubble beside the
+theory's.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import re
 import statistics
 import sys
 
+from . import pipeline_view
 from .steplog import StepLog
 
 
@@ -115,6 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.output, "wb") as f:
             f.write(png)
     print(text_table(rows))
+    pipeline = pipeline_view.analyse(summaries)
+    if pipeline is not None:
+        print(pipeline_view.describe(pipeline))
     print(f"wrote {args.output}")
     return 0
 
