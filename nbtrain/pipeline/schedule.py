@@ -29,6 +29,7 @@ import torch
 
 from ..comm import collectives as C, events
 from ..comm.context import get_context
+from ..zero.accumulate import micro_batches
 from ..zero.parameter import DistributedParameter
 from .interleaved import Interleaved
 from .p2p import Link
@@ -170,9 +171,12 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
                          f"targets (got {None if targets is None else len(targets)})")
     # On an error the sends still in flight are not waited for: the peer they go to may
     # have failed too (and the notebook's recovery aborts the group under them).
+    # The stage's Blocks gather once and reduce their gradients once, after the last
+    # micro-batch (zero/accumulate.py).
     try:
-        for kind, i, *chunk in steps:  # interleaved steps name the chunk too
-            state.forward(i, *chunk) if kind == "f" else state.backward(i, *chunk)
+        with micro_batches(*(stage if chunked else [stage])):
+            for kind, i, *chunk in steps:  # interleaved steps name the chunk too
+                state.forward(i, *chunk) if kind == "f" else state.backward(i, *chunk)
     except BaseException as exc:
         _name_the_stage(exc, state, kind, i, *chunk)
         raise

@@ -66,6 +66,10 @@ class FlatGroup:
         self.full.untyped_storage().resize_(0)
         self.gathered = False
         self._handle = None
+        # Across the micro-batches of a pipeline step (`zero.accumulate.micro_batches`):
+        # stay gathered, and add the full gradients up here, reduced once at the end.
+        self.hold = False
+        self.deferred: torch.Tensor | None = None
 
     # -- gather / release -------------------------------------------------
     def start_gather(self) -> None:
@@ -103,8 +107,11 @@ class FlatGroup:
             self.gathered = False
         return self.gathered
 
-    def release(self) -> None:
-        """Frees the gathered storage (views stay valid objects)."""
+    def release(self, force: bool = False) -> None:
+        """Frees the gathered storage (views stay valid objects); kept while `hold`
+        is set, unless `force`."""
+        if self.hold and not force:
+            return
         if self._handle is not None:  # never free under a collective in flight
             self.wait_gather()
         if self.gathered:
@@ -133,29 +140,51 @@ class FlatGroup:
         `shard.main_grad` (dtype `grad_dtype`) instead; nbtrain's optimizers read it.
         """
         grad_full = grad_full.to(self.grad_dtype).contiguous()
+        if self.hold:  # a later micro-batch adds to it; reduced once by flush_deferred
+            if self.deferred is None:
+                self.deferred = grad_full.clone()
+            else:
+                self.deferred.add_(grad_full)
+            if on_done is not None:
+                on_done()
+            return
         out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
                           device=grad_full.device)
         handle = C.reduce_scatter(out, grad_full, op="avg", async_op=True,
                                   group=self.ranks.group, label=self.label)
-        shard = self.shard
 
         def finish(grad_full=grad_full):  # keeps the input alive until done
-            if out.dtype != shard.dtype:
-                # A wider reduce dtype (fp32 for a bf16 shard) is kept as
-                # `shard.main_grad` for the optimizer's fp32 master weights:
-                # rounding it into shard.grad would throw the precision away.
-                main = getattr(shard, "main_grad", None)
-                if main is None:
-                    shard.main_grad = out
-                else:
-                    main.add_(out)
-            elif shard.grad is None:
-                shard.grad = out
-            else:
-                shard.grad.add_(out)
+            self._add_to_grad(out)
             if on_done is not None:
                 on_done()
         self.reducer.add(handle, finish)
+
+    def flush_deferred(self) -> None:
+        """Reduces the gradient added up while `hold` was set (now, not queued).
+        Collective over the group's ranks, in the same group order on each."""
+        grad_full, self.deferred = self.deferred, None
+        if grad_full is None:
+            return
+        out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
+                          device=grad_full.device)
+        C.reduce_scatter(out, grad_full, op="avg", group=self.ranks.group, label=self.label)
+        self._add_to_grad(out)
+
+    def _add_to_grad(self, out: torch.Tensor) -> None:
+        shard = self.shard
+        if out.dtype != shard.dtype:
+            # A wider reduce dtype (fp32 for a bf16 shard) is kept as
+            # `shard.main_grad` for the optimizer's fp32 master weights:
+            # rounding it into shard.grad would throw the precision away.
+            main = getattr(shard, "main_grad", None)
+            if main is None:
+                shard.main_grad = out
+            else:
+                main.add_(out)
+        elif shard.grad is None:
+            shard.grad = out
+        else:
+            shard.grad.add_(out)
 
     # -- whole-tensor access (state dicts, checkpoints) ----------------------
     def gather_copy(self) -> torch.Tensor:

@@ -28,9 +28,10 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     """STEPS steps of a pipelined stack of layers against the same stack on this process:
     max |loss difference| and max |parameter difference| of this stage's layers."""
     import nbtrain
-    from nbtrain import pipeline
+    from nbtrain import pipeline, telemetry
 
     topo = nbtrain.init_distributed(pipe_size=pipe).topology
+    telemetry.RECORDER.clear()
     dp, d = topo.dp_size, topo.dp_rank
     layers = _layers()
     plain = nn.Sequential(*copy.deepcopy(layers))
@@ -42,15 +43,17 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
     gen = torch.Generator().manual_seed(1)
     loss_err, peak = 0.0, 0
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x = torch.randn(BATCH * dp, 6, generator=gen)
         y = torch.randn(BATCH * dp, 5, generator=gen)
         ref = F.mse_loss(plain(x), y)
         ref.backward()
         mine_x, mine_y = x.chunk(dp)[d], y.chunk(dp)[d]   # this replica's rows
         stats = {}
+        telemetry.set_enabled(step == STEPS - 1)  # the last step's collectives, counted
         losses = pipeline.run(stage, list(mine_x.chunk(MICRO)), list(mine_y.chunk(MICRO)),
                               F.mse_loss, schedule=schedule, stats=stats)
+        telemetry.set_enabled(False)
         peak = max(peak, stats["live_peak"])
         for opt in opts:
             opt.step()
@@ -62,8 +65,16 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     got = list(stage.state_dict().values())  # full tensors, in the layers' order
     want = [v for i in mine for v in plain[i].state_dict().values()]
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
+    kinds = [e["kind"] for e in telemetry.RECORDER.snapshot() if e["type"] == "comm"]
     return {"loss": loss_err, "params": param_err, "peak": peak, "layers": list(mine),
-            "n": (len(got), len(want))}
+            "n": (len(got), len(want)), "flat_groups": len(_flat(stage)),
+            "gathers": kinds.count("all_gather"), "reductions": kinds.count("reduce_scatter")}
+
+
+def _flat(stage):
+    from nbtrain.zero.accumulate import _groups
+
+    return _groups([stage])
 
 
 def blocklist_script(pipe, zero_level, optimizer):

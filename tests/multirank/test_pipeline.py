@@ -29,6 +29,11 @@ def test_zero_inside_stages_and_pipe_by_data_parallel(world, pipe, zero_level, o
     out = run_ranks(parity, world, pipe, schedule, optimizer, zero_level, timeout_s=180)
     for rank, o in enumerate(out):
         assert o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+        # Over the step's micro-batches each flat group gathers once and reduces once
+        # (not once per micro-batch, twice for ZeRO-3's gathers); a stage of one rank
+        # sends nothing.
+        once = o["flat_groups"] if world > pipe else 0
+        assert o["flat_groups"] > 0 and o["gathers"] == o["reductions"] == once, o
 
 
 def test_a_stage_whose_gradients_nobody_reduces_is_refused():
