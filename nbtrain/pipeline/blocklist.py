@@ -28,6 +28,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
+from ..zero.accumulate import micro_batches
 from .p2p import Link
 from .split import balanced_split
 
@@ -115,7 +116,7 @@ class _Pipelined(torch.autograd.Function):
         prev = None if me == 0 else Link(ranks[me - 1], device, f"pp {me - 1}<-{me}")
         nxt = None if me == stages - 1 else Link(ranks[me + 1], device, f"pp {me}->{me + 1}")
         saved, outputs = [], []
-        with torch.enable_grad():
+        with torch.enable_grad(), micro_batches(blocks):  # ZeRO-3: one gather per step
             for chunk in full.chunk(micro):
                 x = (chunk if prev is None else prev.recv_act()).detach().requires_grad_()
                 y = blocks.run_stage(x)
@@ -144,14 +145,15 @@ class _Pipelined(torch.autograd.Function):
         nxt = None if me == stages - 1 else Link(ranks[me + 1], device, f"pp {me}->{me + 1}")
         grads = full_grad.chunk(len(ctx.saved)) if nxt is None else None
         input_grads = []
-        for i, (x, y) in enumerate(ctx.saved):
-            g = grads[i] if nxt is None else nxt.recv_grad(y)
-            with torch.enable_grad():
-                y.backward(g)
-            if prev is not None:
-                prev.send(x.grad, "grad")
-            else:
-                input_grads.append(x.grad)
+        with micro_batches(ctx.blocks):  # the Blocks' gradients reduced once, after the last
+            for i, (x, y) in enumerate(ctx.saved):
+                g = grads[i] if nxt is None else nxt.recv_grad(y)
+                with torch.enable_grad():
+                    y.backward(g)
+                if prev is not None:
+                    prev.send(x.grad, "grad")
+                else:
+                    input_grads.append(x.grad)
         for link in (prev, nxt):
             if link is not None:
                 link.finish()

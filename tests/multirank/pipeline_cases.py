@@ -123,21 +123,28 @@ def blocklist_script(pipe, zero_level, optimizer):
     opts = [_optimizer(plain.parameters(), optimizer), _optimizer(model.parameters(), optimizer)]
     gen = torch.Generator().manual_seed(3)
     loss_err = 0.0
-    for _ in range(STEPS):
+    bmt.telemetry.RECORDER.clear()
+    for step in range(STEPS):
         x = torch.randn(2 * world, 4, generator=gen)
         y = torch.randn(2 * world, 3, generator=gen)
         ref = F.mse_loss(plain(x), y)
         ref.backward()
+        bmt.telemetry.set_enabled(step == STEPS - 1)  # the last step's collectives, counted
         loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])  # my rows
         loss.backward()
+        bmt.telemetry.set_enabled(False)
         for opt in opts:
             opt.step()
             opt.zero_grad()
         loss_err = max(loss_err, abs(bmt.sum_loss(loss).item() - ref.item()))
     state, ref_state = model.state_dict(), plain.state_dict()
     param_err = max((state[k] - ref_state[k]).abs().max().item() for k in state)
+    blocks = [e for e in bmt.telemetry.RECORDER.snapshot()  # the Blocks' own collectives
+              if e["type"] == "comm" and not e["label"].startswith("pp ")]
     return {"loss": loss_err, "params": param_err, "keys": sorted(state),
-            "local": list(model.layers.local)}
+            "local": list(model.layers.local), "flat_groups": len(_flat(model.layers)),
+            "gathers": sum(e["kind"] == "all_gather" for e in blocks),
+            "reductions": sum(e["kind"] == "reduce_scatter" for e in blocks)}
 
 
 def gpt_pipeline(pipe, schedule, optimizer, tp=1):

@@ -54,6 +54,11 @@ def test_bmtrain_pipeline_block_list_script(world, pipe, zero_level, optimizer):
     assert sorted(i for s in stages for i in s) == list(range(5)), stages
     for rank, o in enumerate(out):
         assert o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+        # Over the micro-batches each flat group gathers once for forward and once for
+        # backward, and reduces once (not once per micro-batch); one rank a stage: none.
+        once = o["flat_groups"] if world > pipe else 0
+        assert o["flat_groups"] > 0 and o["reductions"] == once, o
+        assert o["gathers"] == 2 * once, o
         # this stage's blocks under the plain model's names, and the parts around them
         assert {k.split(".")[1] for k in o["keys"] if k.startswith("layers.")} \
             == {str(i) for i in o["local"]}, (rank, o["keys"])
