@@ -132,6 +132,7 @@ def _pp_result(ranks: int, settings: dict, rounds: dict, names) -> dict:
         "pp_step_vs_torch": ours["step_time_s"] / peer["step_time_s"],
         "pp_bubble_measured": ours["bubble"] if ours["bubble"] is not None else float("nan"),
         "pp_bubble_theory": theory_bubble,
+        "torch_bubble_measured": peer["bubble"] if peer["bubble"] is not None else float("nan"),
         "pp_p2p_bytes_vs_activations": ours["wire_bytes_per_step"] / ours["wire_theory_bytes"],
         "torch_p2p_bytes_vs_activations": peer["wire_bytes_per_step"] / peer["wire_theory_bytes"],
         "pp_loss_max_abs_diff_vs_torch": ours["loss_max_abs_diff_vs_ddp"],

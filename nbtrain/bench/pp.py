@@ -6,7 +6,8 @@ The GPT (untied head: the two ends are on different stages) is cut by
 engines run the same stage modules with 1F1B. Reported besides the usual columns:
 the measured bubble of nbtrain's schedule (per stage, 1 - compute time / schedule
 time, from its telemetry spans, averaged over stages) against the theory
-(P - 1) / (M + P - 1), and the point-to-point bytes of all ranks per step against the
+(P - 1) / (M + P - 1) and against torch's, measured the same way (its stage's
+forward_one_chunk and backward_one_chunk timed), and the point-to-point bytes of all ranks per step against the
 activation count 2 (P - 1) x batch x seq x hidden x 4 (activations forward, their
 gradients back). torch's sends are counted by wrapping the torch.distributed calls
 its schedule makes.
@@ -62,6 +63,25 @@ def _bubble(events: list[dict], span: float) -> float | None:
     return None if span <= 0 or not busy else max(0.0, 1.0 - busy / span)
 
 
+def _time_torch_chunks(torch_stage) -> list[float]:
+    """Times torch's per-micro-batch forward and backward on this stage (its compute,
+    without the transfers): the busy seconds of a step accumulate in the returned cell."""
+    busy = [0.0]
+
+    def timed(method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                busy[0] += time.perf_counter() - start
+        return run
+
+    for name in ("forward_one_chunk", "backward_one_chunk"):
+        setattr(torch_stage, name, timed(getattr(torch_stage, name)))
+    return busy
+
+
 def run_rank(spec: dict) -> dict:
     """One rank of one engine: train warmup + steps steps, measure."""
     ctx = nbt.get_context()
@@ -77,8 +97,9 @@ def run_rank(spec: dict) -> dict:
         from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
         _count_torch_sends()
-        schedule = Schedule1F1B(PipelineStage(stage, topo.pipe_rank, pipe, device),
-                                n_microbatches=micro, loss_fn=_loss)
+        torch_stage = PipelineStage(stage, topo.pipe_rank, pipe, device)
+        busy = _time_torch_chunks(torch_stage)
+        schedule = Schedule1F1B(torch_stage, n_microbatches=micro, loss_fn=_loss)
     total = spec["warmup"] + spec["steps"]
     xs, ys = batches(cfg, total, spec["batch_per_rank"] * ctx.world_size, 1, spec["seed"])
     first, last = topo.pipe_rank == 0, topo.pipe_rank == pipe - 1
@@ -91,6 +112,8 @@ def run_rank(spec: dict) -> dict:
         telemetry.RECORDER.clear()
         COUNTERS.reset()
         engines.WIRE.total = 0
+        if engine == "torch_pp":
+            busy[0] = 0.0
         start = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         if engine == "nbtrain_pp":
@@ -123,6 +146,8 @@ def run_rank(spec: dict) -> dict:
             wire.append(stats[1].item())
             if telemetry.enabled():
                 bubbles.append(_bubble(telemetry.RECORDER.snapshot(), span))
+            elif engine == "torch_pp" and span > 0:  # the same measure, from its chunks
+                bubbles.append(max(0.0, 1.0 - busy[0] / span))
     telemetry.set_enabled(True)
     return {"step_s": times, "loss": losses, "wire_bytes": wire, "hidden": [],
             "bubble": [b for b in bubbles if b is not None],

@@ -96,6 +96,7 @@ def test_quick_pp_bench_against_torch_pipelining(tmp_path):
     assert abs(ratios["pp_p2p_bytes_vs_activations"] - 1) < 0.01, ratios
     assert abs(ratios["torch_p2p_bytes_vs_activations"] - 1) < 0.01, ratios
     assert 0 < ratios["pp_bubble_measured"] < 1 and ratios["pp_bubble_theory"] == 0.2, ratios
+    assert 0 < ratios["torch_bubble_measured"] < 1, ratios  # the same measure, torch's chunks
     # both train what one plain process trains on the whole batch
     settings = result["settings"]
     plain = _plain_losses(settings, tie=False, rows=settings["batch_per_rank"] * 2)
