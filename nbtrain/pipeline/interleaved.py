@@ -28,20 +28,34 @@ from torch import nn
 
 from ..comm import events
 from ..comm.context import get_context
+from ..comm.topology import ALONE
 from .p2p import Mailbox
-from .split import Stage, _tie_groups, balanced_split
+from .split import Stage, _tie_groups, balanced_split, param_keys
 
 
 class VirtualStages(nn.ModuleList):
     """This rank's V model chunks, each a `Stage`: chunk v is part v * P + pipe_rank.
 
-    `ties` lists, like `Stage.ties`, the parameters that chunks on several ranks share
-    (a tied embedding): `run` sums their gradients over those ranks after the schedule.
+    `ties` lists, like `Stage.ties`, the parameters that several chunks share (a tied
+    embedding; chunks on several ranks, or of this rank only: group `ALONE`), each copy
+    once: `run` sums their gradients over those chunks after the schedule. Each chunk keeps its own share of them (`chunk.ties`), so a plain list of
+    the chunks, wrapped one by one, passed to `run` keeps them too.
     """
 
-    def __init__(self, chunks, ties=()):
-        super().__init__(chunks)
-        self.ties: list = list(ties)  # (parameter, process group of the ranks sharing it)
+    @property
+    def ties(self) -> list:
+        return _unique_ties(self)
+
+
+def _unique_ties(chunks) -> list[tuple[nn.Parameter, object]]:
+    """The chunks' ties, a parameter held by two chunks (unwrapped, one object) once."""
+    seen, out = set(), []
+    for chunk in chunks:
+        for key, param, group in chunk.tie_keys:
+            if (key, id(param)) not in seen:
+                seen.add((key, id(param)))
+                out.append((param, group))
+    return out
 
 
 def stages_of(layers, virtual: int, split: list[range] | None = None) -> VirtualStages:
@@ -55,10 +69,12 @@ def stages_of(layers, virtual: int, split: list[range] | None = None) -> Virtual
 
     Returns V `Stage`s: chunk v holds the layers of part v * pipe_size + pipe_rank,
     each named by its index in the whole model, as in `stage_of`.
-    A parameter shared by chunks of one rank gets its uses summed by autograd; one
-    shared by chunks of several ranks is summed over them by `run` (without data
-    parallelism only, as for `stage_of`). With data parallelism, wrap each chunk
-    (`[nbtrain.wrap(chunk) for chunk in stages]`) and pass that list to `run`.
+    A parameter shared by chunks of several ranks (a tied embedding) is summed over
+    them by `run`, and one shared by chunks of one rank by autograd. With data
+    parallelism, wrap each chunk (`[nbtrain.wrap(chunk) for chunk in stages]`) and pass
+    that list to `run`: each chunk's copy of a shared parameter is then a
+    DistributedParameter of its own, averaged over the chunk's data-parallel ranks, and
+    `run` adds the copies up on each rank and over the ranks sharing them.
 
     Collective over the world: every rank calls it (the ties' process groups).
     """
@@ -84,7 +100,26 @@ def stages_of(layers, virtual: int, split: list[range] | None = None) -> Virtual
     for v in range(virtual):
         part = split[v * stages + topo.pipe_rank]
         chunks.append(Stage([layers[i] for i in part], positions=part))
-    return VirtualStages(chunks, _tie_groups(layers, per_rank))
+    ties = _tie_groups(layers, per_rank)
+    ties += _ties_within_rank(chunks, param_keys(layers), {id(p) for _, p, _ in ties})
+    ties.sort(key=lambda tie: tie[0])
+    for chunk in chunks:
+        mine = {id(p) for p in chunk.parameters()}
+        chunk.set_ties([tie for tie in ties if id(tie[1]) in mine])
+    return VirtualStages(chunks)
+
+
+def _ties_within_rank(chunks: list[Stage], keys: dict[int, int], across: set[int]) -> list:
+    """Parameters that several of this rank's chunks hold and no other rank does (not in
+    `across`, the ids of those tied over ranks): a
+    group of this rank alone, so that once the chunks are wrapped one by one (each its
+    own copy) `run` still adds the copies' gradients up."""
+    holders: dict[int, tuple] = {}
+    for v, chunk in enumerate(chunks):
+        for p in chunk.parameters():
+            holders.setdefault(id(p), (p, set()))[1].add(v)
+    return [(keys[id(p)], p, ALONE) for p, vs in holders.values()
+            if len(vs) > 1 and id(p) not in across]
 
 
 def interleaved_order(stages: int, stage: int, virtual: int,

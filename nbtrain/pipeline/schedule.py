@@ -116,6 +116,57 @@ def _check_owned(stage: torch.nn.Module) -> None:
                 "nbtrain.DistributedModule)")
 
 
+def _ties_of(chunks) -> list[tuple[object, list]]:
+    """(process group, this rank's copies of the parameter) per parameter shared with
+    other stages or chunks, in key order (the same on every rank): one copy when
+    unwrapped, one per chunk once chunks are wrapped one by one."""
+    copies: dict[int, tuple] = {}
+    for chunk in chunks:
+        for key, param, group in getattr(chunk, "tie_keys", ()):
+            held = copies.setdefault(key, (group, []))[1]
+            if all(p is not param for p in held):
+                held.append(param)
+    return [copies[key] for key in sorted(copies)]
+
+
+def _check_ties(ties) -> None:
+    """With data-parallel replicas, a tied parameter's copies must be reduced over the
+    stage's replicas by their owner before `run` sums them over the stages: a
+    DistributedParameter (`nbtrain.wrap`, whose shards line up on every stage: the same
+    shape sharded over groups of one size) or a data-parallel replicated copy."""
+    if get_context().topology.dp_size == 1:
+        return
+    for _, params in ties:
+        for p in params:
+            if not (isinstance(p, DistributedParameter) or getattr(p, "_nbtrain_dp_owned", False)):
+                raise NotImplementedError(
+                    f"pipeline.run: a parameter of shape {tuple(p.shape)} shared with another "
+                    f"stage (a tied embedding) is a {type(p).__name__} that no owner reduces "
+                    "over the stage's data-parallel ranks before the stages sum it: wrap the "
+                    "stage with nbtrain.wrap(stage), which shards it as a DistributedParameter "
+                    "(interleaved: wrap each chunk)")
+
+
+def _sum_tied_grads(ties) -> None:
+    """One logical parameter: its gradients on every stage (and every chunk of this
+    rank) add up. Runs after the schedule, when each copy's gradient is already averaged
+    over the stage's data-parallel ranks (a DistributedParameter reduces in backward;
+    Blocks, deferred by micro_batches, never hold a tied parameter), so sum then
+    average equals average then sum. Collective over each tie group."""
+    for group, params in ties:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p.detach())
+        total = params[0].grad
+        if len(params) > 1:  # chunks wrapped one by one: a copy each
+            total = torch.stack([p.grad for p in params]).sum(0)
+        C.all_reduce(total, op="sum", group=group, label="pp tied grad")
+        for p in params[1:]:
+            p.grad.copy_(total)
+        if total is not params[0].grad:
+            params[0].grad.copy_(total)
+
+
 def _name_the_stage(exc: BaseException, state: "_Stage", kind: str, micro: int,
                     chunk: int | None = None) -> None:
     """Notes on the error which stage raised, and where in the schedule."""
@@ -143,10 +194,6 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
 
     Returns the M micro-batch losses, on every stage. Collective over the pipeline.
     """
-    ties = getattr(stage, "ties", [])
-    if ties and get_context().topology.dp_size > 1:
-        raise NotImplementedError("pipeline.run: parameters shared by several stages (a tied "
-                                  "embedding) are summed only without data parallelism so far")
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r}: use one of {SCHEDULES}")
     if not inputs:
@@ -157,13 +204,15 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
             f"pipeline.run: schedule={schedule!r} with a {type(stage).__name__}: "
             "schedule='interleaved' takes this rank's chunks (stages_of(layers, virtual=V)) "
             "and the other schedules one stage (stage_of(layers))")
+    chunks = list(stage) if chunked else [stage]
+    for chunk in chunks:
+        _check_owned(chunk)
+    ties = _ties_of(chunks)
+    _check_ties(ties)
     if chunked:
-        for chunk in stage:
-            _check_owned(chunk)
         state = Interleaved(stage, inputs, targets, loss_fn)
         steps = state.order()
     else:
-        _check_owned(stage)
         state = _Stage(stage, inputs, targets, loss_fn)
         steps = _order(schedule, state.stages, state.index, state.micro)
     if state.last and (loss_fn is None or targets is None or len(targets) != state.micro):
@@ -181,10 +230,7 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
         _name_the_stage(exc, state, kind, i, *chunk)
         raise
     state.finish()
-    for param, group in ties:  # one logical parameter: its uses on every stage add up
-        if param.grad is None:
-            param.grad = torch.zeros_like(param)
-        C.all_reduce(param.grad, op="sum", group=group, label="pp tied grad")
+    _sum_tied_grads(ties)
     if stats is not None:
         stats["live_peak"] = state.live_peak
     topo = get_context().topology

@@ -61,7 +61,16 @@ class Stage(nn.Module):
 
     `nbtrain.wrap(stage)` (or a Stage that is a DistributedModule's) shards and reduces
     them over this stage's ranks only: each layer becomes a Block in place, and any other
-    parameter (a layer sharing a parameter with another layer) is sharded over the stage.
+    parameter (a layer sharing a parameter with another layer, or with another stage) is
+    sharded over the stage.
+
+    Attributes:
+        ties: (parameter, process group) for each parameter this stage shares with other
+            stages (a tied embedding): `pipeline.run` sums its gradient over the group.
+            Kept by name and looked up on each read, so after `nbtrain.wrap` it names the
+            DistributedParameter that is trained, not the plain one it replaced.
+        tied_names: this stage's name of a parameter shared with an earlier stage -> the
+            plain model's first name for it (the one a checkpoint stores it under).
     """
 
     def __init__(self, layers, positions=None):
@@ -75,10 +84,37 @@ class Stage(nn.Module):
         for i, layer in zip(positions, layers):
             self.add_module(str(i), layer)
         self._nbtrain_pipeline_stage = True
-        self.ties: list = []  # (parameter, process group of the stages sharing it)
-        # This stage's name of a parameter shared with an earlier stage -> the plain
-        # model's first name for it (the one a checkpoint stores it under).
+        self._tie_names: list[tuple[str, object, int]] = []  # (name here, group, key)
         self.tied_names: dict[str, str] = {}
+
+    @property
+    def ties(self) -> list[tuple[nn.Parameter, object]]:
+        """(parameter, process group of the ranks sharing it), the parameters as they
+        are now (DistributedParameters once `nbtrain.wrap` has sharded them)."""
+        return [(p, group) for _, p, group in self.tie_keys]
+
+    @ties.setter
+    def ties(self, pairs) -> None:
+        self.set_ties([(k, p, group) for k, (p, group) in enumerate(pairs)])
+
+    @property
+    def tie_keys(self) -> list[tuple[int, nn.Parameter, object]]:
+        """(key, parameter, group): the key names the logical parameter, the same on
+        every rank and chunk holding it (chunks wrapped one by one hold copies)."""
+        return [(key, _parameter_at(self, name), group)
+                for name, group, key in self._tie_names]
+
+    def set_ties(self, ties) -> None:
+        """Records (key, parameter, group) triples by this stage's name of each parameter;
+        keys must rise in the same order on every rank (`run` sums in key order)."""
+        names = {}
+        for name, p in self.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), name)
+        missing = [tuple(p.shape) for _, p, _ in ties if id(p) not in names]
+        if missing:
+            raise ValueError(f"Stage.ties: parameters of shapes {missing} are not in this "
+                             "stage; list only parameters its layers hold")
+        self._tie_names = [(names[id(p)], group, key) for key, p, group in ties]
 
     @property
     def layer_keys(self) -> list[str]:
@@ -116,9 +152,21 @@ def stage_of(layers, split: list[range] | None = None) -> Stage:
         raise ValueError(f"split has {len(split)} ranges for pipe_size {topo.pipe_size}")
     mine = split[topo.pipe_rank]
     stage = Stage([layers[i] for i in mine], positions=mine)
-    stage.ties = _tie_groups(layers, split)
+    stage.set_ties(_tie_groups(layers, split))
     stage.tied_names = _tied_names(layers, mine)
     return stage
+
+
+def _parameter_at(module: nn.Module, name: str) -> nn.Parameter:
+    """The parameter registered as `name` (read from `_parameters`, so a forward's
+    gathered stand-in for a DistributedParameter is never returned)."""
+    owner, _, leaf = name.rpartition(".")
+    param = module.get_submodule(owner)._parameters.get(leaf)
+    if param is None:
+        raise ValueError(f"the tied parameter {name!r} is no longer a parameter of its "
+                         "module (a Block took it?): keep layers holding a parameter shared "
+                         "with another stage out of Blocks; nbtrain.wrap(stage) does")
+    return param
 
 
 def _tied_names(layers: list, mine: range) -> dict[str, str]:
@@ -136,19 +184,22 @@ def _tied_names(layers: list, mine: range) -> dict[str, str]:
     return out
 
 
-def _tie_groups(layers: list, split: list[range]) -> list:
+def _tie_groups(layers: list, split: list) -> list[tuple[int, nn.Parameter, object]]:
     """Parameters used by layers of several stages (a tied embedding and output
-    projection): one process group per pipeline over the stages holding each, for
-    `run` to sum their gradients. Collective: every rank makes every group."""
+    projection), as (key, parameter, process group): one group per pipeline over the
+    stages holding each, for `run` to sum their gradients; the key is the parameter's
+    place among the distinct parameters of `layers`, the same on every rank.
+    Collective: every rank makes every group."""
+    keys = param_keys(layers)
     owners: dict[int, tuple] = {}
     for s, part in enumerate(split):
         for i in part:
             for p in layers[i].parameters():
-                owners.setdefault(id(p), (p, set()))[1].add(s)
+                owners.setdefault(id(p), (keys[id(p)], p, set()))[2].add(s)
     ctx = get_context()
     topo = ctx.topology
     ties = []
-    for p, stages in owners.values():
+    for key, p, stages in owners.values():
         if len(stages) < 2:
             continue
         for pipeline in _topology.group_ranks("pipe", ctx.world_size, topo.tp_size,
@@ -156,5 +207,14 @@ def _tie_groups(layers: list, split: list[range]) -> list:
             members = [pipeline[s] for s in sorted(stages)]
             group = dist.new_group(members)
             if ctx.rank in members:
-                ties.append((p, group))
+                ties.append((key, p, group))
     return ties
+
+
+def param_keys(layers: list) -> dict[int, int]:
+    """id(parameter) -> its place among the distinct parameters of `layers`."""
+    keys: dict[int, int] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            keys.setdefault(id(p), len(keys))
+    return keys

@@ -51,18 +51,18 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
 
 def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtype) -> list:
     """Makes each layer of a pipeline Stage (with parameters) a Block in place, under its
-    own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter
-    stay outside Blocks: their parameters are sharded one by one, so the tie holds."""
-    if getattr(model, "ties", None):
-        raise ValueError("wrap: this pipeline stage shares parameters with other stages "
-                         "(a tied embedding); pipeline.run sums their gradients only on "
-                         "unwrapped stages without data parallelism: leave it unwrapped")
+    own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter,
+    with each other or with another stage (`model.ties`, a tied embedding), stay outside
+    Blocks: their parameters are sharded one by one, so the tie holds, and every stage
+    shards a tied parameter the same way (its own flat shape over equally many ranks),
+    so `pipeline.run` can sum the shards' gradients over the stages."""
     layers = {k: model._modules[k] for k in model.layer_keys}
+    tied = {id(p) for p, _ in getattr(model, "ties", ())}
     users: dict[int, set] = {}
     for k, m in layers.items():
         for p in m.parameters():
             users.setdefault(id(p), set()).add(k)
-    shared = {k for ks in users.values() if len(ks) > 1 for k in ks}
+    shared = {k for pid, ks in users.items() if len(ks) > 1 or pid in tied for k in ks}
     blocks, prev = [], None
     for k, m in layers.items():
         if not isinstance(m, Block) and k not in shared and any(True for _ in m.parameters()):
@@ -120,6 +120,9 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     Collective: every rank calls this on an identical model.
     """
     level = ZeroLevel.parse(zero_level)
+    if isinstance(model, nn.ModuleList) and len(model) and all(map(is_stage, model)):
+        raise ValueError("wrap: got a list of pipeline chunks (pipeline.stages_of); wrap "
+                         "each chunk instead: [nbtrain.wrap(chunk) for chunk in chunks]")
     first_blocks = []
     if is_stage(model) and hasattr(model, "layer_keys"):  # its layers are the list
         lists = []
