@@ -18,10 +18,10 @@ def _layers():
     return out
 
 
-def _optimizer(params, name):
+def _optimizer(params, name, eps=1e-8):
     if name == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=eps)
 
 
 def parity(pipe, schedule, optimizer, zero_level=None):
@@ -153,40 +153,97 @@ def gpt_pipeline(pipe, schedule, optimizer, tp=1):
     10 steps against the GPT on one process. Compares this stage's parameters, gathered
     over tp into full tensors under the plain names."""
     import nbtrain
+
+    nbtrain.init_distributed(tp_size=tp, pipe_size=pipe)
+    return _gpt_parity(schedule, optimizer, tp=tp)
+
+
+def gpt_pipe_by_data_parallel(pipe, cases):
+    """The tied GPT at pp `pipe` x dp (world // pipe), each replica its own rows, for each
+    case (schedule, optimizer, zero_level) in one launch: {case: parity}."""
+    import nbtrain
+
+    from nbtrain import pipeline
+    from nbtrain.models import GPT, GPTConfig
+    from nbtrain.models.gpt_pipe import gpt_layers
+
+    nbtrain.init_distributed(pipe_size=pipe)
+    out = {case: _gpt_parity(*case) for case in cases}
+    # Unwrapped, nobody averages the stage's copies over its replicas: refused
+    stage = pipeline.stage_of(gpt_layers(GPT(GPTConfig(vocab_size=32, seq_len=8, hidden=16,
+                                                       heads=2, layers=2))))
+    idx = torch.zeros(2, 8, dtype=torch.long)
+    try:
+        pipeline.run(stage, [idx], [idx], F.mse_loss)
+        out["unwrapped"] = "not refused"
+    except ValueError as exc:
+        out["unwrapped"] = str(exc)
+    return out
+
+
+def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
+    """STEPS steps of the tied GPT through the pipeline (schedule "interleaved": two
+    chunks per rank) against the GPT on this process with the whole batch; with
+    zero_level, each stage (or chunk) wrapped for ZeRO over its data-parallel ranks.
+    Max |loss difference| and max |parameter difference| of this rank's layers (full
+    tensors, plain names)."""
+    import nbtrain
     from nbtrain import pipeline
     from nbtrain.models import GPT, GPTConfig
     from nbtrain.models.gpt_pipe import gpt_layers
     from nbtrain.models.gpt_tp import gpt_plan
 
-    nbtrain.init_distributed(tp_size=tp, pipe_size=pipe)
+    topo = nbtrain.get_context().topology
+    dp, d = topo.dp_size, topo.dp_rank
     cfg = GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2)
     torch.manual_seed(0)
     plain = GPT(cfg)
     model = copy.deepcopy(plain)
     if tp > 1:
         model = nbtrain.parallelize(model, gpt_plan(cfg))
-    stage = pipeline.stage_of(gpt_layers(model))
-    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
+    if schedule == "interleaved":
+        chunks = list(pipeline.stages_of(gpt_layers(model), virtual=2))
+    else:
+        chunks = [pipeline.stage_of(gpt_layers(model))]
+    if zero_level is not None:
+        chunks = [nbtrain.wrap(c, zero_level=zero_level) for c in chunks]
+    ties = sum(len(c.ties) for c in chunks)
+    stage = chunks if schedule == "interleaved" else chunks[0]
+    params = [p for c in chunks for p in c.parameters()]
+    # Adam's first step moves an element by lr * g / (|g| + eps): the GPT's second MLP
+    # has an element with |g| = 7e-10, where the replicas' sum in another order differs
+    # by ~1e-10, which eps = 1e-8 turns into 6e-5 of parameter; eps = 1e-6 keeps that
+    # under 1e-6 and SGD checks the gradients' exact scale.
+    eps = 1e-6 if dp > 1 else 1e-8
+    opts = [_optimizer(plain.parameters(), optimizer, eps), _optimizer(params, optimizer, eps)]
     gen = torch.Generator().manual_seed(2)
-    loss_err = 0.0
+    loss_err, micro = 0.0, MICRO
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), target.reshape(-1))
 
     for _ in range(STEPS):
-        idx = torch.randint(0, cfg.vocab_size, (MICRO * 2, 8), generator=gen)
-        target = torch.randint(0, cfg.vocab_size, (MICRO * 2, 8), generator=gen)
+        idx = torch.randint(0, cfg.vocab_size, (micro * 2 * dp, 8), generator=gen)
+        target = torch.randint(0, cfg.vocab_size, (micro * 2 * dp, 8), generator=gen)
         ref = plain.loss(idx, target)
         ref.backward()
-        losses = pipeline.run(stage, list(idx.chunk(MICRO)), list(target.chunk(MICRO)),
+        mine_idx, mine_target = idx.chunk(dp)[d], target.chunk(dp)[d]  # this replica's rows
+        losses = pipeline.run(stage, list(mine_idx.chunk(micro)), list(mine_target.chunk(micro)),
                               loss_fn, schedule=schedule)
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        loss_err = max(loss_err, abs(sum(losses) / MICRO - ref.item()))
-    mine = {id(p) for p in stage.parameters()}
-    names = [n for n, p in model.named_parameters() if id(p) in mine]
-    state, ref_state = model.state_dict(), plain.state_dict()
+        mean = torch.tensor(sum(losses) / micro)
+        if dp > 1:
+            dist.all_reduce(mean, group=topo.group("dp"))
+        loss_err = max(loss_err, abs(mean.item() / dp - ref.item()))
+    ref_state = nn.Sequential(*gpt_layers(plain)).state_dict()
+    if tp > 1:  # the tp slices gathered into full tensors under the plain names
+        mine = {id(p) for p in params}
+        names = [n for n, p in model.named_parameters() if id(p) in mine]
+        state, ref_state = model.state_dict(), plain.state_dict()
+    else:
+        state = {k: v for c in chunks for k, v in c.state_dict().items()}
+        names = list(state)
     param_err = max((state[n] - ref_state[n]).abs().max().item() for n in names)
-    return {"loss": loss_err, "params": param_err, "checked": len(names),
-            "ties": len(stage.ties)}
+    return {"loss": loss_err, "params": param_err, "checked": len(names), "ties": ties}

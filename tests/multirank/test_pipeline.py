@@ -1,7 +1,9 @@
 """Pipeline parallelism: GPipe and 1F1B at pp 2 and 3 with 4 micro-batches, ZeRO-3 inside
 stages and pp 2 x dp 2, against one plain process (10 steps, AdamW and SGD with momentum:
 losses and every final parameter within 1e-5); 1F1B holds at most P - s micro-batches'
-activations on stage s, GPipe all M."""
+activations on stage s, GPipe all M. The GPT whose embedding is its output projection,
+tied across stages: at pp 2 and 3, by tensor parallelism, and by data parallelism with
+each stage (or chunk) wrapped for ZeRO."""
 import pytest
 
 from ranks import run_ranks
@@ -83,3 +85,35 @@ def test_pipe_by_tensor_parallel_at_world_4(optimizer):
     for rank, o in enumerate(run_ranks(gpt_pipeline, 4, 2, "1f1b", optimizer, 2,
                                        timeout_s=180)):
         assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+
+
+GPT_DP_CASES = [("1f1b", "adamw", 3), ("1f1b", "sgd", 3), ("gpipe", "sgd", 2),
+                ("interleaved", "sgd", 3)]
+
+
+@pytest.fixture(scope="module")
+def gpt_pp2_dp2():
+    """The tied GPT at pp 2 x dp 2, every case of GPT_DP_CASES in one launch."""
+    from pipeline_cases import gpt_pipe_by_data_parallel
+
+    return run_ranks(gpt_pipe_by_data_parallel, 4, 2, GPT_DP_CASES, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", GPT_DP_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_gpt_with_tied_embeddings_across_stages_by_data_parallel(gpt_pp2_dp2, case):
+    """Each stage wrapped for ZeRO over its data-parallel ranks: the tied parameter's
+    gradient is each stage's averaged over its replicas, summed over the two stages
+    (SGD with momentum would see a sum where a mean belongs, or a missing stage)."""
+    schedule = case[0]
+    for rank, o in enumerate(gpt_pp2_dp2):
+        r = o[case]
+        # the embedding's stage and the head's (interleaved: chunk 0 of rank 0, chunk 1
+        # of rank 1) each hold the tie
+        assert r["ties"] == 1 and r["checked"] > 0, (rank, r)
+        assert r["loss"] < 1e-5 and r["params"] < 1e-5, (rank, schedule, r)
+
+
+def test_an_unwrapped_tied_stage_by_data_parallel_is_refused(gpt_pp2_dp2):
+    for o in gpt_pp2_dp2:
+        assert "has no owner that reduces its gradient" in o["unwrapped"], o["unwrapped"]
+        assert "nbtrain.wrap(stage)" in o["unwrapped"], o["unwrapped"]
