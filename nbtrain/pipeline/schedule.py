@@ -122,7 +122,10 @@ def _ties_of(chunks) -> list[tuple[object, list]]:
     unwrapped, one per chunk once chunks are wrapped one by one."""
     copies: dict[int, tuple] = {}
     for chunk in chunks:
-        for key, param, group in getattr(chunk, "tie_keys", ()):
+        keyed = getattr(chunk, "tie_keys", None)
+        if keyed is None:  # a module of its own with a `ties` list: in its order
+            keyed = [(k, p, group) for k, (p, group) in enumerate(getattr(chunk, "ties", ()))]
+        for key, param, group in keyed:
             held = copies.setdefault(key, (group, []))[1]
             if all(p is not param for p in held):
                 held.append(param)
