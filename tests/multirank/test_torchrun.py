@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -23,3 +24,16 @@ def test_torchrun_script_matches_plain_pytorch():
     assert result["world"] == 2 and result["backend"] == "gloo"
     ref_losses, _, _ = cases.train_plain(2, STEPS)
     assert result["losses"] == pytest.approx(ref_losses, abs=1e-5)
+
+
+def test_a_pipeline_stage_raising_fails_the_script_naming_the_stage():
+    script = os.path.join(os.path.dirname(__file__), "pipeline_fail_script.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         script], capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout
+    assert time.monotonic() - start < 60  # stage 0 is not left waiting on its receive
+    assert "ValueError: bad micro-batch on stage 1" in proc.stderr, proc.stderr[-3000:]
+    assert "raised on stage 1 of 2 (rank 1), in the forward of micro-batch 2" in proc.stderr
