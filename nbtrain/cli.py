@@ -1,4 +1,4 @@
-"""`nbtrain demo | bench | report`: the command-line entry point.
+"""`nbtrain demo | bench | report | validate`: the command-line entry point.
 
 Each subcommand lives in its own module; this file only dispatches, so
 `nbtrain --help` stays fast (no torch import until a subcommand runs).
@@ -13,6 +13,8 @@ COMMANDS = {
     "bench": ("nbtrain.bench", "compare nbtrain ZeRO-3/ZeRO-2 with FSDP2 and DDP (--tp T: "
                                "tensor parallelism with DTensor)"),
     "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
+    "validate": ("nbtrain.runtime.validate", "check a parallel layout (--tp, --pp) against "
+                                             "the reference, step by step"),
 }
 
 

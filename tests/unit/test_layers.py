@@ -12,7 +12,8 @@ import nbtrain
 
 ROOT = pathlib.Path(nbtrain.__file__).parent
 KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
-LAYERS = ["comm", "zero", "nn", "pipeline", "optim", "checkpoint", "telemetry", "notebook"]
+LAYERS = ["comm", "zero", "nn", "pipeline", "optim", "checkpoint", "models", "telemetry",
+          "notebook", "launch", "runtime"]  # runtime drives the models; validate launches ranks
 
 
 def _module_name(path: pathlib.Path) -> str:

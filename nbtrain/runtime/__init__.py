@@ -1,0 +1,25 @@
+"""`nbtrain.runtime`: one training-step contract over nbtrain's parallel layouts, and a
+reference to check them against (Bumblebee's runtime API).
+
+    from nbtrain.runtime import create_runtime, RuntimeConfig, NBConfig, ParallelConfig
+    from nbtrain.runtime.contracts import PackedBatch
+
+    rt = create_runtime(RuntimeConfig(backend="nbtrain", backend_cfg=NBConfig(
+        parallel=ParallelConfig(tp=2))))
+    handle = rt.build_model()
+    with rt.train_mode(handle):
+        rt.zero_grad(handle)
+        result = rt.forward_backward(handle, batch, num_microbatches=2)
+        ok, grad_norm, num_zeros = rt.optimizer_step(handle)
+        rt.lr_scheduler_step(handle)
+
+    rows = compare(reference_cfg, cfg, steps=10, data=[batch])  # per-step loss, grad norm
+
+Read config.py (what can be configured), contracts.py (the batch and result types),
+base.py, reference.py and nbtrain_backend.py (the two backends), compare.py.
+"""
+from .compare import compare
+from .config import NBConfig, ParallelConfig, RuntimeConfig
+from .create import create_runtime
+
+__all__ = ["create_runtime", "RuntimeConfig", "NBConfig", "ParallelConfig", "compare"]

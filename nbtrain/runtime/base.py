@@ -1,0 +1,127 @@
+"""What both backends share: the model, optimizer and schedule they build, the loss,
+the train/eval contexts, the schedule step and checkpoints.
+
+A backend (reference.py, nbtrain_backend.py) adds `build_model`, `forward_backward` and
+`optimizer_step`. Every call takes the `ModelHandle` that `build_model` returned.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..checkpoint import load_checkpoint, save_checkpoint
+from ..comm import context as _context
+from ..optim.lr_scheduler import NoDecay
+from .config import RuntimeConfig
+from .contracts import IGNORE_INDEX, ModelHandle, PackedBatch
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The default `loss_fn`: per-token cross-entropy (rows, seq_len) float32 of logits
+    (rows, seq_len, vocab) against labels (rows, seq_len); 0 where labels are -100."""
+    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                           ignore_index=IGNORE_INDEX, reduction="none")
+    return flat.view(labels.shape)
+
+
+def labelled_weight(data: PackedBatch) -> float:
+    """The global batch's total token weight: the loss's denominator. Local (every rank
+    holds the global batch)."""
+    total = float(data.token_weights().sum())
+    if total <= 0:
+        raise ValueError("forward_backward: the batch has no labelled token (every label is "
+                         "-100, or every weight 0): nothing to take a loss over")
+    return total
+
+
+class Runtime:
+    """One backend's training calls. Made by `create_runtime(cfg)`.
+
+    Collective: with the "nbtrain" backend every call except the context managers is
+    made by every rank in the same order; the "reference" backend's compute calls
+    are local, its `save`/`load` collective (nbtrain's checkpoint functions).
+    """
+
+    def __init__(self, cfg: RuntimeConfig):
+        self.cfg = cfg
+        self.nb = cfg.backend_cfg
+
+    # -- pieces the backends build from ------------------------------------------------
+    def _context(self, **sizes):
+        """The distributed context (made on first use: a world of one without torchrun)."""
+        if sizes or not _context.is_initialized():
+            return _context.init_distributed(seed=self.nb.seed, **sizes)
+        return _context.get_context()
+
+    def _plain_gpt(self, device):
+        from ..models.gpt import GPT
+
+        torch.manual_seed(self.nb.seed)  # the same weights on every rank and backend
+        return GPT(self.nb.gpt_config()).to(device)
+
+    def _optimizer(self, params):
+        spec = dict(self.nb.optimizer)
+        name = spec.pop("name", "adamw")
+        spec.setdefault("lr", 1e-3)
+        spec.setdefault("weight_decay", 0.0)
+        if name == "sgd":
+            return torch.optim.SGD(params, **spec)
+        return torch.optim.AdamW(params, **spec)
+
+    def _scheduler(self, optimizer):
+        spec = self.nb.lr_schedule
+        warmup = int(spec.get("warmup_steps", 0)) if spec.get("name") == "warmup" else 0
+        # num_iter=1: the first step already trains, at lr / warmup_steps.
+        return NoDecay(optimizer, start_lr=optimizer.param_groups[0]["lr"], warmup_iter=warmup,
+                       end_iter=warmup, num_iter=1)
+
+    # -- the calls both backends share --------------------------------------------------
+    @contextlib.contextmanager
+    def train_mode(self, handle: ModelHandle):
+        """The model in training mode (dropout on) inside the block, its mode restored
+        after. Local."""
+        with self._mode(handle, True):
+            yield handle
+
+    @contextlib.contextmanager
+    def eval_mode(self, handle: ModelHandle):
+        """The model in evaluation mode (dropout off) inside the block. Local."""
+        with self._mode(handle, False):
+            yield handle
+
+    @contextlib.contextmanager
+    def _mode(self, handle, training: bool):
+        before = handle.model.training
+        handle.model.train(training)
+        try:
+            yield
+        finally:
+            handle.model.train(before)
+
+    def zero_grad(self, handle: ModelHandle) -> None:
+        """Drops every gradient. Local."""
+        handle.manager.zero_grad()
+
+    def lr_scheduler_step(self, handle: ModelHandle) -> float:
+        """Advances the learning-rate schedule one step; returns the new rate. Local."""
+        handle.scheduler.step()
+        return handle.scheduler.current_lr
+
+    def save(self, handle: ModelHandle, path: str) -> None:
+        """Writes model, optimizer state, loss scale and schedule to the directory `path`
+        (`nbtrain.save_checkpoint`). Collective: every rank calls this."""
+        save_checkpoint(path, handle.model, handle.manager,
+                        step={"steps": handle.steps, "lr_scheduler": handle.scheduler.state_dict()})
+
+    def load(self, handle: ModelHandle, path: str) -> None:
+        """Restores `save`'s directory into `handle`; training then continues as the saved
+        run did. Every rank calls this."""
+        meta = load_checkpoint(path, handle.model, handle.manager)
+        saved = meta.get("step") or {}
+        if "lr_scheduler" not in saved:
+            raise ValueError(f"{path}: not a runtime checkpoint (no schedule state); save it "
+                             "with Runtime.save")
+        handle.scheduler.load_state_dict(saved["lr_scheduler"])
+        handle.steps = int(saved["steps"])

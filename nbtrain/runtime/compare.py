@@ -1,0 +1,85 @@
+"""`compare(cfg_a, cfg_b, steps, data)`: two runtimes trained on the same batches, step by
+step, loss and gradient norm side by side: how a parallel layout proves itself
+against the reference.
+
+    rows = compare(RuntimeConfig(backend="reference", backend_cfg=nb),
+                   RuntimeConfig(backend="nbtrain", backend_cfg=nb_tp2), steps=10,
+                   data=[batch0, batch1])
+    # [{"step": 0, "loss_a": ..., "loss_b": ..., "grad_norm_a": ..., "grad_norm_b": ...}, ...]
+
+Runtime a runs all its steps first, then runtime b, so two "nbtrain" layouts that need
+different process groups can be compared too.
+"""
+from __future__ import annotations
+
+from .config import RuntimeConfig
+from .contracts import PackedBatch
+from .create import create_runtime
+
+
+def train_steps(cfg: RuntimeConfig, steps: int, data: list[PackedBatch]) -> list[tuple]:
+    """(loss, grad_norm, update_successful) of `steps` training steps of a fresh model of
+    `cfg` on `data`, cycled. Collective for the "nbtrain" backend."""
+    rt = create_runtime(cfg)
+    handle = rt.build_model()
+    out = []
+    with rt.train_mode(handle):
+        for step in range(steps):
+            rt.zero_grad(handle)
+            result = rt.forward_backward(handle, data[step % len(data)])
+            ok, norm, _ = rt.optimizer_step(handle)
+            rt.lr_scheduler_step(handle)
+            out.append((result.metrics["loss"], norm, ok))
+    return out
+
+
+def max_deviation(rows: list[dict]) -> dict:
+    """The largest |loss_a - loss_b| and |grad_norm_a - grad_norm_b| over `rows`, with
+    the steps where they occur."""
+    def worst(key):
+        diffs = [(abs(r[f"{key}_a"] - r[f"{key}_b"]), r["step"]) for r in rows]
+        return max(diffs) if diffs else (0.0, None)
+
+    (loss, loss_step), (norm, norm_step) = worst("loss"), worst("grad_norm")
+    return {"loss": loss, "loss_step": loss_step, "grad_norm": norm, "grad_norm_step": norm_step}
+
+
+def format_table(rows: list[dict], names: tuple[str, str] = ("a", "b")) -> str:
+    """The rows as a text table, then the largest deviations."""
+    a, b = names
+    lines = [f"{'step':>4}  {'loss ' + a:>14}  {'loss ' + b:>14}  {'|diff|':>9}  "
+             f"{'grad_norm ' + a:>16}  {'grad_norm ' + b:>16}  {'|diff|':>9}"]
+    for r in rows:
+        lines.append(f"{r['step']:>4}  {r['loss_a']:>14.8f}  {r['loss_b']:>14.8f}  "
+                     f"{abs(r['loss_a'] - r['loss_b']):>9.2e}  {r['grad_norm_a']:>16.8f}  "
+                     f"{r['grad_norm_b']:>16.8f}  {abs(r['grad_norm_a'] - r['grad_norm_b']):>9.2e}")
+    dev = max_deviation(rows)
+    lines.append(f"largest deviation: loss {dev['loss']:.3e} (step {dev['loss_step']}), "
+                 f"grad norm {dev['grad_norm']:.3e} (step {dev['grad_norm_step']})")
+    return "\n".join(lines)
+
+
+def compare(cfg_a: RuntimeConfig, cfg_b: RuntimeConfig, steps: int,
+            data: list[PackedBatch], verbose: bool = True) -> list[dict]:
+    """Trains a fresh model of each config for `steps` steps on `data` (a list of global
+    batches, cycled) and returns one row per step: {"step", "loss_a", "loss_b",
+    "grad_norm_a", "grad_norm_b"}, the same on every rank. With `verbose`, rank 0
+    prints the table and the largest deviation.
+
+    Collective: every rank calls this with the same configs and data.
+    """
+    if steps < 1:
+        raise ValueError(f"compare: steps={steps} must be >= 1")
+    data = list(data)
+    if not data or not all(isinstance(b, PackedBatch) for b in data):
+        raise TypeError("compare: data must be a non-empty list of PackedBatch")
+    first = train_steps(cfg_a, steps, data)
+    second = train_steps(cfg_b, steps, data)
+    rows = [{"step": i, "loss_a": la, "loss_b": lb, "grad_norm_a": na, "grad_norm_b": nb}
+            for i, ((la, na, _), (lb, nb, _)) in enumerate(zip(first, second))]
+    if verbose:
+        from ..comm.context import get_context
+
+        if get_context().rank == 0:
+            print(format_table(rows, (cfg_a.backend, cfg_b.backend)), flush=True)
+    return rows

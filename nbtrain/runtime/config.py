@@ -1,0 +1,159 @@
+"""The runtime's configuration: which backend, which model, which parallel layout.
+
+    cfg = RuntimeConfig(backend="nbtrain",
+                        backend_cfg=NBConfig(model_name="gpt", model_config={"preset": "tiny"},
+                                             parallel=ParallelConfig(tp=2),
+                                             optimizer={"lr": 1e-3, "weight_decay": 0.0}))
+
+Every field is checked when the config is made (and the layout against the world size
+when `create_runtime` runs): a bad or not-yet-supported value is an error that names it
+and says what to use instead, never a silent fallback.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BACKENDS = ("nbtrain", "reference")
+MODELS = {"gpt": ("default",)}  # model name -> its implementations
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("constant", "warmup")
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout. world size = dp x tp x pp; dp is what is left.
+
+    Attributes:
+        tp: tensor-parallel ranks (attention heads and MLP columns split).
+        pp: pipeline stages.
+        ep: expert-parallel ranks (not yet supported: must be 1).
+        cp: context-parallel ranks (not yet supported: must be 1).
+        zero_level: 2 or 3, ZeRO sharding of each stage over its data-parallel ranks.
+        num_microbatches: micro-batches per step (each data-parallel rank's rows must
+            divide by it); `forward_backward(..., num_microbatches=)` overrides it.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    cp: int = 1
+    zero_level: int = 3
+    num_microbatches: int = 1
+
+    def __post_init__(self):
+        for name in ("tp", "pp", "ep", "cp", "num_microbatches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelConfig: {name}={value!r} must be a positive integer")
+        for name, what in (("ep", "expert"), ("cp", "context")):
+            if getattr(self, name) > 1:
+                raise NotImplementedError(
+                    f"ParallelConfig: {name}={getattr(self, name)}: {what} parallelism is not "
+                    f"yet supported by nbtrain.runtime; use {name}=1")
+        if self.zero_level not in (2, 3):
+            raise ValueError(f"ParallelConfig: zero_level={self.zero_level!r}: use 2 or 3")
+
+    def check_world(self, world_size: int) -> None:
+        """Raises ValueError when tp x pp does not divide `world_size`."""
+        if world_size % (self.tp * self.pp):
+            raise ValueError(
+                f"ParallelConfig: tp={self.tp} x pp={self.pp} = {self.tp * self.pp} does not "
+                f"divide the world size {world_size}: choose tp and pp whose product divides "
+                f"{world_size}, or run on a multiple of {self.tp * self.pp} ranks")
+
+
+@dataclass
+class NBConfig:
+    """Configuration of the "nbtrain" and "reference" backends.
+
+    Attributes:
+        model_name: a built-in model ("gpt").
+        impl: the model's implementation ("default").
+        model_config: GPTConfig fields; "preset" ("tiny", "small", "medium") picks a
+            size, other keys override its fields (e.g. {"preset": "tiny", "vocab_size": 64}).
+        parallel: the layout (the "reference" backend ignores it: one plain model).
+        optimizer: "name" ("adamw" default, or "sgd"), "lr", "weight_decay", and
+            "betas", "eps" (AdamW) or "momentum" (SGD).
+        lr_schedule: {"name": "constant"} or {"name": "warmup", "warmup_steps": N}
+            (the first step at lr / N, rising linearly to lr at step N, then lr).
+        clip_grad_norm: the global gradient norm is clipped to this (None: no clipping).
+        loss_scale: initial dynamic loss scale (None: no scaling; a power of two keeps
+            fp32 results exact).
+        seed: seeds the model's initialisation (the same on every rank and backend).
+    """
+
+    model_name: str = "gpt"
+    impl: str = "default"
+    model_config: dict = field(default_factory=lambda: {"preset": "tiny"})
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: dict = field(default_factory=lambda: {"lr": 1e-3, "weight_decay": 0.0})
+    lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
+    clip_grad_norm: float | None = 1.0
+    loss_scale: float | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.model_name not in MODELS:
+            raise ValueError(f"NBConfig: model_name={self.model_name!r} is not a built-in "
+                             f"model: choose one of {sorted(MODELS)}")
+        if self.impl not in MODELS[self.model_name]:
+            raise ValueError(f"NBConfig: impl={self.impl!r} for model {self.model_name!r}: "
+                             f"choose one of {list(MODELS[self.model_name])}")
+        if not isinstance(self.parallel, ParallelConfig):
+            raise TypeError(f"NBConfig: parallel must be a ParallelConfig, got "
+                            f"{type(self.parallel).__name__}")
+        name = self.optimizer.get("name", "adamw")
+        if name not in OPTIMIZERS:
+            raise ValueError(f"NBConfig: optimizer name {name!r}: choose one of {OPTIMIZERS}")
+        allowed = {"name", "lr", "weight_decay"} | (
+            {"betas", "eps"} if name == "adamw" else {"momentum"})
+        unknown = sorted(set(self.optimizer) - allowed)
+        if unknown:
+            raise ValueError(f"NBConfig: optimizer keys {unknown} are not understood for "
+                             f"{name!r}: use {sorted(allowed)}")
+        schedule = self.lr_schedule.get("name", "constant")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"NBConfig: lr_schedule name {schedule!r}: choose one of "
+                             f"{SCHEDULES}")
+        if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
+            raise ValueError(f"NBConfig: clip_grad_norm={self.clip_grad_norm} must be > 0 "
+                             "(or None for no clipping)")
+
+    def gpt_config(self):
+        """The GPTConfig `model_config` describes."""
+        from ..models.gpt import GPTConfig
+
+        fields = dict(self.model_config)
+        preset = fields.pop("preset", None)
+        return GPTConfig.preset(preset, **fields) if preset else GPTConfig(**fields)
+
+
+@dataclass
+class RuntimeConfig:
+    """Which backend runs the model, and its configuration.
+
+    Attributes:
+        backend: "nbtrain" (ZeRO, tensor and pipeline parallel per
+            `backend_cfg.parallel`) or "reference" (one plain PyTorch model on the whole
+            batch, computed the same way on every rank: the baseline).
+        hf_path: a local Hugging Face folder to load weights from (not yet supported
+            for the built-in GPT: must be None).
+        backend_cfg: an NBConfig.
+    """
+
+    backend: str = "nbtrain"
+    hf_path: str | None = None
+    backend_cfg: NBConfig = field(default_factory=NBConfig)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"RuntimeConfig: backend={self.backend!r}: choose one of "
+                             f"{BACKENDS}")
+        if not isinstance(self.backend_cfg, NBConfig):
+            raise TypeError(f"RuntimeConfig: backend_cfg must be an NBConfig, got "
+                            f"{type(self.backend_cfg).__name__}")
+        if self.hf_path is not None:
+            raise NotImplementedError(
+                f"RuntimeConfig: hf_path={self.hf_path!r}: loading Hugging Face weights into "
+                f"the built-in {self.backend_cfg.model_name!r} model is not yet supported; "
+                "use hf_path=None (the model is initialised from NBConfig.seed)")

@@ -1,0 +1,98 @@
+"""Rank functions for test_runtime.py: nbtrain.runtime's layouts against its reference."""
+import torch
+
+VOCAB, SEQ = 64, 16
+MODEL = {"preset": "tiny", "vocab_size": VOCAB, "seq_len": SEQ}
+OPTIMIZERS = {
+    # Adam divides by sqrt(v) + eps: a gradient element near 1e-9, whose sum over the
+    # data-parallel ranks differs from the reference's in the last bits, moves by up to
+    # lr * 1e-10 / eps; eps = 1e-6 keeps that far below the 1e-5 tolerance.
+    "adamw": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
+    "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
+}
+
+
+def batches(count=2, rows=4, seed=0):
+    """`count` global batches of random documents packed into `rows` rows of SEQ tokens."""
+    from nbtrain.runtime.validate import synthetic_batches
+
+    return synthetic_batches(count, rows, SEQ, VOCAB, seed)
+
+
+def configs(optimizer="adamw", **parallel):
+    from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig
+
+    nb = dict(model_config=MODEL, optimizer=OPTIMIZERS[optimizer], clip_grad_norm=1.0,
+              lr_schedule={"name": "warmup", "warmup_steps": 2})
+    ref = RuntimeConfig("reference", backend_cfg=NBConfig(**nb))
+    mine = RuntimeConfig("nbtrain", backend_cfg=NBConfig(
+        **nb, parallel=ParallelConfig(**parallel)))
+    return ref, mine
+
+
+def parity(cases, steps):
+    """compare(reference, nbtrain layout) for each (optimizer, parallel kwargs) case, in
+    one launch: {case index: rows}."""
+    from nbtrain.runtime import compare
+
+    data = batches()
+    return {i: compare(*configs(opt, **par), steps=steps, data=data, verbose=False)
+            for i, (opt, par) in enumerate(cases)}
+
+
+def resume(backend, parallel, path, steps=4):
+    """(loss, grad norm) of `steps` steps in one go, and of steps/2, save, a fresh model,
+    load, steps/2 more: they must be equal."""
+    from nbtrain.runtime import create_runtime
+
+    ref, mine = configs("adamw", **parallel)
+    cfg = ref if backend == "reference" else mine
+    data = batches()
+
+    def run(handle, rt, first, count):
+        out = []
+        for step in range(first, first + count):
+            rt.zero_grad(handle)
+            result = rt.forward_backward(handle, data[step % len(data)])
+            ok, norm, _ = rt.optimizer_step(handle)
+            rt.lr_scheduler_step(handle)
+            out.append((result.metrics["loss"], norm))
+        return out
+
+    rt = create_runtime(cfg)
+    whole = run(rt.build_model(), rt, 0, steps)
+    rt = create_runtime(cfg)
+    handle = rt.build_model()
+    half = run(handle, rt, 0, steps // 2)
+    rt.save(handle, path)
+    rt = create_runtime(cfg)
+    fresh = rt.build_model()
+    rt.load(fresh, path)
+    return {"whole": whole, "resumed": half + run(fresh, rt, steps // 2, steps - steps // 2),
+            "steps": fresh.steps}
+
+
+def contract_example():
+    """The issue's example, as written, with the "nbtrain" backend at tp=2."""
+    from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
+    from nbtrain.runtime.contracts import ForwardResult
+
+    data = batches(count=1)[0]
+    cfg = RuntimeConfig(backend="nbtrain", hf_path=None,
+                        backend_cfg=NBConfig(model_name="gpt", model_config=MODEL,
+                                             parallel=ParallelConfig(tp=2)))
+    rt = create_runtime(cfg)
+    handle = rt.build_model()
+    with rt.train_mode(handle):
+        rt.zero_grad(handle)
+        result = rt.forward_backward(handle, data, loss_fn=None, num_microbatches=2)
+        ok, grad_norm, num_zeros = rt.optimizer_step(handle)
+        lr = rt.lr_scheduler_step(handle)
+        with rt.eval_mode(handle):
+            modes = [handle.model.training]
+        modes.append(handle.model.training)
+    assert isinstance(result, ForwardResult)
+    return {"loss": result.metrics["loss"], "tokens": result.metrics["tokens"],
+            "expected_tokens": int((data.labels != -100).sum()),
+            "token_losses": result.token_losses, "labelled": data.labels != -100, "ok": ok, "grad_norm": grad_norm,
+            "num_zeros": num_zeros, "lr": lr, "modes": modes}
