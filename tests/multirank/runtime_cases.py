@@ -19,10 +19,11 @@ def batches(count=2, rows=4, seed=0):
     return synthetic_batches(count, rows, SEQ, VOCAB, seed)
 
 
-def configs(optimizer="adamw", **parallel):
+def configs(optimizer="adamw", untied=False, **parallel):
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig
 
-    nb = dict(model_config=MODEL, optimizer=OPTIMIZERS[optimizer], clip_grad_norm=1.0,
+    model = {**MODEL, "tie_embeddings": False} if untied else MODEL
+    nb = dict(model_config=model, optimizer=OPTIMIZERS[optimizer], clip_grad_norm=1.0,
               lr_schedule={"name": "warmup", "warmup_steps": 2})
     ref = RuntimeConfig("reference", backend_cfg=NBConfig(**nb))
     mine = RuntimeConfig("nbtrain", backend_cfg=NBConfig(

@@ -1,5 +1,6 @@
 """nbtrain.runtime on real gloo ranks: the "nbtrain" backend at dp=2 ZeRO-3 (and ZeRO-2),
-tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2 and pp 2 x dp 2 at world 4, against
+tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (untied
+embedding: tied, it is refused at create time) at world 4, against
 the "reference" backend through `compare`: 5 steps, AdamW and SGD with momentum, loss
 and gradient norm within 1e-5 at every step, the same rows on every rank. Then a
 save/load resume that continues exactly, the issue's contract example, and the
@@ -17,12 +18,14 @@ STEPS = 5
 WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}),
           ("adamw", {"tp": 2}), ("sgd", {"tp": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2})]
-WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2})]
+WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
+          ("adamw", {"tp": 2, "pp": 2, "num_microbatches": 2, "untied": True})]
 
 
 def _name(case):
     opt, par = case
-    return opt + "-" + ("-".join(f"{k}{v}" for k, v in par.items()) or "dp")
+    return opt + "-" + ("-".join(f"{k}{v}" for k, v in par.items() if k != "untied")
+                        or "dp") + ("-untied" if par.get("untied") else "")
 
 
 @pytest.fixture(scope="module")
