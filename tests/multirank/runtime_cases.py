@@ -24,7 +24,7 @@ def configs(optimizer="adamw", untied=False, **parallel):
 
     model = {**MODEL, "tie_embeddings": False} if untied else MODEL
     nb = dict(model_config=model, optimizer=OPTIMIZERS[optimizer], clip_grad_norm=1.0,
-              lr_schedule={"name": "warmup", "warmup_steps": 2})
+              lr_schedule={"name": "warmup", "warmup_steps": 4})
     ref = RuntimeConfig("reference", backend_cfg=NBConfig(**nb))
     mine = RuntimeConfig("nbtrain", backend_cfg=NBConfig(
         **nb, parallel=ParallelConfig(**parallel)))
@@ -36,12 +36,30 @@ def parity(cases, steps):
     one launch: {case index: rows}."""
     from nbtrain.runtime import compare
 
-    data = batches()
-    return {i: compare(*configs(opt, **par), steps=steps, data=data, verbose=False)
-            for i, (opt, par) in enumerate(cases)}
+    out = {}
+    for i, (opt, par) in enumerate(cases):
+        par = dict(par)
+        data = weighted(batches()) if par.pop("weighted", False) else batches()
+        out[i] = compare(*configs(opt, **par), steps=steps, data=data, verbose=False)
+    return out
 
 
-def resume(backend, parallel, path, steps=4):
+def weighted(data):
+    """The batches with random per-token loss weights in [0, 2)."""
+    g = torch.Generator().manual_seed(5)
+    for b in data:
+        b.loss_weights = 2 * torch.rand(b.input_ids.shape, generator=g)
+    return data
+
+
+def doubled_cross_entropy(logits, labels):
+    """A custom loss_fn: twice the default per-token cross-entropy."""
+    from nbtrain.runtime.base import token_cross_entropy
+
+    return 2 * token_cross_entropy(logits, labels)
+
+
+def resume(backend, parallel, path, steps=6):
     """(loss, grad norm) of `steps` steps in one go, and of steps/2, save, a fresh model,
     load, steps/2 more: they must be equal."""
     from nbtrain.runtime import create_runtime
@@ -92,8 +110,13 @@ def contract_example():
         with rt.eval_mode(handle):
             modes = [handle.model.training]
         modes.append(handle.model.training)
+    rt.zero_grad(handle)
+    plain = rt.forward_backward(handle, data).metrics["loss"]
+    rt.zero_grad(handle)
+    doubled = rt.forward_backward(handle, data, loss_fn=doubled_cross_entropy).metrics["loss"]
     assert isinstance(result, ForwardResult)
     return {"loss": result.metrics["loss"], "tokens": result.metrics["tokens"],
             "expected_tokens": int((data.labels != -100).sum()),
             "token_losses": result.token_losses, "labelled": data.labels != -100, "ok": ok, "grad_norm": grad_norm,
-            "num_zeros": num_zeros, "lr": lr, "modes": modes}
+            "num_zeros": num_zeros, "lr": lr, "modes": modes,
+            "plain": plain, "doubled": doubled}

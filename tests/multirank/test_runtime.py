@@ -1,7 +1,8 @@
 """nbtrain.runtime on real gloo ranks: the "nbtrain" backend at dp=2 ZeRO-3 (and ZeRO-2),
 tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (untied
 embedding: tied, it is refused at create time) at world 4, against
-the "reference" backend through `compare`: 5 steps, AdamW and SGD with momentum, loss
+the "reference" backend through `compare` (one case with per-token loss weights): 5 steps,
+AdamW and SGD with momentum, loss
 and gradient norm within 1e-5 at every step, the same rows on every rank. Then a
 save/load resume that continues exactly, the issue's contract example, and the
 `nbtrain validate` command."""
@@ -15,7 +16,7 @@ from ranks import run_ranks
 from runtime_cases import contract_example, parity, resume
 
 STEPS = 5
-WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}),
+WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
           ("adamw", {"tp": 2}), ("sgd", {"tp": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2})]
 WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
@@ -24,8 +25,9 @@ WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
 
 def _name(case):
     opt, par = case
-    return opt + "-" + ("-".join(f"{k}{v}" for k, v in par.items() if k != "untied")
-                        or "dp") + ("-untied" if par.get("untied") else "")
+    flags = [k for k in ("untied", "weighted") if par.get(k)]
+    sizes = [f"{k}{v}" for k, v in par.items() if k not in flags] or ["dp"]
+    return "-".join([opt, *sizes, *flags])
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +70,7 @@ def test_save_load_resumes_identically(tmp_path, backend, parallel):
     out = run_ranks(resume, 2, backend, parallel, str(tmp_path / "ckpt"), timeout_s=300)
     for o in out:
         assert o["resumed"] == o["whole"], o  # bitwise: same losses and grad norms
-        assert o["steps"] == 4  # 2 saved, 2 after the load
+        assert o["steps"] == 6  # 3 saved, 3 after the load
     assert out[0] == out[1]
 
 
@@ -84,6 +86,7 @@ def test_contract_example_runs():
         assert losses.shape == labelled.shape
         assert (losses[~labelled] == 0).all() and (losses[labelled] > 0).all()
         assert losses[labelled].mean().item() == pytest.approx(o["loss"], abs=1e-6)
+        assert o["doubled"] == pytest.approx(2 * o["plain"], rel=1e-6)  # a custom loss_fn
 
 
 def test_validate_command_prints_the_table():
