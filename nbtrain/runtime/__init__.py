@@ -16,7 +16,12 @@ reference to check them against (Bumblebee's runtime API).
     rows = compare(reference_cfg, cfg, steps=10, data=[batch])  # per-step loss, grad norm
 
 Read config.py (what can be configured), contracts.py (the batch and result types),
-base.py, reference.py and nbtrain_backend.py (the two backends), compare.py.
+create.py, base.py, reference.py and nbtrain_backend.py (the two backends), compare.py
+and validate.py (`nbtrain validate`).
+
+Not yet: attention masked per document (a packed row is one causal sequence, positions
+0..seq_len-1; the loss is taken within documents only), Hugging Face weights (hf_path),
+expert and context parallelism, model registration, tp x pp with the tied embedding.
 """
 from .compare import compare
 from .config import NBConfig, ParallelConfig, RuntimeConfig

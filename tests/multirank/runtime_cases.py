@@ -40,7 +40,11 @@ def parity(cases, steps):
     for i, (opt, par) in enumerate(cases):
         par = dict(par)
         data = weighted(batches()) if par.pop("weighted", False) else batches()
-        out[i] = compare(*configs(opt, **par), steps=steps, data=data, verbose=False)
+        scaled = par.pop("scaled", False)
+        cfgs = configs(opt, **par)
+        for cfg in cfgs if scaled else ():
+            cfg.backend_cfg.loss_scale = 2.0 ** 12  # a power of two: exact in fp32
+        out[i] = compare(*cfgs, steps=steps, data=data, verbose=False)
     return out
 
 
