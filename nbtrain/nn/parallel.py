@@ -284,9 +284,10 @@ class VPEmbedding(_FullStateDict, nn.Module):
             return tp_comm.reduce_scatter_rows(rows)
         return tp_comm.reduce_to_tp(rows)
 
-    def _project(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+    def _project(self, x: torch.Tensor, sequence_parallel: bool,
+                 weight: torch.Tensor | None = None) -> torch.Tensor:
         x = tp_comm.gather_rows(x) if sequence_parallel else tp_comm.copy_to_tp(x)
-        logits = F.linear(x, self.weight)
+        logits = F.linear(x, self.weight if weight is None else weight)
         valid = self.vocab_size - self.start
         if valid < self.per_rank:  # this rank holds padding columns
             mask = torch.arange(self.per_rank, device=logits.device) >= valid

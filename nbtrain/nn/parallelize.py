@@ -122,7 +122,10 @@ class TiedProjection(_FullStateDict, nn.Module):
         self._setup_full_state_dict()
 
     def forward(self, x):
-        logits = self._embedding(x, projection=True, sequence_parallel=self.sequence_parallel)
+        # This module's own `weight`, not the embedding's: where the two ends sit on
+        # different pipeline stages, or wrap() shards it, only this one is the
+        # parameter trained here (and, sharded, the gathered tensor of this forward).
+        logits = self._embedding._project(x, self.sequence_parallel, weight=self.weight)
         return tp_comm.gather_last(logits)[..., :self._embedding.vocab_size]
 
 

@@ -147,7 +147,7 @@ def blocklist_script(pipe, zero_level, optimizer):
             "reductions": sum(e["kind"] == "reduce_scatter" for e in blocks)}
 
 
-def gpt_pipeline(pipe, schedule, optimizer, tp=1):
+def gpt_pipeline(pipe, schedule, optimizer, tp=1, zero_level=None):
     """A GPT whose token embedding is also its output projection, cut into `pipe` stages
     (the two ends on different stages) and, with tp > 1, tensor-parallelised first;
     10 steps against the GPT on one process. Compares this stage's parameters, gathered
@@ -155,7 +155,7 @@ def gpt_pipeline(pipe, schedule, optimizer, tp=1):
     import nbtrain
 
     nbtrain.init_distributed(tp_size=tp, pipe_size=pipe)
-    return _gpt_parity(schedule, optimizer, tp=tp)
+    return _gpt_parity(schedule, optimizer, zero_level=zero_level, tp=tp)
 
 
 def gpt_pipe_by_data_parallel(pipe, cases):
