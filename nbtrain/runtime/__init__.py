@@ -21,7 +21,7 @@ and validate.py (`nbtrain validate`).
 
 Not yet: attention masked per document (a packed row is one causal sequence, positions
 0..seq_len-1; the loss is taken within documents only), Hugging Face weights (hf_path),
-expert and context parallelism, model registration, tp x pp with the tied embedding.
+expert and context parallelism, model registration.
 """
 from .compare import compare
 from .config import NBConfig, ParallelConfig, RuntimeConfig

@@ -1,6 +1,6 @@
 """nbtrain.runtime on real gloo ranks: the "nbtrain" backend at dp=2 ZeRO-3 (and ZeRO-2),
-tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (untied
-embedding: tied, it is refused at create time) at world 4, against the "reference"
+tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (tied
+and untied embedding) at world 4, against the "reference"
 backend through `compare` (one case with per-token loss weights, one with a loss scale):
 5 steps, AdamW and SGD with momentum, loss and gradient norm within 1e-5 at every step,
 the same rows on every rank. Then a save/load resume that continues exactly, the
@@ -20,7 +20,8 @@ WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"we
           ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2, "scaled": True})]
 WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
-          ("adamw", {"tp": 2, "pp": 2, "num_microbatches": 2, "untied": True})]
+          ("adamw", {"tp": 2, "pp": 2, "num_microbatches": 2}),
+          ("sgd", {"tp": 2, "pp": 2, "num_microbatches": 2, "untied": True})]
 
 
 def _name(case):

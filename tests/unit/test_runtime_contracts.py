@@ -91,14 +91,12 @@ def test_micro_batches_must_divide_the_rows():
     (lambda: NBConfig(optimizer={"name": "sgd", "betas": (0.9, 0.99)}), ValueError,
      r"\['betas'\] are not understood for 'sgd'"),
     (lambda: NBConfig(lr_schedule={"name": "cosine"}), ValueError, r"'cosine'.*warmup"),
-    (lambda: NBConfig(parallel=ParallelConfig(tp=2, pp=2)), NotImplementedError,
-     r"tp=2 with pp=2 and the GPT's tied embedding.*tie_embeddings=False"),
     (lambda: NBConfig(clip_grad_norm=0), ValueError, r"clip_grad_norm=0 must be > 0"),
     (lambda: create_runtime(RuntimeConfig(backend_cfg=NBConfig(
         parallel=ParallelConfig(tp=4)))), ValueError,
      r"tp=4 x pp=1 = 4 does not divide the world size 1"),
 ], ids=["backend", "model", "impl", "ep", "cp", "tp0", "zero_level", "hf_path", "optimizer",
-        "optimizer_key", "schedule", "tied_tp_pp", "clip", "world"])
+        "optimizer_key", "schedule", "clip", "world"])
 def test_config_errors_name_the_value_and_the_fix(make, error, match, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     with pytest.raises(error, match=match):
