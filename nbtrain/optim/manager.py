@@ -117,21 +117,26 @@ class OptimManager:
         """[sharded part, replicated part] of sum |g|^p (or max for inf) on this rank.
 
         Each element of the model counts once: ZeRO shards on every rank, tensor-
-        parallel slices on the first data-parallel replica, replicated parameters on
-        rank 0."""
+        parallel slices on the first data-parallel replica, a pipeline stage's
+        replicated parameters on the stage's first rank (a tied parameter on its first
+        stage), other replicated parameters on rank 0."""
         ctx = get_context()
         out = torch.zeros(2, dtype=torch.float32, device=ctx.device)
-        dp_rank = ctx.topology.dp_rank
+        dp_rank, tp_rank = ctx.topology.dp_rank, ctx.topology.tp_rank
         for p in params:
             g = param_grad(p)
-            if g is None:
-                continue
+            if g is None or getattr(p, "_nbtrain_norm_skip", False):
+                continue  # (a tied parameter's copy on a later pipeline stage)
             if _is_sharded(p):
                 part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
             elif getattr(p, "tp_split_dim", None) is not None:
                 if dp_rank != 0:
                     continue  # a tensor-parallel slice: counted by its first replica only
                 part = 0      # ... and summed over the tp ranks, each holding one slice
+            elif getattr(p, "_nbtrain_stage_replica", False):
+                if dp_rank != 0 or tp_rank != 0:
+                    continue  # held by its pipeline stage's ranks: counted by the first
+                part = 0
             else:
                 part = 1
             g = g.detach().float()

@@ -26,9 +26,11 @@ transfer with its bytes.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ..comm import collectives as C, events
 from ..comm.context import get_context
+from ..comm.topology import ALONE
 from ..zero.accumulate import micro_batches
 from ..zero.parameter import DistributedParameter
 from .interleaved import Interleaved
@@ -170,6 +172,20 @@ def _sum_tied_grads(ties) -> None:
             params[0].grad.copy_(total)
 
 
+def _mark_for_norms(chunks, ties) -> None:
+    """Marks what a global gradient norm (`OptimManager.clip_grad_norm`) must count
+    once: a stage's replicated parameters are held by that stage's ranks only (not by
+    every rank of the world), and the copies of a tied parameter after the first repeat
+    it (once summed, every stage holds the same gradient)."""
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p._nbtrain_stage_replica = True
+    for group, params in ties:
+        first = group is None or group is ALONE or dist.get_rank(group) == 0
+        for i, p in enumerate(params):
+            p._nbtrain_norm_skip = not first or i > 0
+
+
 def _name_the_stage(exc: BaseException, state: "_Stage", kind: str, micro: int,
                     chunk: int | None = None) -> None:
     """Notes on the error which stage raised, and where in the schedule."""
@@ -212,6 +228,7 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
         _check_owned(chunk)
     ties = _ties_of(chunks)
     _check_ties(ties)
+    _mark_for_norms(chunks, ties)
     if chunked:
         state = Interleaved(stage, inputs, targets, loss_fn)
         steps = state.order()

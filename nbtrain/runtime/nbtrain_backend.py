@@ -19,7 +19,6 @@ import math
 import torch
 
 from ..comm import collectives as C
-from ..optim.adam import param_grad
 from ..optim.manager import OptimManager
 from .base import Runtime, labelled_weight, token_cross_entropy
 from .contracts import ForwardResult, ModelHandle, PackedBatch
@@ -131,25 +130,10 @@ class NBTrainRuntime(Runtime):
         Collective: every rank calls this.
         """
         self._topology(handle)
-        manager = handle.manager
-        stage = handle.model
-        tied = set(getattr(stage, "tied_names", {}))
-        counted = [p for name, p in stage.named_parameters() if name not in tied]
-        if self.nb.parallel.pp > 1:
-            # A weight tied across stages (the embedding and the output projection) has a
-            # copy on each: the norm counts one. A norm over every parameter first makes
-            # every rank take the overflow verdict from a norm (a rank whose `counted`
-            # misses a copy would otherwise check overflow alone, a collective the
-            # others never join); its value, which counts the tied weight twice, is dropped.
-            manager.clip_grad_norm(math.inf)
-        # max_norm=inf: the norm (and unscaling) without clipping; clipping below covers
-        # the tied copies too.
-        norm = manager.clip_grad_norm([{"params": counted}], math.inf)
-        clip = self.nb.clip_grad_norm
-        if clip is not None and math.isfinite(norm) and clip / (norm + 1e-6) < 1.0:
-            grads = [g for g in (param_grad(p) for p in stage.parameters()) if g is not None]
-            torch._foreach_mul_(grads, clip / (norm + 1e-6))
-        ok = manager.step()
+        # OptimManager counts each element once: a weight tied across pipeline stages
+        # on its first stage only, a stage's replicated parameters on one of its ranks.
+        norm = handle.manager.clip_grad_norm(self.nb.clip_grad_norm or math.inf)
+        ok = handle.manager.step()
         if ok:
             handle.steps += 1
         return ok, norm, None

@@ -42,7 +42,7 @@ def parity(pipe, schedule, optimizer, zero_level=None):
         stage = nbtrain.wrap(stage, zero_level=zero_level)
     opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
     gen = torch.Generator().manual_seed(1)
-    loss_err, peak = 0.0, 0
+    loss_err, peak, norm_err = 0.0, 0, 0.0
     for step in range(STEPS):
         x = torch.randn(BATCH * dp, 6, generator=gen)
         y = torch.randn(BATCH * dp, 5, generator=gen)
@@ -55,6 +55,7 @@ def parity(pipe, schedule, optimizer, zero_level=None):
                               F.mse_loss, schedule=schedule, stats=stats)
         telemetry.set_enabled(False)
         peak = max(peak, stats["live_peak"])
+        norm_err = max(norm_err, _norm_error(plain, opts[1]))
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -66,9 +67,23 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     want = [v for i in mine for v in plain[i].state_dict().values()]
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
     kinds = [e["kind"] for e in telemetry.RECORDER.snapshot() if e["type"] == "comm"]
-    return {"loss": loss_err, "params": param_err, "peak": peak, "layers": list(mine),
+    return {"loss": loss_err, "params": param_err, "peak": peak, "norm": norm_err,
+            "layers": list(mine),
             "n": (len(got), len(want)), "flat_groups": len(_flat(stage)),
             "gathers": kinds.count("all_gather"), "reductions": kinds.count("reduce_scatter")}
+
+
+def _norm_error(plain, opt):
+    """|OptimManager's global gradient norm of the pipelined model - the plain model's|
+    (each element counted once: a stage's replicated parameters by one of its ranks,
+    a tied parameter once). Collective."""
+    import nbtrain
+
+    manager = nbtrain.optim.OptimManager()
+    manager.add_optimizer(opt)
+    ours = manager.clip_grad_norm(1e9)  # a bound never reached: the norm alone
+    theirs = torch.nn.utils.clip_grad_norm_(plain.parameters(), 1e9).item()
+    return abs(ours - theirs)
 
 
 def _flat(stage):
@@ -217,7 +232,7 @@ def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
     eps = 1e-6 if dp > 1 else 1e-8
     opts = [_optimizer(plain.parameters(), optimizer, eps), _optimizer(params, optimizer, eps)]
     gen = torch.Generator().manual_seed(2)
-    loss_err, micro = 0.0, MICRO
+    loss_err, micro, norm_err = 0.0, MICRO, 0.0
 
     def loss_fn(logits, target):
         return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), target.reshape(-1))
@@ -230,6 +245,7 @@ def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
         mine_idx, mine_target = idx.chunk(dp)[d], target.chunk(dp)[d]  # this replica's rows
         losses = pipeline.run(stage, list(mine_idx.chunk(micro)), list(mine_target.chunk(micro)),
                               loss_fn, schedule=schedule)
+        norm_err = max(norm_err, _norm_error(plain, opts[1]))
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -246,4 +262,5 @@ def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
         state = {k: v for c in chunks for k, v in c.state_dict().items()}
         names = list(state)
     param_err = max((state[n] - ref_state[n]).abs().max().item() for n in names)
-    return {"loss": loss_err, "params": param_err, "checked": len(names), "ties": ties}
+    return {"loss": loss_err, "params": param_err, "checked": len(names), "ties": ties,
+            "norm": norm_err}

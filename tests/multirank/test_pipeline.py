@@ -18,7 +18,7 @@ def test_pipeline_matches_one_plain_process(pipe, schedule, optimizer):
     assert covered == list(range(6)), covered  # every layer on exactly one stage
     for stage, o in enumerate(out):
         assert o["n"][0] == o["n"][1] > 0, (stage, o)
-        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (stage, o)
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (stage, o)
         # activations held at once: 1F1B at most P - s, GPipe all M
         assert o["peak"] == (MICRO if schedule == "gpipe" else min(pipe - stage, MICRO)), \
             (stage, o)
@@ -30,7 +30,7 @@ def test_zero_inside_stages_and_pipe_by_data_parallel(world, pipe, zero_level, o
                                                       schedule):
     out = run_ranks(parity, world, pipe, schedule, optimizer, zero_level, timeout_s=180)
     for rank, o in enumerate(out):
-        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (rank, o)
         # Over the step's micro-batches each flat group gathers once and reduces once
         # (not once per micro-batch, twice for ZeRO-3's gathers); a stage of one rank
         # sends nothing.
@@ -75,7 +75,7 @@ def test_gpt_with_tied_embeddings_across_stages(pipe, schedule, optimizer):
     out = run_ranks(gpt_pipeline, pipe, pipe, schedule, optimizer, timeout_s=180)
     assert [o["ties"] for o in out] == [1] + [0] * (pipe - 2) + [1], out
     for stage, o in enumerate(out):
-        assert o["loss"] < 1e-5 and o["params"] < 1e-5, (stage, o)
+        assert o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (stage, o)
 
 
 @pytest.mark.parametrize("optimizer,zero_level", [("adamw", None), ("sgd", None),
@@ -87,7 +87,7 @@ def test_pipe_by_tensor_parallel_at_world_4(optimizer, zero_level):
 
     for rank, o in enumerate(run_ranks(gpt_pipeline, 4, 2, "1f1b", optimizer, 2, zero_level,
                                        timeout_s=180)):
-        assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5, (rank, o)
+        assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (rank, o)
 
 
 GPT_DP_CASES = [("1f1b", "adamw", 3), ("1f1b", "sgd", 3), ("gpipe", "sgd", 2),
@@ -113,7 +113,7 @@ def test_gpt_with_tied_embeddings_across_stages_by_data_parallel(gpt_pp2_dp2, ca
         # the embedding's stage and the head's (interleaved: chunk 0 of rank 0, chunk 1
         # of rank 1) each hold the tie
         assert r["ties"] == 1 and r["checked"] > 0, (rank, r)
-        assert r["loss"] < 1e-5 and r["params"] < 1e-5, (rank, schedule, r)
+        assert r["loss"] < 1e-5 and r["params"] < 1e-5 and r["norm"] < 1e-5, (rank, schedule, r)
 
 
 def test_an_unwrapped_tied_stage_by_data_parallel_is_refused(gpt_pp2_dp2):
