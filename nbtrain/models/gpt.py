@@ -2,6 +2,12 @@
 
 Plain PyTorch: `wrap(GPT(cfg))` shards it, `GPT(cfg)` alone is the single-process
 reference every sharded result is compared with.
+
+Packed documents: `model(idx, position_ids)` with position_ids (rows, seq) restarting
+at 0 where each document starts (Hugging Face's packing convention) embeds each
+document's positions from 0 and masks attention causally within each document, so a
+row of packed documents computes what the documents would one by one. Without
+position_ids a row is one causal sequence (the `is_causal` fast path).
 """
 from __future__ import annotations
 
@@ -40,6 +46,42 @@ class GPTConfig:
         return cls(**{**sizes[name], **overrides})
 
 
+def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """Where each token may attend in rows of packed documents.
+
+    Args:
+        position_ids: int (rows, seq), 0 where a document starts, on any device.
+
+    Returns:
+        bool (rows, 1, seq, seq) on position_ids' device: [r, 0, i, j] is True where
+        j <= i and tokens i and j are in the same document (a document's id is the
+        number of position-0 starts up to it along its row). Local.
+    """
+    doc = (position_ids == 0).cumsum(dim=1)
+    t = position_ids.shape[1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((doc.unsqueeze(2) == doc.unsqueeze(1)) & causal).unsqueeze(1)
+
+
+def causal_attention(q, k, v, position_ids=None, dropout_p: float = 0.0):
+    """Scaled dot-product attention of q, k, v (rows, heads, seq, head_dim): causal over
+    each row, or with position_ids (rows, seq) causal within each packed document."""
+    if position_ids is None:  # one sequence per row: the fused causal kernel, no mask
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout_p)
+    mask = document_causal_mask(position_ids.to(q.device, non_blocking=True))
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
+
+
+def check_position_ids(position_ids, idx):
+    """Raises if position_ids (when given) is not an integer tensor shaped like idx."""
+    if position_ids is None:
+        return
+    if position_ids.dtype.is_floating_point or tuple(position_ids.shape) != tuple(idx.shape):
+        raise ValueError(f"position_ids must be integers shaped like the token ids "
+                         f"{tuple(idx.shape)}; got {position_ids.dtype} of shape "
+                         f"{tuple(position_ids.shape)}")
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -47,13 +89,27 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)  # a key bias has no gradient
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
-    def forward(self, x):
+    def forward(self, x, position_ids=None):
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
+        y = causal_attention(q, k, v, position_ids,
+                             dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+def embed(tok: nn.Module, pos: nn.Module, idx, position_ids=None):
+    """Token plus position embeddings (rows, seq, hidden): positions 0..seq-1 on every
+    row, or position_ids (each packed document's from 0)."""
+    if position_ids is None:
+        return tok(idx) + pos(torch.arange(idx.shape[1], device=idx.device))
+    x = tok(idx)
+    if x.shape[0] != position_ids.shape[0]:
+        raise NotImplementedError(
+            "position_ids with the sequence-parallel tensor-parallel layout (the token "
+            "embedding returns this rank's rows only): use gpt_plan(cfg) without "
+            "sequence_parallel for packed documents")
+    return x + pos(position_ids)
 
 
 class TransformerLayer(nn.Module):
@@ -65,13 +121,17 @@ class TransformerLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden), nn.GELU(),
                                  nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden))
 
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x, position_ids=None):
+        # Without position_ids the call is the one-argument call it always was, so an
+        # attention swapped in by other code (benchmarks) keeps working.
+        h = self.ln1(x)
+        x = x + (self.attn(h) if position_ids is None else self.attn(h, position_ids))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
-    """Token ids (B, T) int64 -> logits (B, T, vocab)."""
+    """Token ids (B, T) int64, optional position_ids (B, T) int64 (packed documents, see
+    the module docstring) -> logits (B, T, vocab)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -97,21 +157,24 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx):
+    def forward(self, idx, position_ids=None):
         if idx.dtype.is_floating_point or idx.dim() != 2:
             raise TypeError(f"GPT takes token ids of shape (batch, seq) and an integer dtype; "
                             f"got {idx.dtype} of shape {tuple(idx.shape)}")
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={self.cfg.seq_len}")
+        check_position_ids(position_ids, idx)
         # Token ids from anywhere (a CPU data loader) meet the weights on their device.
         idx = idx.to(self.tok.weight.device, non_blocking=True)
-        x = self.tok(idx) + self.pos(torch.arange(t, device=idx.device))
+        if position_ids is not None:
+            position_ids = position_ids.to(idx.device, non_blocking=True)
+        x = embed(self.tok, self.pos, idx, position_ids)
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x) if position_ids is None else layer(x, position_ids)
         return self.head(self.ln_f(x))
 
-    def loss(self, idx, target):
-        logits = self(idx)
+    def loss(self, idx, target, position_ids=None):
+        logits = self(idx, position_ids)
         target = target.to(logits.device, non_blocking=True)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))

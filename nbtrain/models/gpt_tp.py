@@ -13,13 +13,12 @@ come back full-width.
 """
 from __future__ import annotations
 
-import torch.nn.functional as F
 from torch import nn
 
 from ..comm.context import get_context
 from ..nn.parallel import ColumnParallelLinear, _slice_param
 from ..nn.parallelize import Plan, _quietly, row_from
-from .gpt import GPTConfig
+from .gpt import GPTConfig, causal_attention
 
 
 class TensorParallelAttention(nn.Module):
@@ -44,19 +43,22 @@ class TensorParallelAttention(nn.Module):
         self.qkv = layer.to(qkv.weight.device)
         self.proj = row_from(attention.proj, all_reduce_output=not sequence_parallel)
 
-    def forward(self, x):
-        return local_heads_attention(self, x)
+    def forward(self, x, position_ids=None):
+        return local_heads_attention(self, x, position_ids)
 
 
-def local_heads_attention(attn: nn.Module, x):
+def local_heads_attention(attn: nn.Module, x, position_ids=None):
     """Causal attention over this rank's heads: `attn.qkv(x)` gives (b, t, 3 * c / tp),
-    this rank's q, k and v heads back to back; `attn.proj` takes their outputs."""
+    this rank's q, k and v heads back to back; `attn.proj` takes their outputs.
+    position_ids (b, t), 0 where each packed document starts, confine each token to
+    its own document (every tp rank passes the same, whole-batch ids: attention sees
+    all rows, sequence parallel included)."""
     local = attn.qkv(x)  # all rows (sequence parallel: gathered from the token slices)
     b, t, _ = local.shape
     q, k, v = local.split(local.shape[-1] // 3, dim=2)
     q, k, v = (z.view(b, t, attn.heads, -1).transpose(1, 2) for z in (q, k, v))
-    y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                       dropout_p=attn.dropout if attn.training else 0.0)
+    y = causal_attention(q, k, v, position_ids,
+                         dropout_p=attn.dropout if attn.training else 0.0)
     return attn.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
