@@ -19,9 +19,12 @@ Read config.py (what can be configured), contracts.py (the batch and result type
 create.py, base.py, reference.py and nbtrain_backend.py (the two backends), compare.py
 and validate.py (`nbtrain validate`).
 
-Not yet: attention masked per document (a packed row is one causal sequence, positions
-0..seq_len-1; the loss is taken within documents only), Hugging Face weights (hf_path),
-expert and context parallelism, model registration.
+Packed batches: both backends give the GPT each batch's position_ids, so attention
+stays within each packed document and positions restart at 0 with each one; a packed
+row's per-document losses and gradients are those of its documents run one by one.
+
+Not yet: Hugging Face weights (hf_path), expert and context parallelism, model
+registration.
 """
 from .compare import compare
 from .config import NBConfig, ParallelConfig, RuntimeConfig

@@ -9,8 +9,10 @@ Each data-parallel rank takes its rows of the global batch; its loss is scaled s
 data-parallel average of the gradients is the gradient of the global batch's mean
 token loss, the reference's.
 
-Attention: each packed row is one causal sequence (positions 0..seq_len-1, causal over
-the whole row); per-document masking is not yet done. The loss ignores -100 labels.
+Packed documents: stages pass one tensor, so each micro-batch's position_ids reach
+every stage's layers through the model's `StagePositions` (models/gpt_pipe.py), fed
+one micro-batch per stage forward during `pipeline.run`; attention stays within each
+document, as in the reference. The loss ignores -100 labels.
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ class NBTrainRuntime(Runtime):
         """Builds this rank's part of the model (re-making the context's tp/pp groups for
         this layout). Collective: every rank calls this."""
         from .. import pipeline
-        from ..models.gpt_pipe import gpt_layers
+        from ..models.gpt_pipe import StagePositions, gpt_layers
         from ..models.gpt_tp import gpt_plan
         from ..nn.parallelize import parallelize
         from ..zero.wrap import wrap
@@ -41,12 +43,14 @@ class NBTrainRuntime(Runtime):
         gpt = self._plain_gpt(ctx.device)
         if par.tp > 1:
             gpt = parallelize(gpt, gpt_plan(gpt.cfg))
-        stage = wrap(pipeline.stage_of(gpt_layers(gpt)), zero_level=par.zero_level)
+        positions = StagePositions()  # the micro-batch's position ids, for every stage
+        stage = wrap(pipeline.stage_of(gpt_layers(gpt, positions)), zero_level=par.zero_level)
         optimizer = self._optimizer(stage.parameters())
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)  # the schedule is stepped by lr_scheduler_step
         return ModelHandle(stage, optimizer, self._scheduler(optimizer), manager, "nbtrain",
-                           extra={"layout": (par.tp, par.pp, ctx.world_size)})
+                           extra={"layout": (par.tp, par.pp, ctx.world_size),
+                                  "positions": positions})
 
     def _topology(self, handle: ModelHandle):
         topo = self._context().topology
@@ -92,8 +96,9 @@ class NBTrainRuntime(Runtime):
 
         from .. import pipeline
 
-        pipeline.run(handle.model, [p.input_ids for p in parts],
-                     [(p.labels, p.token_weights()) for p in parts], stage_loss)
+        with handle.extra["positions"].feeding(handle.model, [p.position_ids for p in parts]):
+            pipeline.run(handle.model, [p.input_ids for p in parts],
+                         [(p.labels, p.token_weights()) for p in parts], stage_loss)
         tokens = self._gather_token_losses(token_losses, mine, topo)
         loss = float((tokens * data.token_weights()).sum()) / labelled_weight(data)
         return ForwardResult(

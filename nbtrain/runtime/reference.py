@@ -5,10 +5,10 @@ same global batch with no collective, so every rank holds the baseline that othe
 backends are checked against (the role Megatron plays for Bumblebee). The parallel
 layout and `num_microbatches` are ignored: the whole batch is one forward and backward.
 
-Attention: each packed row is one causal sequence (the built-in GPT embeds positions
-0..seq_len-1 and masks causally over the whole row); documents packed in a row see
-the earlier documents of that row. Per-document masking is not yet done. The loss
-ignores -100 labels, so it is taken only within documents.
+Packed documents: the GPT gets the batch's position_ids, so each document's positions
+start at 0 and its tokens attend only to earlier tokens of the same document; a
+packed row computes what its documents would one by one. The loss ignores -100
+labels, so it is taken only within documents.
 """
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ class ReferenceRuntime(Runtime):
         loss_fn = loss_fn or token_cross_entropy
         device = next(handle.model.parameters()).device
         total = labelled_weight(data)
-        logits = handle.model(data.input_ids.to(device))
+        logits = handle.model(data.input_ids.to(device), data.position_ids.to(device))
         tokens = loss_fn(logits, data.labels.to(device)).float()
         weights = data.token_weights().to(device)
         loss = (tokens * weights).sum() / total

@@ -48,6 +48,40 @@ def parity(cases, steps):
     return out
 
 
+def packed_vs_alone(layouts):
+    """For each parallel layout: the "nbtrain" backend's token losses and gradient norm on
+    packed rows, and the reference's on the same documents one per row (padded)."""
+    from nbtrain.runtime import create_runtime
+    from nbtrain.runtime.contracts import PackedBatch
+
+    g = torch.Generator().manual_seed(7)
+    docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 7, 3, 9, 6, 4, 2, 8)]
+    packed = PackedBatch.from_documents(docs, SEQ, rows=4)
+    rows = [PackedBatch.from_documents([d], SEQ, rows=1) for d in docs]  # one per row
+    alone = PackedBatch(*(torch.cat([getattr(r, k) for r in rows])
+                          for k in ("input_ids", "position_ids", "labels")))
+    out = {}
+    for i, parallel in enumerate(layouts):
+        ref, mine = configs("sgd", **parallel)
+        results = []
+        for cfg, batch in ((mine, packed), (ref, alone)):
+            rt = create_runtime(cfg)
+            handle = rt.build_model()
+            rt.zero_grad(handle)
+            result = rt.forward_backward(handle, batch)
+            results.append((_by_document(result.token_losses, batch),
+                            rt.optimizer_step(handle)[1]))
+        out[i] = results
+    return out
+
+
+def _by_document(token_losses, batch):
+    """Each labelled document's token losses, in packing order."""
+    flat, cu = token_losses.reshape(-1), batch.cu_seqlens.tolist()
+    labelled = (batch.labels != -100).reshape(-1)
+    return [flat[a:b - 1] for a, b in zip(cu, cu[1:]) if bool(labelled[a:b].any())]
+
+
 def weighted(data):
     """The batches with random per-token loss weights in [0, 2)."""
     g = torch.Generator().manual_seed(5)

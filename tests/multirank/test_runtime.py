@@ -3,7 +3,8 @@ tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (
 and untied embedding) at world 4, against the "reference"
 backend through `compare` (one case with per-token loss weights, one with a loss scale):
 5 steps, AdamW and SGD with momentum, loss and gradient norm within 1e-5 at every step,
-the same rows on every rank. Then a save/load resume that continues exactly, the
+the same rows on every rank. Packed documents against the documents run one per row
+(tp=2, pp=2). Then a save/load resume that continues exactly, the
 issue's contract example, and the `nbtrain validate` command."""
 import os
 import subprocess
@@ -12,7 +13,7 @@ import sys
 import pytest
 
 from ranks import run_ranks
-from runtime_cases import contract_example, parity, resume
+from runtime_cases import contract_example, packed_vs_alone, parity, resume
 
 STEPS = 5
 WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
@@ -62,6 +63,27 @@ def test_nbtrain_matches_reference_at_world_2(world2, index):
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_name(c) for c in WORLD4])
 def test_nbtrain_matches_reference_at_world_4(world4, index):
     _check(world4, index)
+
+
+PACKED = [{"tp": 2}, {"pp": 2, "num_microbatches": 2}]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    return run_ranks(packed_vs_alone, 2, PACKED, timeout_s=300)  # one launch for both
+
+
+@pytest.mark.parametrize("index", range(len(PACKED)), ids=["tp2", "pp2-mb2"])
+def test_packed_documents_match_the_documents_alone(packed, index):
+    """nbtrain's tp or pp layout on 8 documents packed into 4 rows gives each
+    document's token losses, and the gradient norm, of the reference run on the same
+    documents one per row."""
+    for rank in packed:
+        (mine, mine_norm), (ref, ref_norm) = rank[index]
+        assert len(mine) == len(ref) == 8
+        for a, b in zip(mine, ref):
+            assert a.shape == b.shape and (a - b).abs().max() < 1e-5, (a, b)
+        assert abs(mine_norm - ref_norm) < 1e-5, (mine_norm, ref_norm)
 
 
 @pytest.mark.parametrize("backend,parallel", [("nbtrain", {}), ("nbtrain", {"pp": 2}),
