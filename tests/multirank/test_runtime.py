@@ -121,3 +121,21 @@ def test_validate_command_prints_the_table():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "largest deviation" in proc.stdout and "within tolerance 1e-05" in proc.stdout
     assert proc.stdout.count("\n   ") >= 2, proc.stdout  # one row per step
+
+
+def test_the_runtime_runs_as_a_script_under_torchrun():
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "runtime_torchrun.py")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", script], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("ROWS "))[5:])
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for r in rows:
+        assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r
+        assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r

@@ -1,0 +1,26 @@
+"""nbtrain.runtime as a plain script under torchrun: the reference against pp 2
+(2 micro-batches), 3 steps; prints one JSON line of compare's rows.
+
+Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 runtime_torchrun.py
+"""
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import nbtrain  # noqa: E402
+from runtime_cases import batches, configs  # noqa: E402
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    nbtrain.init_distributed()
+    from nbtrain.runtime import compare
+
+    reference, mine = configs("sgd", pp=2, num_microbatches=2)
+    rows = compare(reference, mine, steps=3, data=batches())
+    if nbtrain.rank() == 0:
+        print("ROWS " + json.dumps(rows))
+    nbtrain.comm.shutdown()
