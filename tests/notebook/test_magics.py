@@ -68,6 +68,30 @@ def test_all_reduce(ipython, cluster):
     assert "[rank 0] [3.0, 3.0, 3.0]" in out and "[rank 1] [3.0, 3.0, 3.0]" in out
 
 
+RUNTIME_CELL = """\
+from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, compare
+from nbtrain.runtime.validate import synthetic_batches
+nb = dict(model_config={"preset": "tiny", "vocab_size": 64, "seq_len": 16},
+          optimizer={"name": "sgd", "lr": 0.1, "momentum": 0.9})
+rows = compare(RuntimeConfig("reference", backend_cfg=NBConfig(**nb)),
+               RuntimeConfig("nbtrain", backend_cfg=NBConfig(**nb, parallel=ParallelConfig(zero_level=3))),
+               steps=2, data=synthetic_batches(2, 4, 16, 64, 0))
+worst = max(max(abs(r["loss_a"] - r["loss_b"]), abs(r["grad_norm_a"] - r["grad_norm_b"]))
+            for r in rows)
+print("runtime", len(rows), "steps, worst", worst, "| dashboard step", nbt.inspect.last_step()["step"])
+"""
+
+
+def test_the_runtime_runs_in_a_distributed_cell(ipython, cluster):
+    """nbtrain.runtime's compare on the notebook's ranks (dp 2, ZeRO-3 against the
+    reference); its optimizer steps are the telemetry's steps the dashboard draws."""
+    out, _ = run(ipython, RUNTIME_CELL)
+    for rank in (0, 1):
+        match = re.search(rf"\[rank {rank}\] runtime 2 steps, worst (\S+) \| dashboard step \d+",
+                          out)
+        assert match and float(match.group(1)) < 1e-5, out
+
+
 def test_namespace_persists_across_cells_and_pull(ipython, cluster):
     run(ipython, "counter = 10 * nbt.rank()")
     run(ipython, "counter += 1")
@@ -157,3 +181,4 @@ def test_stop_leaves_no_process(ipython, cluster):
     assert wait_gone(pids) == []
     with pytest.raises(NoClusterError, match="%nbtrain start"):
         ipython.run_cell_magic("distributed", "", "print(1)")
+
