@@ -3,11 +3,10 @@ process. One launch runs every case of a world, each case returning its own resu
 import copy
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from pipeline_cases import BATCH, STEPS, _layers, _optimizer
+from pipeline_cases import BATCH, STEPS, _layers, _optimizer, parity
 
 
 def _parity(pipe, virtual, micro, optimizer):
@@ -125,43 +124,9 @@ def all_cases(pipe, virtual, runs, gpt_optimizers=()):
 
 def zero_cases(pipe, virtual, micro, runs):
     """pp x dp with each chunk wrapped for ZeRO over its data-parallel ranks, every rank
-    passing its own rows: {(zero_level, optimizer): max |loss difference|, max
-    |parameter difference| of this rank's chunks} against the whole batch on one process."""
-    import nbtrain
-    from nbtrain import pipeline
-
-    topo = nbtrain.init_distributed(pipe_size=pipe).topology
-    dp, d = topo.dp_size, topo.dp_rank
-    out = {}
-    for zero_level, optimizer in runs:
-        layers = _layers()
-        plain = nn.Sequential(*copy.deepcopy(layers))
-        split = pipeline.balanced_split([sum(p.numel() for p in m.parameters())
-                                         for m in layers], pipe * virtual)
-        chunks = [nbtrain.wrap(c, zero_level=zero_level)
-                  for c in pipeline.stages_of(layers, virtual=virtual, split=split)]
-        opts = [_optimizer(plain.parameters(), optimizer),
-                _optimizer([p for c in chunks for p in c.parameters()], optimizer)]
-        gen = torch.Generator().manual_seed(1)
-        loss_err = 0.0
-        for _ in range(STEPS):
-            x = torch.randn(BATCH * dp, 6, generator=gen)
-            y = torch.randn(BATCH * dp, 5, generator=gen)
-            ref = F.mse_loss(plain(x), y)
-            ref.backward()
-            mine_x, mine_y = x.chunk(dp)[d], y.chunk(dp)[d]  # this replica's rows
-            losses = pipeline.run(chunks, list(mine_x.chunk(micro)), list(mine_y.chunk(micro)),
-                                  F.mse_loss, schedule="interleaved")
-            for opt in opts:
-                opt.step()
-                opt.zero_grad()
-            mean = torch.tensor(sum(losses) / micro)
-            dist.all_reduce(mean)
-            loss_err = max(loss_err, abs(mean.item() / dist.get_world_size() - ref.item()))
-        mine = [split[v * pipe + topo.pipe_rank] for v in range(virtual)]
-        got = [t for c in chunks for t in c.state_dict().values()]  # full tensors
-        want = [t for part in mine for i in part for t in plain[i].state_dict().values()]
-        out[(zero_level, optimizer)] = {
-            "loss": loss_err, "n": (len(got), len(want)),
-            "params": max((a - b).abs().max().item() for a, b in zip(got, want))}
-    return out
+    passing its own rows: {(zero_level, optimizer): pipeline_cases.parity's result
+    (max |loss difference|, max |parameter difference| of this rank's chunks, ...)}
+    against the whole batch on one process."""
+    return {(zero_level, optimizer): parity(pipe, "interleaved", optimizer, zero_level,
+                                            virtual=virtual, micro=micro)
+            for zero_level, optimizer in runs}

@@ -24,9 +24,10 @@ def _optimizer(params, name, eps=1e-8):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=eps)
 
 
-def parity(pipe, schedule, optimizer, zero_level=None):
+def parity(pipe, schedule, optimizer, zero_level=None, virtual=1, micro=MICRO):
     """STEPS steps of a pipelined stack of layers against the same stack on this process:
-    max |loss difference| and max |parameter difference| of this stage's layers."""
+    max |loss difference| and max |parameter difference| of this rank's layers. With
+    schedule "interleaved", `virtual` chunks per rank (each wrapped for ZeRO on its own)."""
     import nbtrain
     from nbtrain import pipeline, telemetry
 
@@ -36,11 +37,16 @@ def parity(pipe, schedule, optimizer, zero_level=None):
     layers = _layers()
     plain = nn.Sequential(*copy.deepcopy(layers))
     split = pipeline.balanced_split([sum(p.numel() for p in m.parameters()) for m in layers],
-                                    pipe)
-    stage = pipeline.stage_of(layers, split)
+                                    pipe * virtual)
+    if schedule == "interleaved":
+        chunks = list(pipeline.stages_of(layers, virtual=virtual, split=split))
+    else:
+        chunks = [pipeline.stage_of(layers, split)]
     if zero_level is not None:  # ZeRO inside the stage, over its data-parallel ranks
-        stage = nbtrain.wrap(stage, zero_level=zero_level)
-    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stage.parameters(), optimizer)]
+        chunks = [nbtrain.wrap(c, zero_level=zero_level) for c in chunks]
+    stage = chunks if schedule == "interleaved" else chunks[0]
+    params = [p for c in chunks for p in c.parameters()]
+    opts = [_optimizer(plain.parameters(), optimizer), _optimizer(params, optimizer)]
     gen = torch.Generator().manual_seed(1)
     loss_err, peak, norm_err = 0.0, 0, 0.0
     for step in range(STEPS):
@@ -51,7 +57,7 @@ def parity(pipe, schedule, optimizer, zero_level=None):
         mine_x, mine_y = x.chunk(dp)[d], y.chunk(dp)[d]   # this replica's rows
         stats = {}
         telemetry.set_enabled(step == STEPS - 1)  # the last step's collectives, counted
-        losses = pipeline.run(stage, list(mine_x.chunk(MICRO)), list(mine_y.chunk(MICRO)),
+        losses = pipeline.run(stage, list(mine_x.chunk(micro)), list(mine_y.chunk(micro)),
                               F.mse_loss, schedule=schedule, stats=stats)
         telemetry.set_enabled(False)
         peak = max(peak, stats["live_peak"])
@@ -59,17 +65,17 @@ def parity(pipe, schedule, optimizer, zero_level=None):
         for opt in opts:
             opt.step()
             opt.zero_grad()
-        mean = torch.tensor(sum(losses) / MICRO)
+        mean = torch.tensor(sum(losses) / micro)
         dist.all_reduce(mean)
         loss_err = max(loss_err, abs(mean.item() / dist.get_world_size() - ref.item()))
-    mine = split[topo.pipe_rank]
-    got = list(stage.state_dict().values())  # full tensors, in the layers' order
+    mine = [i for v in range(virtual) for i in split[v * pipe + topo.pipe_rank]]
+    got = [t for c in chunks for t in c.state_dict().values()]  # full tensors, in order
     want = [v for i in mine for v in plain[i].state_dict().values()]
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
     kinds = [e["kind"] for e in telemetry.RECORDER.snapshot() if e["type"] == "comm"]
     return {"loss": loss_err, "params": param_err, "peak": peak, "norm": norm_err,
-            "layers": list(mine),
-            "n": (len(got), len(want)), "flat_groups": len(_flat(stage)),
+            "layers": mine,
+            "n": (len(got), len(want)), "flat_groups": len(_flat(chunks)),
             "gathers": kinds.count("all_gather"), "reductions": kinds.count("reduce_scatter")}
 
 
@@ -86,10 +92,10 @@ def _norm_error(plain, opt):
     return abs(ours - theirs)
 
 
-def _flat(stage):
+def _flat(modules):
     from nbtrain.zero.accumulate import _groups
 
-    return _groups([stage])
+    return _groups(modules if isinstance(modules, list) else [modules])
 
 
 def blocklist_script(pipe, zero_level, optimizer):
