@@ -29,10 +29,15 @@ class GPTConfig:
     mlp_ratio: int = 4         # MLP width = mlp_ratio * hidden
     dropout: float = 0.0
     tie_embeddings: bool = True  # output projection shares the token embedding
+    qkv_bias: bool = False     # GPT-2 has one (a key bias has no gradient: nbtrain's has none)
+    activation: str = "gelu"   # or "gelu_tanh" (GPT-2's gelu_new)
+    ln_eps: float = 1e-5
 
     def __post_init__(self):
         if self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if self.activation not in ("gelu", "gelu_tanh"):
+            raise ValueError(f"activation={self.activation!r}: use 'gelu' or 'gelu_tanh'")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GPTConfig":
@@ -86,7 +91,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads, self.dropout = cfg.heads, cfg.dropout
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=False)  # a key bias has no gradient
+        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x, position_ids=None):
@@ -115,10 +120,11 @@ def embed(tok: nn.Module, pos: nn.Module, idx, position_ids=None):
 class TransformerLayer(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.ln1 = nn.LayerNorm(cfg.hidden, eps=cfg.ln_eps)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden)
-        self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden), nn.GELU(),
+        self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.ln_eps)
+        gelu = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
+        self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden), gelu,
                                  nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden))
 
     def forward(self, x, position_ids=None):
@@ -139,7 +145,7 @@ class GPT(nn.Module):
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.layers))
-        self.ln_f = nn.LayerNorm(cfg.hidden)
+        self.ln_f = nn.LayerNorm(cfg.hidden, eps=cfg.ln_eps)
         self.head = nn.Linear(cfg.hidden, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.head.weight = self.tok.weight

@@ -100,6 +100,8 @@ def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn
                                            dtype=None if module.weight is None
                                            else module.weight.dtype,
                                            sequence_parallel=sequence_parallel))
+        if module.weight is not None and module.weight.is_meta:  # no values to copy yet
+            return layer.to("meta")
         layer.load_state_dict(module.state_dict())
         return layer.to(module.weight.device if module.weight is not None else None)
     if isinstance(module, nn.Embedding):
@@ -178,7 +180,10 @@ def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = N
     if unused:
         raise ValueError(f"parallelize: pattern(s) {sorted(unused)} matched no module; module "
                          f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}")
-    # On the rank's device, as wrap() does: NCCL's collectives need CUDA tensors.
+    # On the rank's device, as wrap() does: NCCL's collectives need CUDA tensors. A model
+    # built on the meta device stays there: wrap() allocates its shards on the device.
+    if any(p.is_meta for p in model.parameters()):
+        return model
     return model.to(get_context().device)
 
 

@@ -55,11 +55,18 @@ class Runtime:
             return _context.init_distributed(seed=self.nb.seed, **sizes)
         return _context.get_context()
 
-    def _plain_gpt(self, device):
-        from ..models.gpt import GPT
-
-        torch.manual_seed(self.nb.seed)  # the same weights on every rank and backend
-        return GPT(self.nb.gpt_config()).to(device)
+    def _plain_model(self, device, parallel):
+        """(the registered model, whole and plain, its config). With `hf_path` the
+        "nbtrain" backend builds it on the meta device (`device="meta"`: nothing is
+        allocated until `wrap` makes this rank's shards); otherwise it is initialised
+        from the seed, the same on every rank and backend."""
+        config = self.nb.make_config(self.cfg.hf_path)
+        build = self.nb.protocol().build_model
+        if str(device) == "meta":
+            with torch.device("meta"):
+                return build(config, parallel), config
+        torch.manual_seed(self.nb.seed)
+        return build(config, parallel).to(device), config
 
     def _optimizer(self, params):
         spec = dict(self.nb.optimizer)

@@ -11,10 +11,10 @@ and says what to use instead, never a silent fallback.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 BACKENDS = ("nbtrain", "reference")
-MODELS = {"gpt": ("default",)}  # model name -> its implementations
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "warmup")
 
@@ -67,10 +67,13 @@ class NBConfig:
     """Configuration of the "nbtrain" and "reference" backends.
 
     Attributes:
-        model_name: a built-in model ("gpt").
+        model_name: a registered model (`nbtrain.models.register_model`); built in:
+            "gpt" (nbtrain's GPT), "gpt2" and "llama" (Llama, Qwen2).
         impl: the model's implementation ("default").
-        model_config: GPTConfig fields; "preset" ("tiny", "small", "medium") picks a
-            size, other keys override its fields (e.g. {"preset": "tiny", "vocab_size": 64}).
+        model_config: the model package's `make_config` reads it. For "gpt",
+            GPTConfig fields with "preset" ("tiny", "small", "medium") picking a size
+            (default {"preset": "tiny"}); with `RuntimeConfig.hf_path`, overrides of the
+            folder's config.json.
         parallel: the layout (the "reference" backend ignores it: one plain model).
         optimizer: "name" ("adamw" default, or "sgd"), "lr", "weight_decay", and
             "betas", "eps" (AdamW) or "momentum" (SGD).
@@ -84,7 +87,7 @@ class NBConfig:
 
     model_name: str = "gpt"
     impl: str = "default"
-    model_config: dict = field(default_factory=lambda: {"preset": "tiny"})
+    model_config: dict | None = None
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optimizer: dict = field(default_factory=lambda: {"lr": 1e-3, "weight_decay": 0.0})
     lr_schedule: dict = field(default_factory=lambda: {"name": "constant"})
@@ -93,12 +96,19 @@ class NBConfig:
     seed: int = 0
 
     def __post_init__(self):
-        if self.model_name not in MODELS:
-            raise ValueError(f"NBConfig: model_name={self.model_name!r} is not a built-in "
-                             f"model: choose one of {sorted(MODELS)}")
-        if self.impl not in MODELS[self.model_name]:
+        from ..models.registry import get_model, registered
+
+        try:
+            entry = get_model(self.model_name)
+        except KeyError:
+            raise ValueError(f"NBConfig: model_name={self.model_name!r} is not registered: "
+                             f"choose one of {registered()}, or register it with "
+                             "nbtrain.models.register_model") from None
+        if self.impl not in entry.impls:
             raise ValueError(f"NBConfig: impl={self.impl!r} for model {self.model_name!r}: "
-                             f"choose one of {list(MODELS[self.model_name])}")
+                             f"choose one of {sorted(entry.impls)}")
+        if self.model_config is None:
+            self.model_config = {"preset": "tiny"} if self.model_name == "gpt" else {}
         if not isinstance(self.parallel, ParallelConfig):
             raise TypeError(f"NBConfig: parallel must be a ParallelConfig, got "
                             f"{type(self.parallel).__name__}")
@@ -119,13 +129,23 @@ class NBConfig:
             raise ValueError(f"NBConfig: clip_grad_norm={self.clip_grad_norm} must be > 0 "
                              "(or None for no clipping)")
 
-    def gpt_config(self):
-        """The GPTConfig `model_config` describes."""
-        from ..models.gpt import GPTConfig
+    def entry(self):
+        """The registered model (`nbtrain.models.registry.ModelEntry`)."""
+        from ..models.registry import get_model
 
-        fields = dict(self.model_config)
-        preset = fields.pop("preset", None)
-        return GPTConfig.preset(preset, **fields) if preset else GPTConfig(**fields)
+        return get_model(self.model_name)
+
+    def protocol(self):
+        """The protocol module of this model's `impl`."""
+        return self.entry().protocol(self.impl)
+
+    def make_config(self, hf_path: str | None = None):
+        """The model's configuration: its package's `make_config` of `model_config` and
+        (with `hf_path`) the folder's config.json."""
+        from ..models.hf_load import read_hf_config
+
+        hf = read_hf_config(hf_path) if hf_path is not None else None
+        return self.entry().package.make_config(dict(self.model_config), hf)
 
 
 @dataclass
@@ -136,8 +156,10 @@ class RuntimeConfig:
         backend: "nbtrain" (ZeRO, tensor and pipeline parallel per
             `backend_cfg.parallel`) or "reference" (one plain PyTorch model on the whole
             batch, computed the same way on every rank: the baseline).
-        hf_path: a local Hugging Face folder to load weights from (not yet supported
-            for the built-in GPT: must be None).
+        hf_path: a local Hugging Face folder (config.json and safetensors, sharded or
+            not) to build the model from and load its weights: each rank reads only the
+            tensors of its own stage, one at a time, keeping its shards. None: the
+            model is initialised from NBConfig.seed.
         backend_cfg: an NBConfig.
     """
 
@@ -153,7 +175,20 @@ class RuntimeConfig:
             raise TypeError(f"RuntimeConfig: backend_cfg must be an NBConfig, got "
                             f"{type(self.backend_cfg).__name__}")
         if self.hf_path is not None:
-            raise NotImplementedError(
-                f"RuntimeConfig: hf_path={self.hf_path!r}: loading Hugging Face weights into "
-                f"the built-in {self.backend_cfg.model_name!r} model is not yet supported; "
-                "use hf_path=None (the model is initialised from NBConfig.seed)")
+            self._check_hf_path()
+
+    def _check_hf_path(self) -> None:
+        from ..models.hf_load import read_hf_config
+
+        path = os.fspath(self.hf_path)
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"RuntimeConfig: hf_path={path!r} is not a folder: give a "
+                                    "local folder a Hugging Face model was saved to")
+        model_type = read_hf_config(path).get("model_type")
+        entry = self.backend_cfg.entry()
+        if model_type not in entry.hf_model_types:
+            raise ValueError(
+                f"RuntimeConfig: hf_path={path!r} holds model_type {model_type!r}, which model "
+                f"{entry.name!r} does not load (it loads {entry.hf_model_types or 'none'}); "
+                "choose the model_name registered for it")
+        self.hf_path = path

@@ -33,18 +33,26 @@ class NBTrainRuntime(Runtime):
         """Builds this rank's part of the model (re-making the context's tp/pp groups for
         this layout). Collective: every rank calls this."""
         from .. import pipeline
-        from ..models.gpt_pipe import StagePositions, gpt_layers
-        from ..models.gpt_tp import gpt_plan
+        from ..models.gpt_pipe import StagePositions
+        from ..models.hf_load import record_plain_names
         from ..nn.parallelize import parallelize
         from ..zero.wrap import wrap
 
         par = self.nb.parallel
         ctx = self._context(tp_size=par.tp, pipe_size=par.pp)
-        gpt = self._plain_gpt(ctx.device)
+        hf_path = self.cfg.hf_path
+        protocol = self.nb.protocol()
+        # From a folder: built on the meta device, so a rank allocates only its shards.
+        model, config = self._plain_model("meta" if hf_path else ctx.device, par)
         if par.tp > 1:
-            gpt = parallelize(gpt, gpt_plan(gpt.cfg))
+            model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
-        stage = wrap(pipeline.stage_of(gpt_layers(gpt, positions)), zero_level=par.zero_level)
+        stage = pipeline.stage_of(protocol.pp_stages(model, par.pp, positions))
+        if hf_path:
+            record_plain_names(stage, model)
+        stage = wrap(stage, zero_level=par.zero_level)
+        if hf_path:
+            protocol.load_hf_weights(stage, hf_path)
         optimizer = self._optimizer(stage.parameters())
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)  # the schedule is stepped by lr_scheduler_step
@@ -105,6 +113,44 @@ class NBTrainRuntime(Runtime):
             metrics={"loss": loss, "tokens": int((data.labels != -100).sum()),
                      "num_microbatches": micro},
             token_losses=tokens)
+
+    @torch.no_grad()
+    def logits(self, handle: ModelHandle, data: PackedBatch) -> torch.Tensor:
+        """The model's logits (rows, seq_len, vocab) for the global batch `data`, on the
+        CPU of every rank: each data-parallel rank computes its rows through the
+        pipeline's stages (no gradient), the last stage's result is shared over the
+        pipeline and gathered over the data-parallel ranks. Collective."""
+        from ..pipeline.p2p import Link
+
+        topo = self._topology(handle)
+        ctx = self._context()
+        mine = data.rows_for(topo.dp_rank, topo.dp_size)
+        ranks, index = topo.ranks("pipe"), topo.pipe_rank
+        with handle.extra["positions"].feeding(handle.model, [mine.position_ids]):
+            if index == 0:
+                x = mine.input_ids.to(ctx.device)
+            else:
+                x = Link(ranks[index - 1], ctx.device, "logits in").recv_act()
+            y = handle.model(x)
+        if index < topo.pipe_size - 1:
+            out = Link(ranks[index + 1], ctx.device, "logits out")
+            out.send(y, "act")
+            out.finish()
+        shape = (mine.rows, mine.seq_len, -1)
+        if topo.pipe_size > 1:  # the vocabulary's width, then the logits
+            width = torch.tensor([y.shape[-1] if index == topo.pipe_size - 1 else 0],
+                                 device=ctx.device)
+            C.broadcast(width, src=ranks[-1], group=topo.group("pipe"), label="logits width")
+            if index < topo.pipe_size - 1:
+                y = torch.empty(mine.rows, mine.seq_len, int(width), device=ctx.device)
+            y = y.float().contiguous()
+            C.broadcast(y, src=ranks[-1], group=topo.group("pipe"), label="logits")
+        y = y.float().contiguous()
+        if topo.dp_size == 1:
+            return y.cpu()
+        out = torch.empty(topo.dp_size * y.numel(), dtype=y.dtype, device=ctx.device)
+        C.all_gather(out, y.reshape(-1), group=topo.group("dp"), label="logits")
+        return out.view(data.rows, *shape[1:2], y.shape[-1]).cpu()
 
     def _gather_token_losses(self, parts: list, mine: PackedBatch, topo) -> torch.Tensor:
         """The global batch's token losses (rows, seq_len) on the CPU, on every rank:

@@ -25,15 +25,20 @@ class ReferenceRuntime(Runtime):
     """The baseline backend; see the module docstring."""
 
     def build_model(self) -> ModelHandle:
-        """The plain GPT of `NBConfig.model_config`, seeded by `NBConfig.seed`. Local."""
+        """The plain model of `NBConfig.model_config`, seeded by `NBConfig.seed`, with
+        `hf_path`'s weights when given (the whole model, read on this rank). Local."""
         ctx = self._context()
-        model = self._plain_gpt(ctx.device)
+        model, _ = self._plain_model(ctx.device, self.nb.parallel)
+        protocol = self.nb.protocol()
+        if self.cfg.hf_path is not None:
+            protocol.load_hf_weights(model, self.cfg.hf_path)
         optimizer = self._optimizer(model.parameters())
         # The manager holds the loss-scale state and is the checkpoint's optimizer
         # container; its collective methods are never called here.
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)
-        return ModelHandle(model, optimizer, self._scheduler(optimizer), manager, "reference")
+        return ModelHandle(model, optimizer, self._scheduler(optimizer), manager, "reference",
+                           extra={"step": protocol.make_forward_step(model)})
 
     def forward_backward(self, handle: ModelHandle, data: PackedBatch, loss_fn=None,
                          num_microbatches: int | None = None) -> ForwardResult:
@@ -51,7 +56,7 @@ class ReferenceRuntime(Runtime):
         loss_fn = loss_fn or token_cross_entropy
         device = next(handle.model.parameters()).device
         total = labelled_weight(data)
-        logits = handle.model(data.input_ids.to(device), data.position_ids.to(device))
+        logits = handle.extra["step"](data.input_ids.to(device), data.position_ids.to(device))
         tokens = loss_fn(logits, data.labels.to(device)).float()
         weights = data.token_weights().to(device)
         loss = (tokens * weights).sum() / total
@@ -60,6 +65,14 @@ class ReferenceRuntime(Runtime):
             metrics={"loss": float(loss.detach()), "tokens": int((data.labels != -100).sum()),
                      "num_microbatches": 1},
             token_losses=(tokens.detach() * (weights > 0)).cpu())
+
+    @torch.no_grad()
+    def logits(self, handle: ModelHandle, data: PackedBatch) -> torch.Tensor:
+        """The model's logits (rows, seq_len, vocab) for the batch, float32 on the CPU.
+        Local."""
+        device = next(handle.model.parameters()).device
+        out = handle.extra["step"](data.input_ids.to(device), data.position_ids.to(device))
+        return out.float().cpu()
 
     def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int | None]:
         """Unscales, clips to `NBConfig.clip_grad_norm` and steps (or skips on inf/nan,

@@ -75,7 +75,7 @@ def _rank(args) -> list[dict]:
     from .compare import compare
 
     ref, mine = _configs(args)
-    vocab = mine.backend_cfg.gpt_config().vocab_size
+    vocab = mine.backend_cfg.make_config().vocab_size
     data = synthetic_batches(2, args.rows, args.seq_len, vocab, args.seed)
     return compare(ref, mine, steps=args.steps, data=data)
 

@@ -54,6 +54,8 @@ class FlatGroup:
         begin, end = layout.shard_range(ranks.rank)
         local = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
         for slot, value in zip(layout.slots, full_values):
+            if value.is_meta:  # built on the meta device: zeros until loaded
+                continue
             part = slot.local_part(begin, end)
             if part is not None:
                 lo, hi = part

@@ -36,11 +36,13 @@ class ParameterInitializer:
         return f"ParameterInitializer({getattr(self.func, '__name__', self.func)})"
 
 
-def _local_slice(full: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+def _local_slice(full: torch.Tensor, rank: int, world: int, device=None) -> torch.Tensor:
     """This rank's padded slice of `full` flattened (a copy)."""
     begin, end = shard_range(full.numel(), world, rank)
+    out = torch.zeros(end - begin, dtype=full.dtype, device=device or full.device)
+    if full.is_meta:  # built on the meta device: zeros until loaded
+        return out
     flat = full.detach().reshape(-1)
-    out = torch.zeros(end - begin, dtype=full.dtype, device=full.device)
     stop = min(end, flat.numel())
     if stop > begin:
         out[: stop - begin].copy_(flat[begin:stop])
@@ -71,7 +73,8 @@ class DistributedParameter(nn.Parameter):
                 tp_slice_of=None, stage: bool = False):
         ctx = get_context()
         group = shard_group(tp_slice_of is not None and is_tp_slice(tp_slice_of), stage)
-        local = _local_slice(data.to(ctx.device), group.rank, group.size)
+        local = _local_slice(data if data.is_meta else data.to(ctx.device), group.rank, group.size,
+                             ctx.device)
         param = super().__new__(cls, local, requires_grad)
         param.full_shape = torch.Size(data.shape)
         param.init_method = init_method

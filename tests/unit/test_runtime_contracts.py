@@ -79,14 +79,15 @@ def test_micro_batches_must_divide_the_rows():
 
 @pytest.mark.parametrize("make,error,match", [
     (lambda: RuntimeConfig(backend="megatron"), ValueError, r"backend='megatron'.*reference"),
-    (lambda: NBConfig(model_name="llama"), ValueError, r"model_name='llama'.*\['gpt'\]"),
+    (lambda: NBConfig(model_name="bert"), ValueError,
+     r"model_name='bert' is not registered.*'gpt', 'gpt2', 'llama'.*register_model"),
     (lambda: NBConfig(impl="fast"), ValueError, r"impl='fast'.*\['default'\]"),
     (lambda: ParallelConfig(ep=2), NotImplementedError, r"ep=2: expert parallelism.*ep=1"),
     (lambda: ParallelConfig(cp=2), NotImplementedError, r"cp=2: context parallelism.*cp=1"),
     (lambda: ParallelConfig(tp=0), ValueError, r"tp=0 must be a positive integer"),
     (lambda: ParallelConfig(zero_level=1), ValueError, r"zero_level=1: use 2 or 3"),
-    (lambda: RuntimeConfig(hf_path="/models/gpt"), NotImplementedError,
-     r"hf_path='/models/gpt'.*not yet supported.*hf_path=None"),
+    (lambda: RuntimeConfig(hf_path="/models/gpt"), FileNotFoundError,
+     r"hf_path='/models/gpt' is not a folder"),
     (lambda: NBConfig(optimizer={"name": "lion"}), ValueError, r"'lion'.*adamw"),
     (lambda: NBConfig(optimizer={"name": "sgd", "betas": (0.9, 0.99)}), ValueError,
      r"\['betas'\] are not understood for 'sgd'"),
