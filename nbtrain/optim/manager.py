@@ -121,7 +121,9 @@ class OptimManager:
         replicated parameters on the stage's first rank (a tied parameter on its first
         stage), other replicated parameters on rank 0."""
         ctx = get_context()
-        out = torch.zeros(2, dtype=torch.float32, device=ctx.device)
+        # Counts (norm_type 0) in float64: exact far beyond float32's 2**24.
+        out = torch.zeros(2, dtype=torch.float64 if norm_type == 0 else torch.float32,
+                          device=ctx.device)
         dp_rank, tp_rank = ctx.topology.dp_rank, ctx.topology.tp_rank
         for p in params:
             g = param_grad(p)
@@ -140,13 +142,23 @@ class OptimManager:
             else:
                 part = 1
             g = g.detach().float()
-            if math.isinf(norm_type):
+            if norm_type == 0:  # how many elements are not zero (padding never is)
+                out[part] += torch.count_nonzero(g).double()
+            elif math.isinf(norm_type):
                 out[part] = torch.maximum(out[part], g.abs().max())
             else:
                 out[part] += g.abs().pow(norm_type).sum()
         if ctx.rank != 0:
             out[1] = 0.0  # replicated parameters: every rank holds the same gradient
         return out
+
+    def count_nonzero_grads(self) -> int:
+        """How many gradient elements of the whole model are not zero, each element
+        counted once (as the norm counts them; ZeRO and vocabulary padding are zero
+        and not counted). Collective: every rank calls this (one all-reduce)."""
+        sums = self._local_sums(self._params(), 0)
+        C.all_reduce(sums, op="sum", label="grad_nonzeros")
+        return int(sums.sum())
 
     def clip_grad_norm(self, param_groups, max_norm: float | None = None,
                        norm_type: float = 2) -> float:

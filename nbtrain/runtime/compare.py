@@ -18,7 +18,7 @@ from .create import create_runtime
 
 
 def train_steps(cfg: RuntimeConfig, steps: int, data: list[PackedBatch]) -> list[tuple]:
-    """(loss, grad_norm, update_successful) of `steps` training steps of a fresh model of
+    """(loss, grad_norm, update_successful, num_zeros) of `steps` training steps of a fresh model of
     `cfg` on `data`, cycled. Collective for the "nbtrain" backend."""
     rt = create_runtime(cfg)
     handle = rt.build_model()
@@ -27,9 +27,9 @@ def train_steps(cfg: RuntimeConfig, steps: int, data: list[PackedBatch]) -> list
         for step in range(steps):
             rt.zero_grad(handle)
             result = rt.forward_backward(handle, data[step % len(data)])
-            ok, norm, _ = rt.optimizer_step(handle)
+            ok, norm, zeros = rt.optimizer_step(handle)
             rt.lr_scheduler_step(handle)
-            out.append((result.metrics["loss"], norm, ok))
+            out.append((result.metrics["loss"], norm, ok, zeros))
     return out
 
 
@@ -63,7 +63,8 @@ def compare(cfg_a: RuntimeConfig, cfg_b: RuntimeConfig, steps: int,
             data: list[PackedBatch], verbose: bool = True) -> list[dict]:
     """Trains a fresh model of each config for `steps` steps on `data` (a list of global
     batches, cycled) and returns one row per step: {"step", "loss_a", "loss_b",
-    "grad_norm_a", "grad_norm_b"}, the same on every rank. With `verbose`, rank 0
+    "grad_norm_a", "grad_norm_b", "num_zeros_a", "num_zeros_b"} (the gradient's zero
+    elements), the same on every rank. With `verbose`, rank 0
     prints the table and the largest deviation.
 
     Collective: every rank calls this with the same configs and data.
@@ -75,8 +76,9 @@ def compare(cfg_a: RuntimeConfig, cfg_b: RuntimeConfig, steps: int,
         raise TypeError("compare: data must be a non-empty list of PackedBatch")
     first = train_steps(cfg_a, steps, data)
     second = train_steps(cfg_b, steps, data)
-    rows = [{"step": i, "loss_a": la, "loss_b": lb, "grad_norm_a": na, "grad_norm_b": nb}
-            for i, ((la, na, _), (lb, nb, _)) in enumerate(zip(first, second))]
+    rows = [{"step": i, "loss_a": la, "loss_b": lb, "grad_norm_a": na, "grad_norm_b": nb,
+             "num_zeros_a": za, "num_zeros_b": zb}
+            for i, ((la, na, _, za), (lb, nb, _, zb)) in enumerate(zip(first, second))]
     if verbose:
         from ..comm.context import get_context
 

@@ -44,6 +44,7 @@ class NBTrainRuntime(Runtime):
         protocol = self.nb.protocol()
         # From a folder: built on the meta device, so a rank allocates only its shards.
         model, config = self._plain_model("meta" if hf_path else ctx.device, par)
+        numel = sum(p.numel() for p in model.parameters())  # the whole model's, ties once
         if par.tp > 1:
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
@@ -58,7 +59,7 @@ class NBTrainRuntime(Runtime):
         manager.add_optimizer(optimizer)  # the schedule is stepped by lr_scheduler_step
         return ModelHandle(stage, optimizer, self._scheduler(optimizer), manager, "nbtrain",
                            extra={"layout": (par.tp, par.pp, ctx.world_size),
-                                  "positions": positions})
+                                  "positions": positions, "numel": numel})
 
     def _topology(self, handle: ModelHandle):
         topo = self._context().topology
@@ -168,7 +169,7 @@ class NBTrainRuntime(Runtime):
                      label="runtime token losses")
         return out.view(-1, mine.seq_len).cpu()
 
-    def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int | None]:
+    def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int]:
         """Unscales, clips the global gradient norm to `NBConfig.clip_grad_norm`, checks
         every rank for inf/nan and steps or skips (OptimManager's dynamic loss scale).
 
@@ -176,15 +177,17 @@ class NBTrainRuntime(Runtime):
             (update_successful, grad_norm, num_zeros): grad_norm is the global norm of
             the unscaled gradients before clipping, each element of the model counted
             once (a weight tied across pipeline stages once, not once per stage);
-            num_zeros is None (not counted).
+            num_zeros is how many elements of the unscaled gradient are zero, over the
+            whole model (each element once; a parameter no loss reached counts whole).
 
         Collective: every rank calls this.
         """
         self._topology(handle)
+        zeros = handle.extra["numel"] - handle.manager.count_nonzero_grads()
         # OptimManager counts each element once: a weight tied across pipeline stages
         # on its first stage only, a stage's replicated parameters on one of its ranks.
         norm = handle.manager.clip_grad_norm(self.nb.clip_grad_norm or math.inf)
         ok = handle.manager.step()
         if ok:
             handle.steps += 1
-        return ok, norm, None
+        return ok, norm, zeros

@@ -74,19 +74,22 @@ class ReferenceRuntime(Runtime):
         out = handle.extra["step"](data.input_ids.to(device), data.position_ids.to(device))
         return out.float().cpu()
 
-    def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int | None]:
+    def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int]:
         """Unscales, clips to `NBConfig.clip_grad_norm` and steps (or skips on inf/nan,
         halving the loss scale, as nbtrain's OptimManager does).
 
         Returns:
             (update_successful, grad_norm, num_zeros): grad_norm is the global norm of
-            the unscaled gradients before clipping; num_zeros is None (not counted).
+            the unscaled gradients before clipping; num_zeros is how many of their
+            elements are zero (a parameter without a gradient counts whole).
 
         Local.
         """
         manager = handle.manager
         params = [p for p in handle.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
+        zeros = sum(p.numel() if p.grad is None else p.numel() - int(torch.count_nonzero(p.grad))
+                    for p in handle.model.parameters())
         if grads and manager.loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / manager.loss_scale)
         clip = self.nb.clip_grad_norm
@@ -107,4 +110,4 @@ class ReferenceRuntime(Runtime):
             if manager.loss_scale_enabled:
                 manager.loss_scale = max(manager.loss_scale / manager.loss_scale_factor,
                                          manager.min_loss_scale)
-        return ok, norm, None
+        return ok, norm, zeros

@@ -119,9 +119,9 @@ def load_peak(path: str, parallel: dict):
 
 
 def gentle(optimizer: str) -> dict:
-    """runtime_cases' optimizer at a tenth (AdamW) or half (SGD) of its rate: at lr 1e-2
-    AdamW throws these models about (the loss rises over the steps), and chaotic steps
-    magnify last-bit differences to ~1e-5."""
+    """runtime_cases' optimizer at a tenth (AdamW) or half (SGD) of its rate: at higher
+    rates AdamW throws these models about (the loss rises over the steps), and chaotic
+    steps magnify last-bit differences to ~1e-5 within 10 steps."""
     from runtime_cases import OPTIMIZERS
 
     spec = dict(OPTIMIZERS[optimizer])

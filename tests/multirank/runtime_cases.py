@@ -6,8 +6,10 @@ MODEL = {"preset": "tiny", "vocab_size": VOCAB, "seq_len": SEQ}
 OPTIMIZERS = {
     # Adam divides by sqrt(v) + eps: a gradient element near 1e-9, whose sum over the
     # data-parallel ranks differs from the reference's in the last bits, moves by up to
-    # lr * 1e-10 / eps; eps = 1e-6 keeps that far below the 1e-5 tolerance.
-    "adamw": {"name": "adamw", "lr": 1e-2, "weight_decay": 0.1, "eps": 1e-6},
+    # lr * 1e-10 / eps; eps = 1e-6 keeps that far below the 1e-5 tolerance. At lr 1e-2
+    # the tiny GPT's steps turn chaotic and, over 10 steps, magnify last-bit
+    # differences past 1e-5; 3e-3 still trains it fast.
+    "adamw": {"name": "adamw", "lr": 3e-3, "weight_decay": 0.1, "eps": 1e-6},
     "sgd": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.01},
 }
 

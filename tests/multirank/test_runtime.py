@@ -2,7 +2,7 @@
 tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (tied
 and untied embedding) at world 4, against the "reference"
 backend through `compare` (one case with per-token loss weights, one with a loss scale):
-5 steps, AdamW and SGD with momentum, loss and gradient norm within 1e-5 at every step,
+10 steps, AdamW and SGD with momentum, loss and gradient norm within 1e-5 at every step,
 the same rows on every rank. Packed documents against the documents run one per row
 (tp=2, pp=2). Then a save/load resume that continues exactly, the
 issue's contract example, and the `nbtrain validate` command."""
@@ -15,7 +15,7 @@ import pytest
 from ranks import run_ranks
 from runtime_cases import contract_example, packed_vs_alone, parity, resume
 
-STEPS = 5
+STEPS = 10
 WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
           ("adamw", {"tp": 2}), ("sgd", {"tp": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
@@ -50,6 +50,8 @@ def _check(per_rank, index):
     for r in rows:
         assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r
         assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r
+        assert r["num_zeros_a"] == r["num_zeros_b"], r
+    assert any(r["num_zeros_a"] > 0 for r in rows)  # unseen tokens' embedding rows
     # the model trains: the steps change the loss (a comparison of two frozen models
     # would agree trivially)
     assert len({round(r["loss_a"], 4) for r in rows}) == STEPS, rows
@@ -101,7 +103,7 @@ def test_contract_example_runs():
     out = run_ranks(contract_example, 2, timeout_s=300)
     assert out[0]["loss"] == out[1]["loss"]
     for o in out:
-        assert o["ok"] is True and o["grad_norm"] > 0 and o["num_zeros"] is None
+        assert o["ok"] is True and o["grad_norm"] > 0 and o["num_zeros"] >= 0
         assert o["tokens"] == o["expected_tokens"] > 0
         assert o["modes"] == [False, True]  # eval inside eval_mode, then train_mode's again
         assert o["lr"] == pytest.approx(1e-3)

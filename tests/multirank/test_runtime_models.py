@@ -106,4 +106,5 @@ def _check(per_rank, index):
     for r in rows:
         assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r
         assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r
+        assert r["num_zeros_a"] == r["num_zeros_b"], r
     assert len({round(r["loss_a"], 4) for r in rows}) == STEPS, rows  # it trains
