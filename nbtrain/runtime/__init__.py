@@ -19,12 +19,16 @@ Read config.py (what can be configured), contracts.py (the batch and result type
 create.py, base.py, reference.py and nbtrain_backend.py (the two backends), compare.py
 and validate.py (`nbtrain validate`).
 
-Packed batches: both backends give the GPT each batch's position_ids, so attention
+Models are built by name from nbtrain's registry (`nbtrain.models.register_model`):
+the built-in "gpt", "gpt2" and "llama" (Llama, Qwen2), or a package of your own.
+`RuntimeConfig(hf_path=...)` starts from a Hugging Face folder, read into each rank's
+shards one tensor at a time (models/hf_load.py).
+
+Packed batches: both backends give the model each batch's position_ids, so attention
 stays within each packed document and positions restart at 0 with each one; a packed
 row's per-document losses and gradients are those of its documents run one by one.
 
-Not yet: Hugging Face weights (hf_path), expert and context parallelism, model
-registration.
+Not yet: expert and context parallelism (ParallelConfig ep, cp must be 1).
 """
 from .compare import compare
 from .config import NBConfig, ParallelConfig, RuntimeConfig

@@ -1,16 +1,19 @@
-"""The "nbtrain" backend: the GPT tensor-parallel, cut into pipeline stages and sharded
-with ZeRO, per `NBConfig.parallel`.
+"""The "nbtrain" backend: the registered model tensor-parallel, cut into pipeline stages
+and sharded with ZeRO, per `NBConfig.parallel` (the model's protocol module, see
+nbtrain/models/registry.py, gives each piece):
 
-    model = parallelize(GPT(cfg), gpt_plan(cfg))   # tp > 1: heads, MLP, vocabulary split
-    stage = wrap(stage_of(gpt_layers(model)))      # this rank's stage, ZeRO over its dp ranks
-    pipeline.run(stage, micro-batches, ...)        # every layout, pp = 1 included
+    model = build_model(config, parallel)               # on the meta device with hf_path
+    model = parallelize(model, tp_plan(config))         # tp > 1: heads, MLP, vocabulary split
+    stage = wrap(stage_of(pp_stages(model, pp, positions)))  # this rank's stage, ZeRO
+    load_hf_weights(stage, hf_path)                     # only this rank's slices are kept
+    pipeline.run(stage, micro-batches, ...)             # every layout, pp = 1 included
 
 Each data-parallel rank takes its rows of the global batch; its loss is scaled so the
 data-parallel average of the gradients is the gradient of the global batch's mean
 token loss, the reference's.
 
 Packed documents: stages pass one tensor, so each micro-batch's position_ids reach
-every stage's layers through the model's `StagePositions` (models/gpt_pipe.py), fed
+every stage's layers through a `StagePositions` (models/gpt_pipe.py), fed
 one micro-batch per stage forward during `pipeline.run`; attention stays within each
 document, as in the reference. The loss ignores -100 labels.
 """

@@ -1,11 +1,12 @@
-"""The "reference" backend: one plain PyTorch GPT on the whole global batch.
+"""The "reference" backend: one plain PyTorch model (the registered model, whole, from
+its seed or its Hugging Face folder) on the whole global batch.
 
 Every rank builds the same model from the same seed and computes the same step on the
 same global batch with no collective, so every rank holds the baseline that other
 backends are checked against (the role Megatron plays for Bumblebee). The parallel
 layout and `num_microbatches` are ignored: the whole batch is one forward and backward.
 
-Packed documents: the GPT gets the batch's position_ids, so each document's positions
+Packed documents: the model gets the batch's position_ids, so each document's positions
 start at 0 and its tokens attend only to earlier tokens of the same document; a
 packed row computes what its documents would one by one. The loss ignores -100
 labels, so it is taken only within documents.

@@ -2,6 +2,7 @@
 
     nbtrain validate --ranks 2 --tp 2 --steps 5
     nbtrain validate --ranks 2 --pp 2 --micro-batches 2 --optimizer sgd
+    nbtrain validate --ranks 2 --tp 2 --model llama --hf-path path/to/qwen2-folder
 
 Launches local ranks (gloo on CPU, nccl with GPUs, as `nbtrain demo` does), trains the
 reference and the "nbtrain" backend at the given layout on the same synthetic packed
@@ -21,8 +22,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1, help="pipeline stages")
     p.add_argument("--zero-level", type=int, choices=(2, 3), default=3)
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--model-size", choices=("tiny", "small", "medium"), default="tiny")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--model", default="gpt",
+                   help="a registered model name (gpt, gpt2, llama, or one your package "
+                        "registers on import: --import mylab.mylm)")
+    p.add_argument("--import", dest="imports", action="append", default=[],
+                   help="a module to import on every rank first (it calls register_model)")
+    p.add_argument("--hf-path", default=None,
+                   help="a Hugging Face folder both runs start from (its config and weights)")
+    p.add_argument("--model-size", choices=("tiny", "small", "medium"), default="tiny",
+                   help="the GPT's size (--model gpt only)")
     p.add_argument("--seq-len", type=int, default=32, help="tokens per packed row")
     p.add_argument("--rows", type=int, default=None,
                    help="rows of the global batch (default: 2 per rank x micro-batches)")
@@ -62,12 +71,18 @@ def _configs(args):
         optimizer["eps"] = 1e-6  # see tests/multirank/runtime_cases.py: 1e-8 magnifies noise
     else:
         optimizer["momentum"] = 0.9
-    nb = dict(model_config={"preset": args.model_size, "seq_len": args.seq_len},
-              optimizer=optimizer, seed=args.seed)
+    import importlib
+
+    for module in args.imports:
+        importlib.import_module(module)
+    model = {"preset": args.model_size, "seq_len": args.seq_len} \
+        if args.model == "gpt" and args.hf_path is None else None
+    nb = dict(model_name=args.model, model_config=model, optimizer=optimizer, seed=args.seed)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, zero_level=args.zero_level,
                               num_microbatches=args.micro_batches)
-    return (RuntimeConfig("reference", backend_cfg=NBConfig(**nb)),
-            RuntimeConfig("nbtrain", backend_cfg=NBConfig(**nb, parallel=parallel)))
+    return (RuntimeConfig("reference", hf_path=args.hf_path, backend_cfg=NBConfig(**nb)),
+            RuntimeConfig("nbtrain", hf_path=args.hf_path,
+                          backend_cfg=NBConfig(**nb, parallel=parallel)))
 
 
 def _rank(args) -> list[dict]:
@@ -75,7 +90,7 @@ def _rank(args) -> list[dict]:
     from .compare import compare
 
     ref, mine = _configs(args)
-    vocab = mine.backend_cfg.make_config().vocab_size
+    vocab = mine.backend_cfg.make_config(mine.hf_path).vocab_size
     data = synthetic_batches(2, args.rows, args.seq_len, vocab, args.seed)
     return compare(ref, mine, steps=args.steps, data=data)
 
@@ -91,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     _configs(args)[1].backend_cfg.parallel.check_world(ranks)  # before any rank starts
     dp = ranks // (args.tp * args.pp)
     args.rows = args.rows or 2 * dp * args.micro_batches
-    print(f"nbtrain validate: {args.model_size} GPT, reference against tp={args.tp} "
+    what = f"{args.model_size} GPT" if args.model == "gpt" and not args.hf_path else \
+        f"{args.model}" + (f" from {args.hf_path}" if args.hf_path else "")
+    print(f"nbtrain validate: {what}, reference against tp={args.tp} "
           f"pp={args.pp} dp={dp} ZeRO-{args.zero_level}, {args.micro_batches} micro-batch(es), "
           f"{args.optimizer}, {args.steps} steps on {ranks} rank(s)", flush=True)
     rows = run_ranks(_rank, ranks, args, seed=args.seed, timeout_s=3600)[0]

@@ -108,3 +108,24 @@ def _check(per_rank, index):
         assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r
         assert r["num_zeros_a"] == r["num_zeros_b"], r
     assert len({round(r["loss_a"], 4) for r in rows}) == STEPS, rows  # it trains
+
+
+def test_validate_command_takes_a_registered_model_and_a_folder(folders):
+    """`nbtrain validate --model toy --import toy_lm.registered` (the package registers
+    itself on import) and `--model llama --hf-path` (a Qwen2 folder) at tp 2."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(__file__)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    for args in (["--model", "toy", "--import", "toy_lm.registered"],
+                 ["--model", "llama", "--hf-path", folders["qwen2"], "--lr", "3e-4"]):
+        proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "validate", "--ranks", "2",
+                               "--tp", "2", "--steps", "3", *args], capture_output=True,
+                              text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert f"nbtrain validate: {args[1]}" in proc.stdout
+        assert "within tolerance 1e-05" in proc.stdout
+        assert proc.stdout.count("\n   ") >= 3, proc.stdout  # one row per step
