@@ -165,3 +165,25 @@ def hf_training(path: str, cases, steps):
                              **nb, parallel=ParallelConfig(**parallel))),
                          steps=steps, data=data, verbose=False)
     return out
+
+
+def hf_contract_example(path: str):
+    """The issue's example as written, from a Qwen2 folder at tp=2 (ep=1), and the
+    reference's first step from the same folder: {"nbtrain": ..., "reference": ...}."""
+    from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
+    from nbtrain.runtime.validate import synthetic_batches
+
+    data = synthetic_batches(1, 4, SEQ, 96, 3)[0]
+    out = {}
+    for backend in ("nbtrain", "reference"):
+        cfg = RuntimeConfig(backend=backend, hf_path=path,
+                            backend_cfg=NBConfig(model_name="llama",
+                                                 parallel=ParallelConfig(tp=2, ep=1)))
+        rt = create_runtime(cfg); handle = rt.build_model()  # noqa: E702 (as quoted)
+        with rt.train_mode(handle):
+            rt.zero_grad(handle)
+            result = rt.forward_backward(handle, data, loss_fn=None, num_microbatches=2)
+            ok, grad_norm, num_zeros = rt.optimizer_step(handle)
+            rt.lr_scheduler_step(handle)
+        out[backend] = (result.metrics["loss"], ok, grad_norm, num_zeros)
+    return out

@@ -129,3 +129,17 @@ def test_validate_command_takes_a_registered_model_and_a_folder(folders):
         assert f"nbtrain validate: {args[1]}" in proc.stdout
         assert "within tolerance 1e-05" in proc.stdout
         assert proc.stdout.count("\n   ") >= 3, proc.stdout  # one row per step
+
+
+def test_the_quoted_example_runs_from_a_folder(folders):
+    """The issue's example (create_runtime, build_model, train_mode, zero_grad,
+    forward_backward with 2 micro-batches, optimizer_step, lr_scheduler_step) with the
+    built-in "llama" model from a Qwen2 folder at tp=2: its first step is the reference's."""
+    from model_cases import hf_contract_example
+
+    for out in run_ranks(hf_contract_example, 2, folders["qwen2"], timeout_s=300):
+        loss, ok, norm, zeros = out["nbtrain"]
+        ref_loss, ref_ok, ref_norm, ref_zeros = out["reference"]
+        assert ok and ref_ok
+        assert abs(loss - ref_loss) < 1e-5 and abs(norm - ref_norm) < 1e-5, out
+        assert zeros == ref_zeros > 0  # the embedding rows of tokens not in the batch
