@@ -9,14 +9,14 @@ from .comm import (get_context, init_distributed, print_rank, rank, sum_loss, sy
                    world_size)
 from .comm.config import config
 from .zero import (Block, DistributedModule, DistributedParameter, ParameterInitializer,
-                   TransformerBlockList, init_parameters, wrap)
+                   TransformerBlockList, assign_inits, empty_parameters, init_parameters, wrap)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "init_distributed", "get_context", "rank", "world_size", "synchronize", "print_rank",
     "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
-    "init_parameters", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
+    "init_parameters", "empty_parameters", "assign_inits", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
     "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
     "inspect", "graceful_stop", "stop_requested", "parallelize", "pipeline",
     "PipelineTransformerBlockList",

@@ -51,6 +51,16 @@ class GPTConfig:
         return cls(**{**sizes[name], **overrides})
 
 
+def gpt_inits(cfg: GPTConfig):
+    """The GPT's initialisation as a rule for `nbtrain.assign_inits` (a GPT built on the
+    meta device, then sharded and initialised rank by rank): N(0, 0.02) weights, the
+    residual projections at 0.02 / sqrt(2 * layers), zero biases, unit norms."""
+    from ..zero.meta import normal_inits
+
+    residual = 0.02 / math.sqrt(2 * cfg.layers)
+    return normal_inits(0.02, scaled={"proj.weight": residual, "mlp.2.weight": residual})
+
+
 def document_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """Where each token may attend in rows of packed documents.
 

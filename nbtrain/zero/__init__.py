@@ -1,5 +1,6 @@
 """ZeRO sharding: partition maths, DistributedParameter, Block, TransformerBlockList, wrap."""
 from .block import Block, ZeroLevel
+from .meta import assign_inits, empty_parameters, normal_inits, torch_default_inits
 from .blocklist import TransformerBlockList
 from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
@@ -9,4 +10,5 @@ from .views import full_named_grads, init_parameters
 
 __all__ = ["Block", "ZeroLevel", "TransformerBlockList", "DistributedModule",
            "DistributedParameter", "ParameterInitializer", "init_parameters", "wrap",
-           "full_named_grads", "ModelRoot"]
+           "full_named_grads", "ModelRoot", "empty_parameters", "assign_inits", "normal_inits",
+           "torch_default_inits"]

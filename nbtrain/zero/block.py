@@ -161,7 +161,9 @@ class Block(nn.Module):
                     inits.append(p.init_method)
                 else:
                     values.append(p.detach())
-                    inits.append(None)
+                    # A plain parameter may carry one (`zero.init.assign_inits`; a model
+                    # built on the meta device has nothing else to start from).
+                    inits.append(getattr(p, "init_method", None))
             layout = FlatLayout.build([(e.names[0], tuple(v.shape)) for e, v in
                                        zip(group_entries, values)], ranks.size)
             group = FlatGroup(layout, values, ranks=ranks, device=ctx.device, dtype=dtype,

@@ -92,7 +92,9 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[Distribut
             dp = converted.get(id(param))
             if dp is None:
                 dp = converted[id(param)] = DistributedParameter(
-                    param.detach(), param.requires_grad, tp_slice_of=param, stage=stage)
+                    param.detach(), param.requires_grad,
+                    init_method=getattr(param, "init_method", None), tp_slice_of=param,
+                    stage=stage)
             module._parameters[name] = dp
             changed = True
         if changed and not getattr(module, "_nbtrain_gather_hooks", False):
