@@ -1,0 +1,118 @@
+"""Rank functions for test_meta_build.py: models built on the meta device, sharded and
+initialised rank by rank."""
+import gc
+
+import torch
+
+VOCAB = 96
+
+
+def gpt_from_meta(steps: int):
+    """A tiny GPT built under empty_parameters, wrapped (ZeRO-3), initialised by
+    init_parameters, then trained `steps` SGD-with-momentum steps on a fixed batch:
+    (its initial full state dict, the losses)."""
+    import nbtrain
+    from nbtrain.models.gpt import GPT, GPTConfig, gpt_inits
+
+    cfg = GPTConfig.preset("tiny", vocab_size=VOCAB, seq_len=16)
+    with nbtrain.empty_parameters():
+        model = GPT(cfg)
+    assert all(p.is_meta for p in model.parameters())
+    nbtrain.assign_inits(model, gpt_inits(cfg))
+    model = nbtrain.wrap(model)
+    nbtrain.init_parameters(model)
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return state, _train(model, steps)
+
+
+def _train(model, steps):
+    ids = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model.loss(ids, ids.roll(-1, dims=1))
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def plain_gpt_training(state, steps):
+    """The same training on one plain GPT holding `state`."""
+    from nbtrain.models.gpt import GPT, GPTConfig
+
+    model = GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, seq_len=16))
+    model.load_state_dict(state)
+    return _train(model, steps)
+
+
+def hf_llama_from_meta():
+    """transformers' LlamaForCausalLM built from a config under empty_parameters (its
+    rotary buffers stay real), wrapped and initialised rank by rank: (its full state
+    dict, its logits on a fixed batch, whether any buffer was on the meta device)."""
+    import transformers
+
+    import nbtrain
+    from nbtrain.zero import normal_inits
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    with nbtrain.empty_parameters():
+        model = transformers.LlamaForCausalLM(config)
+    meta_buffers = any(b.is_meta for b in model.buffers())
+    nbtrain.assign_inits(model, normal_inits(config.initializer_range))
+    model = nbtrain.wrap(model)
+    nbtrain.init_parameters(model)
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        logits = model(ids).logits
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return state, logits, meta_buffers
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def build_peak(hidden: int, layers: int, from_meta: bool):
+    """Peak resident memory (Linux's VmHWM) added while building a GPT of `hidden` x
+    `layers` and sharding it with ZeRO-3: from the meta device (empty_parameters,
+    init_parameters), or built whole and then wrapped (`from_meta=False`, the path
+    that holds a full copy). A first small build pays the one-time costs.
+    Returns (peak bytes, the model's bytes, this rank's parameter bytes)."""
+    import ctypes
+
+    import nbtrain
+    from nbtrain.models.gpt import GPT, GPTConfig, gpt_inits
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # big tensors mmapped, given back
+
+    def build(cfg):
+        if not from_meta:
+            return nbtrain.wrap(GPT(cfg))
+        with nbtrain.empty_parameters():
+            model = GPT(cfg)
+        nbtrain.assign_inits(model, gpt_inits(cfg))
+        model = nbtrain.wrap(model)
+        nbtrain.init_parameters(model)
+        return model
+
+    warm = build(GPTConfig(vocab_size=VOCAB, hidden=64, heads=4, layers=2, seq_len=16))
+    del warm
+    gc.collect()
+    cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=8, layers=layers, seq_len=16)
+    with torch.device("meta"):
+        full = sum(p.numel() * p.element_size() for p in GPT(cfg).parameters())
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
+    base = _status_kib("VmRSS")
+    model = build(cfg)
+    peak = (_status_kib("VmHWM") - base) * 1024
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    return peak, full, held
