@@ -1,58 +1,104 @@
 """The consolidated checkpoint: one safetensors file with the plain model's names.
 
-`save(model, path)` writes the plain model's state dict (full tensors, plain names)
-from rank 0: a file `safetensors.torch.load_file` reads and a plain torch model
-loads. `load(model, path)` reads it into a sharded model of any world size.
+`save(model, path)` writes the plain model's state dict (full tensors, plain names):
+a file `safetensors.torch.load_file` reads and a plain torch model loads. `load(model,
+path)` reads it into a sharded model of any world size. Neither ever holds the whole
+model on a rank: the save gathers and writes one Block (or one module's own
+parameters) at a time, the load reads one tensor at a time and keeps this rank's
+slices (stream.py).
 
 With pipeline stages (`nbtrain.pipeline.stage_of`, whose names are the plain
-`nn.Sequential(*layers)`'s) rank 0 collects every stage's tensors, and `load` gives
-each stage the tensors of its own layers.
+`nn.Sequential(*layers)`'s) each stage's first rank writes its stage's tensors and
+rank 0 joins them into the file; `load` gives each stage the tensors of its own layers.
 """
 from __future__ import annotations
 
-import torch
+import os
+
 import torch.distributed as dist
-from safetensors.torch import load_file
 
 from ..comm.context import get_context
-from ..zero.block import Block
-from .layout import agreed, write_tensors
+from . import stream
+from .layout import _commit, agreed
 
 
-def save(model: torch.nn.Module, path: str) -> None:
+def save(model, path: str) -> None:
     """Writes the full model as one `.safetensors` file with the plain model's names.
 
-    Collective: every rank calls this (the shards are gathered); rank 0 writes.
+    Collective: every rank calls this (each Block is gathered in turn); each pipeline
+    stage's first rank writes a part beside `path`, rank 0 joins the parts into `path`
+    (atomically: a failed save leaves any earlier file at `path` as it was).
     """
     ctx = get_context()
-    # Clones: safetensors refuses tensors that share memory (tied weights).
-    state = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}
-    if ctx.topology.pipe_size > 1:  # every stage's first rank sends its stage's tensors
-        parts = [None] * ctx.world_size if ctx.rank == 0 else None
-        dist.gather_object(state if ctx.topology.zero_rank == 0 else None, parts, dst=0)
-        if ctx.rank == 0:
-            state = {k: v for part in parts if part is not None for k, v in part.items()}
-    agreed("nbtrain.save", lambda: write_tensors(path, state), run_here=ctx.rank == 0)
+    folder = os.path.dirname(os.path.abspath(path))
+    if ctx.rank == 0 and not os.path.isdir(folder):
+        raise FileNotFoundError(f"nbtrain.save({path!r}): the folder {folder!r} does not "
+                                "exist; create it first")
+    writes = ctx.topology.zero_rank == 0  # the first rank of each stage (rank 0 at pp 1)
+    part = f"{path}.part{ctx.rank}"
+    writer = None
+
+    def open_part():
+        nonlocal writer
+        writer = stream.PartWriter(part)
+
+    agreed(f"nbtrain.save({path!r})", open_part, run_here=writes)
+    try:
+        for key, tensor in stream.units(model):
+            if writer is not None:
+                writer.add(key, tensor)
+            del tensor  # one unit's tensors at a time
+    finally:
+        if writer is not None:
+            writer.close()
+    entries = writer.entries if writer is not None else None
+    if ctx.world_size > 1:
+        everyone = [None] * ctx.world_size
+        dist.all_gather_object(everyone, (part, entries))
+    else:
+        everyone = [(part, entries)]
+    parts = [(p, e) for p, e in everyone if e is not None]
+
+    def join():
+        tmp = f"{path}.tmp-{os.getpid()}"
+        try:
+            stream.join_parts(tmp, parts)
+            _commit(tmp, path)
+        except BaseException:
+            stream.remove_quietly(tmp)
+            raise
+
+    try:
+        agreed(f"nbtrain.save({path!r})", join, run_here=ctx.rank == 0)
+    finally:
+        if writer is not None:
+            stream.remove_quietly(part)
 
 
-def load(model: torch.nn.Module, path: str, strict: bool = True):
+def load(model, path: str, strict: bool = True):
     """Loads a file written by `save` (or any safetensors state dict of the plain model).
 
-    Returns torch's (missing_keys, unexpected_keys). A shape mismatch raises a
-    ValueError naming the key and both shapes. Every rank reads the file and keeps
-    its own slices (with pipeline stages, of its own stage's tensors: the other
-    stages' keys are not unexpected). Collective-free, but every rank must call it.
+    Returns torch's (missing_keys, unexpected_keys). Each tensor is read on its own
+    and the model keeps its slices (with pipeline stages, of its own stage's tensors:
+    the other stages' keys are not unexpected). A shape mismatch raises a ValueError
+    naming the key and both shapes; a file that is not safetensors, a ValueError
+    naming it. Collective-free, but every rank must call it.
     """
-    # strict=False, then our own check: a Block's submodules report the Block's keys
-    # as unexpected after the Block has consumed them (torch loads children last).
-    result = model.load_state_dict(load_file(path), strict=False)
-    owned = {prefix + ("." if prefix else "") + name
-             for prefix, m in model.named_modules() if isinstance(m, Block)
-             for g in m.groups for e in g.entries for name in e.names}
-    result.unexpected_keys[:] = [k for k in result.unexpected_keys if k not in owned]
-    if get_context().topology.pipe_size > 1:  # the other stages' layers
-        result.unexpected_keys.clear()
-    if strict and (result.missing_keys or result.unexpected_keys):
-        raise RuntimeError(f"nbtrain.load({path!r}): missing keys {result.missing_keys}, "
-                           f"unexpected keys {result.unexpected_keys}")
-    return result
+    from torch.nn.modules.module import _IncompatibleKeys
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"nbtrain.load: no file {path!r}")
+    in_file = stream.file_keys(path)
+    wanted = stream.expected_keys(model)
+    present = set(in_file)
+    for key in wanted:
+        if key in present:
+            model.load_state_dict({key: stream.read_one(path, key)}, strict=False)
+    missing = [k for k in wanted if k not in present]
+    expected = set(wanted)
+    unexpected = [] if get_context().topology.pipe_size > 1 else \
+        [k for k in in_file if k not in expected]  # the other stages' layers
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"nbtrain.load({path!r}): missing keys {missing}, "
+                           f"unexpected keys {unexpected}")
+    return _IncompatibleKeys(missing, unexpected)
