@@ -89,7 +89,7 @@ def _check(module: types.ModuleType, names, role: str, model: str) -> None:
     missing = [n for n in names if not callable(getattr(module, n, None))]
     if missing:
         raise TypeError(f"register_model({model!r}): the {role} {module.__name__} lacks "
-                        f"{', '.join(missing)}; a {role} provides {', '.join(names)} "
+                        f"{', '.join(missing)}; it must provide {', '.join(names)} "
                         "(see nbtrain.models.registry)")
 
 
