@@ -31,18 +31,23 @@ def save(model, path: str) -> None:
     """
     ctx = get_context()
     folder = os.path.dirname(os.path.abspath(path))
-    if ctx.rank == 0 and not os.path.isdir(folder):
-        raise FileNotFoundError(f"nbtrain.save({path!r}): the folder {folder!r} does not "
-                                "exist; create it first")
     writes = ctx.topology.zero_rank == 0  # the first rank of each stage (rank 0 at pp 1)
     part = f"{path}.part{ctx.rank}"
     writer = None
 
-    def open_part():
+    def start():
         nonlocal writer
-        writer = stream.PartWriter(part)
+        if not os.path.isdir(folder):
+            raise FileNotFoundError(f"nbtrain.save({path!r}): the folder {folder!r} does not "
+                                    "exist; create it first")
+        if writes:
+            try:
+                writer = stream.PartWriter(part)
+            except OSError as err:
+                raise OSError(f"nbtrain.save({path!r}): cannot write beside it "
+                              f"({err.strerror}: {part!r})") from err
 
-    agreed(f"nbtrain.save({path!r})", open_part, run_here=writes)
+    agreed(f"nbtrain.save({path!r})", start)
     try:
         for key, tensor in stream.units(model):
             if writer is not None:

@@ -34,7 +34,16 @@ def units(model: nn.Module):
     state dict (its parameters gathered), each other module's own parameters and
     buffers. Collective: every rank of the model's groups iterates in step."""
     def walk(module, prefix):
-        if isinstance(module, Block) or not module._modules:
+        if isinstance(module, Block):  # one flat group's full tensors at a time, then
+            yield from module.full_items(prefix, copy=False)  # buffers, which it shares
+            rest = {prefix + n: b for n, b in module._buffers.items()
+                    if b is not None and n not in module._non_persistent_buffers_set}
+            for name, child in module._modules.items():
+                if child is not None:  # their parameters are in the flat groups
+                    rest.update(child.state_dict(prefix=prefix + name + "."))
+            yield from rest.items()
+            return
+        if not module._modules:
             yield from module.state_dict(prefix=prefix).items()
             return
         own = {}

@@ -291,13 +291,23 @@ class Block(nn.Module):
             super()._save_to_state_dict(destination, prefix, keep_vars)
         finally:
             self._parameters = params
+        destination.update(self.full_items(prefix))
+
+    def full_items(self, prefix: str = "", copy: bool = True):
+        """(name, full tensor) of every parameter, one flat group gathered at a time (a
+        tensor-parallel slice assembled whole). `copy=False` gives views into the
+        gathered group instead of copies (a streaming writer's: one group's memory).
+        Collective: every rank of the block's groups iterates in step."""
         for group in self._groups:
-            entries = group.entries
             full = group.gather_copy()
-            for view, entry in zip(group.param_views(full), entries):
-                value = view.clone() if entry.tp is None else full_from_slice(view, entry.tp)
+            for view, entry in zip(group.param_views(full), group.entries):
+                if entry.tp is not None:
+                    value = full_from_slice(view, entry.tp)
+                else:
+                    value = view.clone() if copy else view
                 for name in entry.names:
-                    destination[prefix + name] = value
+                    yield prefix + name, value
+            del full
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
                               missing_keys, unexpected_keys, error_msgs):

@@ -116,3 +116,98 @@ def build_peak(hidden: int, layers: int, from_meta: bool):
     peak = (_status_kib("VmHWM") - base) * 1024
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     return peak, full, held
+
+
+def save_load_peak(folder: str, hidden: int, layers: int):
+    """A GPT of `hidden` x `layers` built on the meta device and sharded (ZeRO-3), saved
+    with nbtrain.save and loaded into a second one: the peak resident memory each
+    adds above what the rank held before it (VmHWM, reset just before), with the
+    sizes to judge them by. Returns a dict of bytes."""
+    import ctypes
+
+    import nbtrain
+    from nbtrain.models.gpt import GPT, GPTConfig, gpt_inits
+
+    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+
+    def build(cfg, init=True):
+        with nbtrain.empty_parameters():
+            model = GPT(cfg)
+        nbtrain.assign_inits(model, gpt_inits(cfg))
+        model = nbtrain.wrap(model)
+        if init:
+            nbtrain.init_parameters(model)
+        return model
+
+    small = GPTConfig(vocab_size=VOCAB, hidden=64, heads=4, layers=2, seq_len=16)
+    nbtrain.save(build(small), f"{folder}/warm.safetensors")  # one-time costs
+    nbtrain.load(build(small, init=False), f"{folder}/warm.safetensors")
+    gc.collect()
+    cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=8, layers=layers, seq_len=16)
+    model = build(cfg)
+    path = f"{folder}/model.safetensors"
+
+    def peak_of(fn):
+        gc.collect()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base = _status_kib("VmRSS")
+        out = fn()
+        return (_status_kib("VmHWM") - base) * 1024, out
+
+    save_peak, _ = peak_of(lambda: nbtrain.save(model, path))
+    load_peak, fresh = peak_of(lambda: _load_fresh(build, cfg, path))
+    with torch.device("meta"):
+        plain = GPT(cfg)
+    block = sum(p.numel() * p.element_size() for p in plain.layers[0].parameters())
+    full = sum(p.numel() * p.element_size() for p in plain.parameters())
+    largest = max(p.numel() * p.element_size() for p in plain.parameters())
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 fresh.state_dict().values()))
+    return {"save_peak": save_peak, "load_peak": load_peak, "block": block, "full": full,
+            "largest": largest, "held": held, "same": same, "path": path}
+
+
+def _load_fresh(build, cfg, path):
+    import nbtrain
+
+    fresh = build(cfg, init=False)
+    nbtrain.load(fresh, path)
+    return fresh
+
+
+def bad_files(folder: str):
+    """The errors nbtrain.load and nbtrain.save give for bad files and paths: {case:
+    message}."""
+    import nbtrain
+    from nbtrain.models.gpt import GPT, GPTConfig
+
+    model = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=32, heads=4, layers=1,
+                                       seq_len=16)))
+    good = f"{folder}/good.safetensors"
+    nbtrain.save(model, good)
+    out = {}
+    if nbtrain.rank() == 0:
+        with open(good, "rb") as f:
+            data = f.read()
+        with open(f"{folder}/truncated.safetensors", "wb") as f:
+            f.write(data[: len(data) // 2])
+        with open(f"{folder}/garbage.safetensors", "wb") as f:
+            f.write(b"\xff" * 64)
+    torch.distributed.barrier()
+    other = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=64, heads=4, layers=1,
+                                       seq_len=16)))
+    for case, call in {
+        "truncated": lambda: nbtrain.load(model, f"{folder}/truncated.safetensors"),
+        "garbage": lambda: nbtrain.load(model, f"{folder}/garbage.safetensors"),
+        "missing": lambda: nbtrain.load(model, f"{folder}/nothing.safetensors"),
+        "other model": lambda: nbtrain.load(other, good),
+        "unwritable": lambda: nbtrain.save(model, f"{folder}/no/such/dir/m.safetensors"),
+    }.items():
+        try:
+            call()
+            out[case] = "no error"
+        except Exception as err:
+            out[case] = f"{type(err).__name__}: {err}"
+    return out
