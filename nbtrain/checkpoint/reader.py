@@ -54,7 +54,12 @@ class _Reader:
             name = os.path.join(self.folder, f"rank{rank:05d}.safetensors")
             if not os.path.exists(name):
                 raise FileNotFoundError(f"checkpoint shard {name} is missing")
-            self._files[rank] = safe_open(name, framework="pt", device="cpu")
+            try:
+                self._files[rank] = safe_open(name, framework="pt", device="cpu")
+            except Exception as err:  # safetensors' message names no file
+                raise ValueError(f"checkpoint shard {name} is not a readable safetensors "
+                                 f"file ({err}): truncated by a crash or overwritten? Load "
+                                 "an earlier checkpoint") from err
         return self._files[rank]
 
     def _ranks(self, saved: dict, tp_rank: int | None) -> list[int]:
@@ -221,8 +226,12 @@ def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> di
         KeyError / ValueError naming the parameter (and both shapes) when the
         checkpoint does not fit the model or optimizer.
 
-    Collective-free, but every rank must call it (each reads its own ranges).
+    Collective-free, but every rank must call it (each reads its own ranges). A
+    background save (`non_blocking=True`) of this rank is waited for first.
     """
+    from .asynchronous import wait
+
+    wait()
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)
     reader = _Reader(path, meta)

@@ -50,7 +50,8 @@ def _optim_part(opt, entries_by_id: dict, tensors: dict, index: int) -> dict:
 
 # -- sharded save -----------------------------------------------------------------------
 
-def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=None) -> None:
+def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=None,
+                    non_blocking: bool = False) -> None:
     """Writes model, optimizer state, schedules, loss scale and `step` as shards.
 
     Args:
@@ -59,6 +60,11 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
         model: the sharded model.
         optim_manager: an OptimManager whose optimizers (and schedules) to save.
         step: any JSON value, returned by `load_checkpoint` as meta["step"].
+        non_blocking: return once this rank's shards are copied to host memory; the
+            files are written in the background (asynchronous.py): the next save,
+            `nbtrain.checkpoint.wait()` or the end of the process waits for them, and
+            a failure is raised there. Still atomic: until every rank's file is
+            written, meta.json names the previous checkpoint.
 
     With pipeline stages every rank passes its own stage (`nbtrain.pipeline.stage_of`)
     and the manager of its optimizers; the checkpoint holds the plain model's names and
@@ -67,42 +73,63 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
     Collective: every rank calls this; each writes its own file, rank 0 the metadata
     (every rank's description of its entries is gathered to it).
     """
+    from . import asynchronous
+
+    asynchronous.wait()  # an earlier background save finishes (or fails) first
     ctx = get_context()
     token = torch.tensor([time.time_ns() % (2**62)], dtype=torch.int64, device=ctx.device)
     C.broadcast(token, src=0, label="checkpoint.token")  # one version name on every rank
     version = f"v-{int(token.item()):x}"
+    file = os.path.join(path, version, f"rank{ctx.rank:05d}.safetensors")
 
-    def write_shard() -> dict:
-        os.makedirs(os.path.join(path, version), exist_ok=True)
+    def snapshot() -> tuple[dict, dict]:
+        """This rank's tensors (copies in host memory) and its description of them."""
         entries = local_entries(model)
         tensors = {f"model/{e.name}": e.local(e.param) for e in entries}
         by_id = {id(e.param): e for e in entries}
         optims = [] if optim_manager is None else [
             _optim_part(opt, by_id, tensors, i) for i, opt in enumerate(optim_manager.optimizers)]
-        topo = ctx.topology
         buffers = {}
-        if topo.zero_rank == 0:  # a stage's buffers: its first rank stores them
+        if ctx.topology.zero_rank == 0:  # a stage's buffers: its first rank stores them
             buffers = dict(model.named_buffers())
             tensors.update({f"buffer/{n}": b.detach().cpu().contiguous().clone()
                             for n, b in buffers.items()})
-        write_tensors(os.path.join(path, version, f"rank{ctx.rank:05d}.safetensors"), tensors)
-        return {"params": {e.name: e.saved_info() for e in entries}, "optimizers": optims,
-                "buffers": sorted(buffers)}
+        return tensors, {"params": {e.name: e.saved_info() for e in entries},
+                         "optimizers": optims, "buffers": sorted(buffers)}
 
-    def write_meta() -> None:
+    def write_meta(parts, manager_state) -> None:
         topo = ctx.topology
         meta = {"format": FORMAT_VERSION, "world_size": ctx.world_size, "step": step,
                 "tp_size": topo.tp_size, "dp_size": topo.dp_size, "pipe_size": topo.pipe_size,
-                "version": version, **merge_parts(parts),
-                "manager": None if optim_manager is None else optim_manager.scalar_state()}
+                "version": version, **merge_parts(parts), "manager": manager_state}
         write_json(os.path.join(path, META), meta)
         _remove_other_versions(path, version)
+
+    manager_state = None if optim_manager is None else optim_manager.scalar_state()
+    if non_blocking:  # the same snapshot and description; the writing in the background
+        tensors, part = agreed("save_checkpoint (snapshot)", snapshot)
+        parts = [None] * ctx.world_size
+        dist.all_gather_object(parts, part)
+        commit = (lambda: write_meta(parts, manager_state)) if ctx.rank == 0 else None
+        asynchronous.start(path, version, file, tensors, ctx.rank, ctx.world_size, commit)
+        return
+
+    def write_shard() -> dict:
+        try:
+            os.makedirs(os.path.dirname(file), exist_ok=True)
+        except OSError as err:
+            raise OSError(f"save_checkpoint({path!r}): cannot create the checkpoint folder "
+                          f"there ({err.strerror}); choose a writable path") from err
+        tensors, part = snapshot()
+        write_tensors(file, tensors)
+        return part
 
     # Every shard is on disk before the metadata names them.
     part = agreed("save_checkpoint (shards)", write_shard)
     parts = [None] * ctx.world_size
     dist.all_gather_object(parts, part)  # every rank's entries: stages hold different ones
-    agreed("save_checkpoint (metadata)", write_meta, run_here=ctx.rank == 0)
+    agreed("save_checkpoint (metadata)", lambda: write_meta(parts, manager_state),
+           run_here=ctx.rank == 0)
 
 
 def merge_parts(parts: list[dict]) -> dict:

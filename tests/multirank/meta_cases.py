@@ -195,6 +195,16 @@ def bad_files(folder: str):
             f.write(data[: len(data) // 2])
         with open(f"{folder}/garbage.safetensors", "wb") as f:
             f.write(b"\xff" * 64)
+    checkpoint = f"{folder}/ckpt"
+    nbtrain.save_checkpoint(checkpoint, model)
+    if nbtrain.rank() == 0:
+        import json
+
+        with open(f"{checkpoint}/meta.json") as f:
+            version = json.load(f)["version"]
+        for rank in range(nbtrain.world_size()):  # every rank reads its own here
+            with open(f"{checkpoint}/{version}/rank{rank:05d}.safetensors", "r+b") as f:
+                f.truncate(100)
     torch.distributed.barrier()
     other = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=64, heads=4, layers=1,
                                        seq_len=16)))
@@ -204,6 +214,8 @@ def bad_files(folder: str):
         "missing": lambda: nbtrain.load(model, f"{folder}/nothing.safetensors"),
         "other model": lambda: nbtrain.load(other, good),
         "unwritable": lambda: nbtrain.save(model, f"{folder}/no/such/dir/m.safetensors"),
+        "truncated shard": lambda: nbtrain.load_checkpoint(checkpoint, model),
+        "unwritable checkpoint": lambda: nbtrain.save_checkpoint(f"{good}/ckpt", model),
     }.items():
         try:
             call()

@@ -64,6 +64,10 @@ def errors(tmp_path_factory):
     ("other model", r"'tok.weight' has shape \(96, 32\) in the state dict but \(96, 64\)"),
     ("unwritable", r"nbtrain.save\('.*/no/such/dir/m.safetensors'\): the folder '.*/no/such/dir'"
                    r" does not exist"),
+    ("truncated shard", r"ValueError: checkpoint shard .*/ckpt/v-\w+/rank0000[01].safetensors is "
+                        r"not a readable safetensors file"),
+    ("unwritable checkpoint", r"save_checkpoint\('.*good.safetensors/ckpt'\): cannot create "
+                              r"the checkpoint folder there \(Not a directory\)"),
 ])
 def test_bad_files_name_the_file_and_the_problem(errors, case, pattern):
     import re
