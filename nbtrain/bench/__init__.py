@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1,
                    help="pipeline stages: compare nbtrain's 1F1B pipeline with "
                         "torch.distributed.pipelining (use --ranks equal to --pp)")
+    p.add_argument("--memory", action="store_true",
+                   help="peak memory per rank of building, training, saving and loading a "
+                        "~200 M-parameter GPT with ZeRO-3 against the theory (--quick: 6 M)")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="micro-batches per step with --pp (default 4)")
     return p
@@ -151,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or (args.tp > 1 and args.ranks != args.tp):
         raise SystemExit(f"--tp {args.tp} with --ranks {args.ranks}: the tensor-parallel "
                          f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
+    if args.memory:
+        from . import memory
+
+        return memory.main(args)
     settings = _settings(args)
     result = run(args.ranks, settings)
     s = result["settings"]

@@ -103,3 +103,18 @@ def test_quick_pp_bench_against_torch_pipelining(tmp_path):
     for name, run in result["runs"].items():
         assert max(abs(a - b) for a, b in zip(run["losses"], plain)) < 1e-4, name
     assert "pp_step_vs_torch" in stdout
+
+
+def test_memory_bench_runs_and_measures_the_paths(tmp_path):
+    """`nbtrain bench --memory --quick`: a 6 M-parameter GPT built from the meta device
+    stays near its shard (the naive build holds the whole model first), training near
+    16P/N, and the save and load phases are measured. Memory, unlike time, is
+    deterministic enough to bound here."""
+    result, stdout = _quick_bench(tmp_path, "--memory")
+    ratios = result["ratios"]
+    assert "GPT of 6.4 M parameters" in stdout and "meta   build" in stdout, stdout
+    assert ratios["meta_build_vs_theory"] < 1.2, ratios
+    assert ratios["meta_load_vs_theory"] < 1.3, ratios
+    assert ratios["naive_build_vs_meta_build"] > 1.6, ratios  # the whole model, then shards
+    for phase in ("meta_train", "meta_save", "whole_build"):
+        assert ratios[f"{phase}_vs_theory"] > 0, ratios

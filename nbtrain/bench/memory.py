@@ -1,0 +1,252 @@
+"""`nbtrain bench --memory`: peak memory per rank while a GPT is built, trained, saved
+and loaded with ZeRO-3, against the ZeRO-3 theory, with the naive path (the model
+built whole on every rank, then wrapped) for contrast.
+
+    nbtrain bench --memory                    # a ~200 M-parameter GPT on 2 ranks
+    nbtrain bench --memory --quick            # a 6 M-parameter one
+
+Each phase's peak is the rise of the process's resident high-water mark (Linux's
+VmHWM, reset before the phase) above what the rank held when the phase began; on a
+GPU the device's peak allocation is reported beside it. Before measuring, each
+launch builds, saves and loads a tiny model once: the libraries' and process groups'
+one-time costs, the same for any model. Large tensors are allocated from mmap (a
+fixed glibc threshold) so that what a phase frees is given back, and the next
+phase's peak is its own.
+
+Theory, P parameters over N ranks (4 bytes each), as the rise above what the rank
+held: build and load make the shard, 4P/N; training adds gradients (4P/N) and
+AdamW's two moments (8P/N) to it, 16P/N in all, plus activations and the blocks
+gathered in flight; saving holds one transformer block gathered (twice that on gloo,
+whose all_gather keeps a temporary copy).
+"""
+from __future__ import annotations
+
+import gc
+import sys
+import tempfile
+import time
+
+MB = 1 << 20
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+class Phase:
+    """Measures one phase: the resident high-water mark's rise (and the GPU's peak)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def __enter__(self):
+        import torch
+
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.gpu_base = torch.cuda.memory_allocated()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        self.base = _status_kib("VmRSS") * 1024
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        self.seconds = time.perf_counter() - self.start
+        self.host = _status_kib("VmHWM") * 1024 - self.base
+        self.gpu = (torch.cuda.max_memory_allocated() - self.gpu_base
+                    if self.device.type == "cuda" else None)
+        return False
+
+
+def _gpt(cfg, how: str):
+    """A ZeRO-3 GPT: from the meta device and initialised rank by rank ("meta"), from
+    the meta device with nothing drawn ("empty", for a load), or built whole on every
+    rank and then wrapped ("whole")."""
+    import nbtrain
+    from nbtrain.models.gpt import GPT, gpt_inits
+
+    if how == "whole":
+        return nbtrain.wrap(GPT(cfg))
+    with nbtrain.empty_parameters():
+        model = GPT(cfg)
+    nbtrain.assign_inits(model, gpt_inits(cfg))
+    model = nbtrain.wrap(model)
+    if how == "meta":
+        nbtrain.init_parameters(model)
+    return model
+
+
+def run_rank(spec: dict) -> dict:
+    """One rank of one path ("meta": build, train, save, load; "whole": build, train)."""
+    import ctypes
+
+    import torch
+
+    import nbtrain
+    from nbtrain.models.gpt import GPTConfig
+
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+    except OSError:
+        pass
+    ctx = nbtrain.get_context()
+    tiny = GPTConfig(vocab_size=256, hidden=64, heads=4, layers=2, seq_len=16)
+    warm = f"{spec['folder']}/warm.safetensors"
+    nbtrain.save(_gpt(tiny, "meta"), warm)  # one-time costs, paid before measuring
+    nbtrain.load(_gpt(tiny, "empty"), warm)
+    with Phase(ctx.device) as empty:  # the runtime's baseline: an empty model's build
+        _gpt(tiny, "meta")
+    cfg = GPTConfig(vocab_size=256, hidden=spec["hidden"], heads=spec["heads"],
+                    layers=spec["layers"], seq_len=64)
+    out = {"baseline": empty.host}
+    with Phase(ctx.device) as build:
+        model = _gpt(cfg, spec["path"])
+    out["build"] = (build.host, build.gpu, build.seconds)
+    out["shard"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    out["params"] = sum(p.numel() for p in _gpt_meta_params(cfg))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(ctx.rank)
+    ids = torch.randint(0, 256, (spec["batch"], 64), generator=g)
+    with Phase(ctx.device) as train:
+        for _ in range(spec["steps"]):
+            opt.zero_grad()
+            model.loss(ids, ids.roll(-1, dims=1)).backward()
+            opt.step()
+    out["train"] = (train.host, train.gpu, train.seconds)
+    if spec["path"] == "meta":  # step time while a background save is in flight
+        out["async"] = _async_step_ratio(model, opt, ids, spec)
+        path = f"{spec['folder']}/model.safetensors"
+        with Phase(ctx.device) as save:
+            nbtrain.save(model, path)
+        out["save"] = (save.host, save.gpu, save.seconds)
+        del model, opt
+        with Phase(ctx.device) as load:
+            fresh = _gpt(cfg, "empty")
+            nbtrain.load(fresh, path)
+        out["load"] = (load.host, load.gpu, load.seconds)
+        with torch.device("meta"):
+            from nbtrain.models.gpt import GPT
+
+            out["block"] = sum(p.numel() * 4 for p in GPT(cfg).layers[0].parameters())
+    return out
+
+
+def _async_step_ratio(model, opt, ids, spec) -> tuple[float, bool]:
+    """(seconds per step with a save_checkpoint(non_blocking=True) in flight / without,
+    whether the save was still in flight after those steps)."""
+    import torch
+
+    import nbtrain
+    from nbtrain.checkpoint import asynchronous
+
+    def steps():
+        start = time.perf_counter()
+        for _ in range(spec["steps"]):
+            opt.zero_grad()
+            model.loss(ids, ids.roll(-1, dims=1)).backward()
+            opt.step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    quiet = steps()
+    nbtrain.save_checkpoint(f"{spec['folder']}/async", model, non_blocking=True)
+    busy = steps()
+    still = asynchronous.in_flight()
+    nbtrain.checkpoint.wait()
+    return busy / quiet, still
+
+
+def _gpt_meta_params(cfg):
+    import torch
+
+    from nbtrain.models.gpt import GPT
+
+    with torch.device("meta"):
+        return list(GPT(cfg).parameters())
+
+
+def measure(ranks: int, hidden: int, layers: int, heads: int, steps: int, batch: int,
+            backend: str | None = None, log=print) -> dict:
+    """Both paths, each in its own launch: {"meta": per-rank dicts, "whole": ...}."""
+    from ..launch import run_ranks
+
+    out = {}
+    with tempfile.TemporaryDirectory(prefix="nbtrain-memory-") as folder:
+        for path in ("meta", "whole"):
+            start = time.perf_counter()
+            spec = {"path": path, "hidden": hidden, "layers": layers, "heads": heads,
+                    "steps": steps, "batch": batch, "folder": folder}
+            out[path] = run_ranks(run_rank, ranks, spec, backend=backend, timeout_s=3600)
+            log(f"{path}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return out
+
+
+def table(result: dict, ranks: int) -> tuple[str, dict]:
+    """The per-phase table (worst rank) and the ratios against the theory."""
+    meta, whole = result["meta"], result["whole"]
+    params = meta[0]["params"]
+    shard = 4 * params / ranks
+    baseline = max(r["baseline"] for r in meta)
+    block = meta[0]["block"]
+    # Each phase's rise above what the rank already held: training adds gradients and
+    # AdamW's two moments to the shard it holds (12P/N of the 16P/N).
+    theory = {"build": shard, "train": 3 * shard, "save": block, "load": shard}
+    ratios = {}
+    where = "GPU" if meta[0]["build"][1] is not None else "host"
+    lines = [f"GPT of {params / 1e6:.1f} M parameters ({4 * params / MB:.0f} MiB fp32) on "
+             f"{ranks} ranks, ZeRO-3; runtime baseline {baseline / MB:.1f} MiB",
+             f"peaks per rank ({where} memory, the worst rank)",
+             f"{'path':<6} {'phase':<6} {'peak MiB':>9} {'theory MiB':>11} {'ratio':>6} "
+             f"{'seconds':>8}"]
+    for name, per_rank, phases in (("meta", meta, ("build", "train", "save", "load")),
+                                   ("whole", whole, ("build", "train"))):
+        for phase in phases:
+            peak = max(r[phase][1] if r[phase][1] is not None else r[phase][0]
+                       for r in per_rank)
+            seconds = max(r[phase][2] for r in per_rank)
+            ratio = peak / (theory[phase] + baseline)
+            ratios[f"{name}_{phase}_vs_theory"] = ratio
+            lines.append(f"{name:<6} {phase:<6} {peak / MB:>9.1f} {theory[phase] / MB:>11.1f} "
+                         f"{ratio:>6.2f} {seconds:>8.1f}")
+    lines.append("theory (the rise above what the rank held): build/load 4P/N, train 12P/N "
+                 "(gradients and AdamW's moments; + activations), save one block; "
+                 "ratio = peak / (theory + baseline)")
+    ratio, still = max(r["async"][0] for r in meta), all(r["async"][1] for r in meta)
+    lines.append(f"step time with a background save in flight / without: {ratio:.2f} "
+                 f"({'still writing after the steps' if still else 'the write ended first'})")
+    ratios["async_save_step_time_ratio"] = ratio
+    ratios["naive_build_vs_meta_build"] = \
+        max(r["build"][0] for r in whole) / max(r["build"][0] for r in meta)
+    return "\n".join(lines), ratios
+
+
+def main(args) -> int:
+    import torch
+
+    quick = args.quick
+    hidden, layers = (256, 8) if quick else (1024, 16)
+    ranks = args.ranks
+    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    print(f"nbtrain bench --memory: {ranks} ranks, {backend}", flush=True)
+    result = measure(ranks, hidden, layers, 8, steps=2, batch=2, backend=backend)
+    text, ratios = table(result, ranks)
+    print(text)
+    for key, value in ratios.items():
+        print(f"{key}: {value:.3f}")
+    if args.json:
+        import json
+
+        with open(args.json, "w") as f:
+            json.dump({"result": result, "ratios": ratios}, f, indent=2, default=str)
+    return 0
+
