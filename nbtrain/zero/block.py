@@ -105,6 +105,9 @@ class Block(nn.Module):
         reduce_dtype: dtype gradients are reduce-scattered in (None: the
             parameters' own). torch.float32 for bf16/fp16 parameters keeps the
             averaged gradient in fp32 as each shard's `main_grad`.
+        offload: keep the shards (and so their gradients and the optimizer's state)
+            in host memory, copied to the device for each gather (ZeRO-Offload). The
+            same code runs on a CPU-only machine, where host and device coincide.
 
     Construction is collective when the module holds DistributedParameters.
     Forward and backward are collective: every rank runs the same blocks in the
@@ -112,8 +115,10 @@ class Block(nn.Module):
     """
 
     def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
-                 label: str | None = None, reduce_dtype: torch.dtype | None = None):
+                 label: str | None = None, reduce_dtype: torch.dtype | None = None,
+                 offload: bool = False):
         super().__init__()
+        self.offload = bool(offload)
         level = ZeroLevel.parse(zero_level)
         entries = _collect(module)
         if not entries:
@@ -168,7 +173,8 @@ class Block(nn.Module):
                                        zip(group_entries, values)], ranks.size)
             group = FlatGroup(layout, values, ranks=ranks, device=ctx.device, dtype=dtype,
                               requires_grad=requires_grad, label=f"{self.label}.{i}",
-                              reducer=self.reducer, grad_dtype=reduce_dtype)
+                              reducer=self.reducer, grad_dtype=reduce_dtype,
+                              offload=self.offload)
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             self.register_parameter(f"flat_param_{i}", group.shard)

@@ -45,14 +45,20 @@ class FlatGroup:
     def __init__(self, layout: FlatLayout, full_values: list[torch.Tensor], *,
                  ranks: ShardGroup, device: torch.device, dtype: torch.dtype,
                  requires_grad: bool, label: str, reducer: GradReducer,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, offload: bool = False):
         if layout.world_size != ranks.size:
             raise ValueError(f"layout for {layout.world_size} ranks, group of {ranks.size}")
         self.layout, self.label, self.reducer = layout, label, reducer
         self.ranks, self.rank, self.requires_grad = ranks, ranks.rank, requires_grad
         self.grad_dtype = grad_dtype or dtype
         begin, end = layout.shard_range(ranks.rank)
-        local = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+        # Offloaded: the shard (and so its gradient and the optimizer's state) lives in
+        # host memory, pinned for asynchronous copies on CUDA; each gather first copies
+        # it to the device (at prefetch time, so the copy overlaps like the gather).
+        self.device, self.offload = torch.device(device), bool(offload)
+        home = torch.device("cpu") if self.offload else self.device
+        local = torch.zeros(layout.shard_numel, dtype=dtype, device=home,
+                            pin_memory=self.offload and self.device.type == "cuda")
         for slot, value in zip(layout.slots, full_values):
             if value.is_meta:  # built on the meta device: zeros until loaded
                 continue
@@ -67,7 +73,7 @@ class FlatGroup:
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.gathered = False
-        self._handle = None
+        self._handle = self._staged = None
         # Across the micro-batches of a pipeline step (`zero.accumulate.micro_batches`):
         # stay gathered, and add the full gradients up here, reduced once at the end.
         self.hold = False
@@ -87,7 +93,8 @@ class FlatGroup:
         self._version = self.full._version
         self._shard_version = self.shard._version
         with torch.no_grad():
-            self._handle = C.all_gather(self.full, self.shard.detach(), async_op=True,
+            self._staged = self._on_device(self.shard.detach())  # kept until the wait
+            self._handle = C.all_gather(self.full, self._staged, async_op=True,
                                         group=self.ranks.group, label=self.label)
         events.instant("gather", self.label)
 
@@ -98,7 +105,7 @@ class FlatGroup:
         self.start_gather()
         self._handle.wait()
         _restore_version(self.full, self._version)
-        self._handle = None
+        self._handle = self._staged = None
         self.gathered = True
 
     def _fresh(self) -> bool:
@@ -174,6 +181,8 @@ class FlatGroup:
 
     def _add_to_grad(self, out: torch.Tensor) -> None:
         shard = self.shard
+        if out.device != shard.device:  # offloaded: the gradient joins the host shard
+            out = out.to(shard.device)
         if out.dtype != shard.dtype:
             # A wider reduce dtype (fp32 for a bf16 shard) is kept as
             # `shard.main_grad` for the optimizer's fp32 master weights:
@@ -191,11 +200,17 @@ class FlatGroup:
     # -- whole-tensor access (state dicts, checkpoints) ----------------------
     def gather_copy(self) -> torch.Tensor:
         """A fresh gathered copy of the flat buffer. Collective."""
-        out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype,
-                          device=self.shard.device)
-        C.all_gather(out, self.shard.detach(), group=self.ranks.group,
+        out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
+        C.all_gather(out, self._on_device(self.shard.detach()), group=self.ranks.group,
                      label=self.label + ".copy")
         return out
+
+    def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` (the shard, or a part of it) on the compute device: a copy when
+        offloaded (asynchronous from pinned memory on CUDA), else itself."""
+        if not self.offload:
+            return tensor
+        return tensor.to(self.device, non_blocking=True, copy=True)
 
     def load_full(self, index: int, value: torch.Tensor) -> None:
         """Copies this rank's part of parameter `index` from a full tensor."""

@@ -49,7 +49,8 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
                              "list; untie it or keep that layer list out of wrap()")
 
 
-def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtype) -> list:
+def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtype,
+                            offload=False) -> list:
     """Makes each layer of a pipeline Stage (with parameters) a Block in place, under its
     own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter,
     with each other or with another stage (`model.ties`, a tied embedding), stay outside
@@ -67,7 +68,7 @@ def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtyp
     for k, m in layers.items():
         if not isinstance(m, Block) and k not in shared and any(True for _ in m.parameters()):
             m = model._modules[k] = Block(m, level, use_checkpoint, label=k,
-                                          reduce_dtype=reduce_dtype)
+                                          reduce_dtype=reduce_dtype, offload=offload)
             blocks.append(m)
         if isinstance(m, Block) and isinstance(prev, Block):  # neighbours prefetch
             object.__setattr__(prev, "_next_block", m)
@@ -109,13 +110,15 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[Distribut
 
 
 def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
-         reduce_dtype=None) -> nn.Module:
+         reduce_dtype=None, offload: bool = False) -> nn.Module:
     """Shards `model` in place and returns it.
 
     Args:
         model: a plain torch model (e.g. a Hugging Face causal LM).
         zero_level: 2 or 3, for every Block.
         use_checkpoint: recompute activations of every Block in backward.
+        offload: the Blocks keep their shards in host memory (see Block); pair it
+            with AdamOffloadOptimizer (or any optimizer: it steps on host shards).
         reduce_dtype: dtype the Blocks reduce gradients in (see Block); None
             keeps the parameters' dtype.
 
@@ -128,13 +131,14 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     first_blocks = []
     if is_stage(model) and hasattr(model, "layer_keys"):  # its layers are the list
         lists = []
-        first_blocks += _stage_layers_to_blocks(model, level, use_checkpoint, reduce_dtype)[:1]
+        first_blocks += _stage_layers_to_blocks(model, level, use_checkpoint, reduce_dtype,
+                                                offload)[:1]
     else:
         lists = _layer_lists(model)
     _check_no_ties_across(model, lists)
     for name, ml in lists:
         blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}",
-                                             reduce_dtype=reduce_dtype)
+                                             reduce_dtype=reduce_dtype, offload=offload)
                                        for i, m in enumerate(ml)])
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
