@@ -96,8 +96,13 @@ def load(model, path: str, strict: bool = True):
     in_file = stream.file_keys(path)
     wanted = stream.expected_keys(model)
     present = set(in_file)
+    owners = stream.slice_owners(model)
     for key in wanted:
-        if key in present:
+        if key not in present:
+            continue
+        if key in owners:  # only this rank's rows of it
+            stream.load_slice(path, key, owners[key])
+        else:
             model.load_state_dict({key: stream.read_one(path, key)}, strict=False)
     missing = [k for k in wanted if k not in present]
     expected = set(wanted)

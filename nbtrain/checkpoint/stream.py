@@ -8,9 +8,11 @@ the stage's part (at pp 1: rank 0 alone); rank 0 then writes the safetensors hea
 after it. The parts lie beside the file, so every writer must see that folder (as
 the sharded checkpoint's ranks do).
 
-Loading opens the file for one tensor at a time (the file is never mapped whole),
-hands the tensor to the model's own load_state_dict, which keeps this rank's slices,
-and drops it: a rank holds its shards and one checkpoint tensor.
+Loading opens the file for one tensor at a time (the file is never mapped whole). A
+tensor this rank keeps a contiguous part of (a Block's parameter, a
+DistributedParameter) is read by rows, only those holding that part (safetensors
+slicing); any other (a tensor-parallel slice, a buffer) is read whole and handed to
+the model's own load_state_dict, which keeps this rank's slice.
 """
 from __future__ import annotations
 
@@ -140,6 +142,76 @@ def file_keys(path: str) -> list[str]:
     except Exception as err:  # safetensors' own errors say little about which file
         raise ValueError(f"{path!r} is not a readable safetensors file ({err}); was it "
                          "truncated, or written by something else?") from err
+
+
+def slice_owners(model: nn.Module) -> dict:
+    """key -> where this rank keeps a contiguous part of it: ("flat", group, index) for
+    a Block's parameter, ("param", p) for a DistributedParameter; tensor-parallel
+    slices and plain tensors are not listed (they take the whole tensor). Local."""
+    from ..zero.parameter import DistributedParameter
+    from ..zero.placement import is_tp_slice
+
+    owners = {}
+    for prefix, module in model.named_modules():
+        base = prefix + "." if prefix else ""
+        if isinstance(module, Block):
+            for group in module.groups:
+                for index, entry in enumerate(group.entries):
+                    if entry.tp is None:
+                        owners.update({base + n: ("flat", group, index) for n in entry.names})
+            continue
+        for name, p in module._parameters.items():
+            if isinstance(p, DistributedParameter) and not is_tp_slice(p):
+                owners[base + name] = ("param", p)
+    return owners
+
+
+def read_range(path: str, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
+    """Elements [start, stop) of the flattened tensor `key`, reading only the rows that
+    hold them (safetensors slicing); None when start == stop. Raises ValueError when
+    the file's shape is not `shape`. Local."""
+    with safe_open(path, framework="pt") as f:
+        piece = f.get_slice(key)
+        saved = tuple(piece.get_shape())
+        if saved != tuple(shape):
+            raise ValueError(f"nbtrain.load: {key!r} has shape {saved} in the file but "
+                             f"{tuple(shape)} in the model")
+        if stop <= start:
+            return None
+        if len(saved) < 2:
+            return f.get_tensor(key).reshape(-1)[start:stop]
+        row = 1
+        for n in saved[1:]:
+            row *= n
+        first, last = start // row, -(-stop // row)
+        rows = piece[first:last].reshape(-1)
+        return rows[start - first * row:stop - first * row]
+
+
+def load_slice(path: str, key: str, owner) -> None:
+    """Reads only this rank's part of `key` into its owner (see slice_owners)."""
+    if owner[0] == "flat":
+        _, group, index = owner
+        slot = group.layout.slots[index]
+        begin, end = group.layout.shard_range(group.rank)
+        part = slot.local_part(begin, end)
+        lo, hi = part if part is not None else (slot.offset, slot.offset)
+        values = read_range(path, key, lo - slot.offset, hi - slot.offset, slot.shape)
+        if values is not None:
+            with torch.no_grad():
+                group.shard[lo - begin:hi - begin].copy_(values)
+        return
+    from ..zero.parameter import group_of
+    from ..zero.partition import shard_range
+
+    param = owner[1]
+    ranks = group_of(param)
+    begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
+    stop = min(end, param.full_numel)
+    values = read_range(path, key, begin, max(begin, stop), param.full_shape)
+    if values is not None:
+        with torch.no_grad():
+            param.data[:stop - begin].copy_(values)
 
 
 def read_one(path: str, key: str) -> torch.Tensor:

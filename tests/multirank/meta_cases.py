@@ -118,7 +118,7 @@ def build_peak(hidden: int, layers: int, from_meta: bool):
     return peak, full, held
 
 
-def save_load_peak(folder: str, hidden: int, layers: int):
+def save_load_peak(folder: str, hidden: int, layers: int, vocab: int = VOCAB):
     """A GPT of `hidden` x `layers` built on the meta device and sharded (ZeRO-3), saved
     with nbtrain.save and loaded into a second one: the peak resident memory each
     adds above what the rank held before it (VmHWM, reset just before), with the
@@ -143,7 +143,7 @@ def save_load_peak(folder: str, hidden: int, layers: int):
     nbtrain.save(build(small), f"{folder}/warm.safetensors")  # one-time costs
     nbtrain.load(build(small, init=False), f"{folder}/warm.safetensors")
     gc.collect()
-    cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=8, layers=layers, seq_len=16)
+    cfg = GPTConfig(vocab_size=vocab, hidden=hidden, heads=8, layers=layers, seq_len=16)
     model = build(cfg)
     path = f"{folder}/model.safetensors"
 

@@ -4,7 +4,8 @@ their errors for bad files, on real gloo ranks.
 A 25 MB GPT (built on the meta device, ZeRO-3 over 2 ranks): saving adds at most one
 transformer block's full size to a rank's memory (twice that on gloo, whose all_gather
 keeps a temporary copy), loading into a fresh
-sharded model at most its shards plus the largest tensor (plus 2 MB); the file is a
+sharded model at most its shards plus the largest tensor (plus 2 MB), of which only this
+rank's rows are read (a 32 MiB embedding adds half of it); the file is a
 plain safetensors file holding the trained weights, and the reload equals them.
 """
 import pytest
@@ -41,6 +42,24 @@ def test_loading_holds_the_shards_and_one_tensor(peaks):
         assert p["same"]  # the reload equals the saved model
 
 
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """The same GPT with a 32768-token vocabulary: one 32 MiB embedding."""
+    folder = tmp_path_factory.mktemp("wide")
+    return run_ranks(save_load_peak, 2, str(folder), 256, 8, 32768, timeout_s=300)
+
+
+def test_loading_reads_only_this_ranks_rows(wide):
+    # The embedding is read by rows, this rank's half: reading it whole would add
+    # its 32 MiB, this adds about 16 (measured: whole reads 8 MiB above sliced ones
+    # for an 8 MiB embedding, per rank).
+    for p in wide:
+        assert p["largest"] == 32 * MB and p["same"]
+        bound = p["held"] + 0.75 * p["largest"]
+        assert p["load_peak"] < bound, \
+            f"load peak {p['load_peak'] / MB:.1f} MiB, bound {bound / MB:.1f} MiB"
+
+
 def test_the_file_is_plain_safetensors(peaks):
     from safetensors.torch import load_file
 
@@ -61,7 +80,7 @@ def errors(tmp_path_factory):
     ("truncated", r"ValueError: '.*truncated.safetensors' is not a readable safetensors file"),
     ("garbage", r"ValueError: '.*garbage.safetensors' is not a readable safetensors file"),
     ("missing", r"FileNotFoundError: nbtrain.load: no file '.*nothing.safetensors'"),
-    ("other model", r"'tok.weight' has shape \(96, 32\) in the state dict but \(96, 64\)"),
+    ("other model", r"'tok.weight' has shape \(96, 32\) in the file but \(96, 64\)"),
     ("unwritable", r"nbtrain.save\('.*/no/such/dir/m.safetensors'\): the folder '.*/no/such/dir'"
                    r" does not exist"),
     ("truncated shard", r"ValueError: checkpoint shard .*/ckpt/v-\w+/rank0000[01].safetensors is "
