@@ -16,8 +16,8 @@ phase's peak is its own.
 Theory, P parameters over N ranks (4 bytes each), as the rise above what the rank
 held: build and load make the shard, 4P/N; training adds gradients (4P/N) and
 AdamW's two moments (8P/N) to it, 16P/N in all, plus activations and the blocks
-gathered in flight; saving holds one transformer block gathered (twice that on gloo,
-whose all_gather keeps a temporary copy).
+gathered in flight; saving gathers one parameter at a time, at most one transformer
+block (the theory shown).
 """
 from __future__ import annotations
 

@@ -36,8 +36,8 @@ def units(model: nn.Module):
     state dict (its parameters gathered), each other module's own parameters and
     buffers. Collective: every rank of the model's groups iterates in step."""
     def walk(module, prefix):
-        if isinstance(module, Block):  # one flat group's full tensors at a time, then
-            yield from module.full_items(prefix, copy=False)  # buffers, which it shares
+        if isinstance(module, Block):  # one parameter at a time, then its buffers
+            yield from block_items(module, prefix)
             rest = {prefix + n: b for n, b in module._buffers.items()
                     if b is not None and n not in module._non_persistent_buffers_set}
             for name, child in module._modules.items():
@@ -59,6 +59,44 @@ def units(model: nn.Module):
                 yield from walk(child, prefix + name + ".")
 
     yield from walk(model, "")
+
+
+def block_items(block: Block, prefix: str = ""):
+    """(name, full tensor) of a Block's parameters, one parameter at a time: each rank
+    broadcasts its part of it, so a rank holds one parameter gathered (a flat group
+    holding tensor-parallel slices is gathered whole: its slices are assembled over
+    tp). Collective over each flat group's ranks."""
+    import torch.distributed as dist
+
+    from ..comm import collectives as C
+    from ..comm.topology import ALONE
+
+    for group in block.groups:
+        ranks = group.ranks
+        if ranks.size == 1 or ranks.group is ALONE or any(e.tp is not None
+                                                         for e in group.entries):
+            for name, value in block.full_items(prefix, copy=False, groups=[group]):
+                yield name, value
+            continue
+        sources = [r if ranks.group is None else dist.get_global_rank(ranks.group, r)
+                   for r in range(ranks.size)]
+        shard = group.shard.detach()
+        for slot, entry in zip(group.layout.slots, group.entries):
+            out = torch.empty(slot.numel, dtype=shard.dtype, device=group.device)
+            for r, src in enumerate(sources):
+                begin, end = group.layout.shard_range(r)
+                part = slot.local_part(begin, end)
+                if part is None:
+                    continue
+                lo, hi = part
+                piece = out[lo - slot.offset:hi - slot.offset]
+                if r == ranks.rank:
+                    piece.copy_(shard[lo - begin:hi - begin])
+                C.broadcast(piece, src=src, group=ranks.group, label=f"{group.label}.save")
+            value = out.view(slot.shape)
+            for name in entry.names:
+                yield prefix + name, value
+            del out, value
 
 
 def expected_keys(model: nn.Module) -> list[str]:

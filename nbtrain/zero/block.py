@@ -299,12 +299,13 @@ class Block(nn.Module):
             self._parameters = params
         destination.update(self.full_items(prefix))
 
-    def full_items(self, prefix: str = "", copy: bool = True):
+    def full_items(self, prefix: str = "", copy: bool = True, groups=None):
         """(name, full tensor) of every parameter, one flat group gathered at a time (a
         tensor-parallel slice assembled whole). `copy=False` gives views into the
         gathered group instead of copies (a streaming writer's: one group's memory).
-        Collective: every rank of the block's groups iterates in step."""
-        for group in self._groups:
+        `groups`: only these of the block's flat groups. Collective: every rank of
+        the block's groups iterates in step."""
+        for group in self._groups if groups is None else groups:
             full = group.gather_copy()
             for view, entry in zip(group.param_views(full), group.entries):
                 if entry.tp is not None:

@@ -1,12 +1,12 @@
 """nbtrain.save and nbtrain.load without a full copy of the model on any rank, and
 their errors for bad files, on real gloo ranks.
 
-A 25 MB GPT (built on the meta device, ZeRO-3 over 2 ranks): saving adds at most one
-transformer block's full size to a rank's memory (twice that on gloo, whose all_gather
-keeps a temporary copy), loading into a fresh
-sharded model at most its shards plus the largest tensor (plus 2 MB), of which only this
-rank's rows are read (a 32 MiB embedding adds half of it); the file is a
-plain safetensors file holding the trained weights, and the reload equals them.
+A 25 MB GPT (built on the meta device, ZeRO-3 over 2 ranks): saving adds less than one
+transformer block's full size to a rank's memory (one parameter gathered at a time);
+loading into a fresh sharded model adds at most its shards plus the largest tensor
+(plus 2 MB), of which only this rank's rows are read (a 32 MiB embedding adds half of
+it). The file is a plain safetensors file holding the trained weights, and the reload
+equals them.
 """
 import pytest
 import torch
@@ -23,14 +23,14 @@ def peaks(tmp_path_factory):
     return run_ranks(save_load_peak, 2, str(folder), 256, 8, timeout_s=300)
 
 
-def test_saving_holds_at_most_one_block(peaks):
-    # One block gathered, and gloo's own temporary of the same size: on the CPU an
-    # all_gather of 3 MiB peaks at 6 MiB, whichever torch call makes it (measured).
+def test_saving_holds_less_than_one_block(peaks):
+    # A Block's parameters are gathered one at a time (each rank broadcasts its part):
+    # a gathered flat group would be a whole block, twice that on gloo, whose
+    # all_gather keeps a temporary copy (measured: 6 MiB for this 3 MiB block).
     for p in peaks:
         assert p["full"] > 20e6 and p["block"] < p["full"] / 6
-        assert p["save_peak"] < 2 * p["block"] + 2 * MB, \
+        assert p["save_peak"] < p["block"], \
             f"save peak {p['save_peak'] / MB:.1f} MiB, one block {p['block'] / MB:.1f} MiB"
-        assert p["save_peak"] < 0.3 * p["full"]
 
 
 def test_loading_holds_the_shards_and_one_tensor(peaks):
