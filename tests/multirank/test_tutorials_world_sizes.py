@@ -202,6 +202,14 @@ def _check_overlap(by_world):
             assert res["timeline"]["compute"] and res["timeline"]["comm"], (world, name)
 
 
+def _check_reload(by_world):
+    """The same losses at every world size, and the reloaded model computes exactly what
+    the trained one did (the model is initialised world-size-independently)."""
+    _check_losses("losses", "trained_loss")(by_world)
+    for world, (r,) in by_world.items():
+        assert r["reloaded_loss"] == r["trained_loss"], (world, r)
+
+
 def _check_resume(by_world):
     _agree("reference", {w: r[0]["reference"] for w, r in by_world.items()})
     for world, (first, second) in by_world.items():  # resharded W -> W % 3 + 1 ranks
@@ -229,6 +237,9 @@ NOTEBOOKS = {
     "tutorials/08_tensor_parallelism.ipynb": ([["losses", "fresh.loss(x, y).item()"],
                                                ["zero_losses"]],
                                               _check_tp),
+    # built on the meta device, trained, saved, reloaded, checkpointed in the background
+    "tutorials/11_a_model_that_does_not_fit.ipynb": ([["losses", "trained_loss",
+                                                       "reloaded_loss"]], _check_reload),
 }
 # Rank code that cannot run at 1 and 3 ranks, and what covers it instead. Tutorial 10's
 # rank code imports the package its %%writefile cells write into a folder the notebook
