@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", action="store_true",
                    help="peak memory per rank of building, training, saving and loading a "
                         "~200 M-parameter GPT with ZeRO-3 against the theory (--quick: 6 M)")
+    p.add_argument("--offload", action="store_true",
+                   help="with --memory: also the path with wrap(offload=True) and "
+                        "AdamOffloadOptimizer (on a GPU, its device peaks)")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="micro-batches per step with --pp (default 4)")
     return p

@@ -4,6 +4,7 @@ built whole on every rank, then wrapped) for contrast.
 
     nbtrain bench --memory                    # a ~200 M-parameter GPT on 2 ranks
     nbtrain bench --memory --quick            # a 6 M-parameter one
+    nbtrain bench --memory --offload          # and with wrap(offload=True) (GPU: device peaks)
 
 Each phase's peak is the rise of the process's resident high-water mark (Linux's
 VmHWM, reset before the phase) above what the rank held when the phase began; on a
@@ -70,7 +71,8 @@ class Phase:
 def _gpt(cfg, how: str):
     """A ZeRO-3 GPT: from the meta device and initialised rank by rank ("meta"), from
     the meta device with nothing drawn ("empty", for a load), or built whole on every
-    rank and then wrapped ("whole")."""
+    rank and then wrapped ("whole"), or from the meta device with its Blocks' shards
+    in host memory ("offload")."""
     import nbtrain
     from nbtrain.models.gpt import GPT, gpt_inits
 
@@ -79,8 +81,8 @@ def _gpt(cfg, how: str):
     with nbtrain.empty_parameters():
         model = GPT(cfg)
     nbtrain.assign_inits(model, gpt_inits(cfg))
-    model = nbtrain.wrap(model)
-    if how == "meta":
+    model = nbtrain.wrap(model, offload=how == "offload")
+    if how in ("meta", "offload"):
         nbtrain.init_parameters(model)
     return model
 
@@ -113,7 +115,12 @@ def run_rank(spec: dict) -> dict:
     out["build"] = (build.host, build.gpu, build.seconds)
     out["shard"] = sum(p.numel() * p.element_size() for p in model.parameters())
     out["params"] = sum(p.numel() for p in _gpt_meta_params(cfg))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if spec["path"] == "offload":  # the optimizer steps on the host shards
+        from nbtrain.optim import AdamOffloadOptimizer
+
+        opt = AdamOffloadOptimizer(model.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(ctx.rank)
     ids = torch.randint(0, 256, (spec["batch"], 64), generator=g)
     with Phase(ctx.device) as train:
@@ -176,13 +183,13 @@ def _gpt_meta_params(cfg):
 
 
 def measure(ranks: int, hidden: int, layers: int, heads: int, steps: int, batch: int,
-            backend: str | None = None, log=print) -> dict:
+            backend: str | None = None, log=print, offload: bool = False) -> dict:
     """Both paths, each in its own launch: {"meta": per-rank dicts, "whole": ...}."""
     from ..launch import run_ranks
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="nbtrain-memory-") as folder:
-        for path in ("meta", "whole"):
+        for path in ("meta", "whole") + (("offload",) if offload else ()):
             start = time.perf_counter()
             spec = {"path": path, "hidden": hidden, "layers": layers, "heads": heads,
                     "steps": steps, "batch": batch, "folder": folder}
@@ -208,8 +215,11 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
              f"peaks per rank ({where} memory, the worst rank)",
              f"{'path':<6} {'phase':<6} {'peak MiB':>9} {'theory MiB':>11} {'ratio':>6} "
              f"{'seconds':>8}"]
-    for name, per_rank, phases in (("meta", meta, ("build", "train", "save", "load")),
-                                   ("whole", whole, ("build", "train"))):
+    paths = [("meta", meta, ("build", "train", "save", "load")),
+             ("whole", whole, ("build", "train"))]
+    if "offload" in result:  # on a GPU its device peaks are the point; on a CPU, equal
+        paths.append(("offload", result["offload"], ("build", "train")))
+    for name, per_rank, phases in paths:
         for phase in phases:
             peak = max(r[phase][1] if r[phase][1] is not None else r[phase][0]
                        for r in per_rank)
@@ -227,6 +237,9 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
     ratios["async_save_step_time_ratio"] = ratio
     ratios["naive_build_vs_meta_build"] = \
         max(r["build"][0] for r in whole) / max(r["build"][0] for r in meta)
+    if "offload" in result:
+        ratios["offload_train_vs_meta_train"] = \
+            ratios["offload_train_vs_theory"] / ratios["meta_train_vs_theory"]
     return "\n".join(lines), ratios
 
 
@@ -238,7 +251,8 @@ def main(args) -> int:
     ranks = args.ranks
     backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
     print(f"nbtrain bench --memory: {ranks} ranks, {backend}", flush=True)
-    result = measure(ranks, hidden, layers, 8, steps=2, batch=2, backend=backend)
+    result = measure(ranks, hidden, layers, 8, steps=2, batch=2, backend=backend,
+                     offload=args.offload)
     text, ratios = table(result, ranks)
     print(text)
     for key, value in ratios.items():
