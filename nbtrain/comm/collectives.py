@@ -34,6 +34,7 @@ class CommKind(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
     P2P = "p2p"  # point-to-point sends between pipeline stages
+    ALL_TO_ALL = "all_to_all"  # expert-parallel token exchange (nbtrain.moe)
 
 
 class CommCounters:
@@ -341,3 +342,45 @@ def _reduce_op(op: str):
         return ops[op]
     except KeyError:
         raise ValueError(f"op={op!r}: use one of {sorted(ops)}") from None
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor,  # noqa: A002 (torch's name)
+                      output_split_sizes: list[int] | None,
+                      input_split_sizes: list[int] | None, *, group=None,
+                      label: str = "") -> None:
+    """Each rank sends row blocks of `input` to every rank and receives into `output`.
+
+    Rows `input[sum(input_split_sizes[:j]) : ...]` go to group rank j; `output` holds
+    the blocks received, in group-rank order. Split sizes count rows along dim 0 and
+    may differ per rank (None: equal blocks). Counted as the bytes this rank sends to
+    other ranks (its own block stays local), like `send`; equal blocks of a B-byte
+    buffer give B x (N-1)/N, the ring figure of the other wrappers. Blocking.
+
+    Args:
+        output: (sum(output_split_sizes), ...) buffer, same dtype and device as input.
+        input: (sum(input_split_sizes), ...) contiguous rows to send.
+        output_split_sizes / input_split_sizes: one row count per group rank, or None.
+
+    Collective: every rank in the group calls this, in the same order, with split
+    sizes that agree (what rank i sends to j is what j expects from i). A group of
+    this rank alone (`topology.ALONE`) copies.
+    """
+    if group is ALONE:
+        output.copy_(input)
+        _alone(CommKind.ALL_TO_ALL, label, False)
+        return
+    world = dist.get_world_size(group)
+    for name, sizes in (("output_split_sizes", output_split_sizes),
+                        ("input_split_sizes", input_split_sizes)):
+        if sizes is not None and len(sizes) != world:
+            raise ValueError(f"all_to_all_single: {name} has {len(sizes)} entries, the "
+                             f"group has {world} ranks: give one row count per rank")
+    row_bytes = input[:1].numel() * input.element_size()  # 0 for 0 rows: nothing sent
+    if input_split_sizes is None:
+        nbytes = _ring_bytes(input, world)
+    else:
+        me = dist.get_rank(group)
+        nbytes = (sum(input_split_sizes) - input_split_sizes[me]) * row_bytes
+    started = time.perf_counter()
+    dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+    _issue(CommKind.ALL_TO_ALL, None, nbytes, label, False, started=started)

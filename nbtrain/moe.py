@@ -1,0 +1,275 @@
+"""A mixture-of-experts layer with expert parallelism (GShard / Switch routing).
+
+Every rank routes its own tokens; the experts are split evenly over an
+expert-parallel (ep) group, rank r holding experts [r*E/P, (r+1)*E/P). A forward
+makes three exchanges over the group, all through `nbtrain.comm.collectives`, so the
+byte counters see them:
+
+    counts    all_to_all of E int64 counts (how many rows each rank will receive)
+    dispatch  all_to_all of the routed token rows, uneven sizes
+    combine   the reverse all_to_all of the expert outputs
+
+plus one all_reduce of E + 1 int64 (global load and drops, for `stats` and the
+bias of balance="bias"). Backward runs the two row exchanges in reverse.
+
+Parameters and their gradients:
+    router.weight  replicated on every rank; each rank's gradient comes from its
+                   own tokens only, so the caller's data parallelism must reduce it
+                   over all ranks that run this layer, like any replicated weight.
+    w_in, w_out    this rank's experts only (`param._nbtrain_expert = True`); their
+                   gradients already hold every ep rank's tokens and must be reduced
+                   only over ranks holding the same experts (the data-parallel
+                   replicas of this ep slot): none when ep covers all ranks.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from .comm import collectives
+from .comm.topology import ALONE
+
+BALANCE_MODES = ("aux", "bias", "none")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of uneven sizes to every ep rank; backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows, out_splits, in_splits, group, label):
+        ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
+        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
+        collectives.all_to_all_single(out, rows.contiguous(), out_splits, in_splits,
+                                      group=group, label=label)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
+        collectives.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits,
+                                      group=ctx.group, label=ctx.label + " backward")
+        return grad_in, None, None, None, None
+
+
+def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
+                    group=None, label: str = "moe") -> torch.Tensor:
+    """Differentiable uneven all_to_all of (sum(in_splits), ...) rows ->
+    (sum(out_splits), ...). Collective over `group`."""
+    return _AllToAll.apply(rows, list(out_splits), list(in_splits), group, label)
+
+
+def _ep_group(group):
+    """(group, size, rank): a one-rank group, or no process group at all, is ALONE."""
+    if group is ALONE or not dist.is_initialized():
+        return ALONE, 1, 0
+    size = dist.get_world_size(group)
+    return (ALONE, 1, 0) if size == 1 else (group, size, dist.get_rank(group))
+
+
+def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
+    """Top-k selection: (expert ids (T, k) int64, combine weights (T, k)).
+
+    Selection uses scores + bias (bias only steers the choice); the combine weights
+    are the selected *unbiased* scores renormalised to sum 1 per token. Local.
+    """
+    chosen = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices
+    weights = scores.gather(-1, chosen)
+    return chosen, weights / weights.sum(-1, keepdim=True)
+
+
+def capacity_keep(chosen: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """(T, k) bool: which assignments an expert keeps when it takes `capacity` from
+    this rank. First come first kept, in token order (token 0's k choices, then
+    token 1's ...). Local."""
+    flat = chosen.reshape(-1)
+    onehot = F.one_hot(flat, num_experts)
+    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # 0-based arrival at its expert
+    return (position < capacity).reshape(chosen.shape)
+
+
+def expert_ffn(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
+    """One expert: (n, hidden) -> (n, hidden), exact (erf) GELU between. n may be 0."""
+    return F.gelu(rows @ w_in) @ w_out
+
+
+class MoE(nn.Module):
+    """Mixture of experts over an expert-parallel group.
+
+    Each token goes to the top_k experts of softmax(router(x)); its output is the
+    sum of those experts' outputs weighted by their scores renormalised to sum 1.
+    An expert is Linear(hidden, ffn_hidden) -> exact (erf) GELU -> Linear(ffn_hidden,
+    hidden), no biases; this rank holds experts [first_expert, first_expert +
+    local_experts) as `w_in` (local, hidden, ffn_hidden) and `w_out` (local,
+    ffn_hidden, hidden), drawn world-size independently (`reset_experts`).
+
+    Args:
+        hidden: model width.
+        ffn_hidden: each expert's inner width.
+        num_experts: E, a multiple of the ep group size P.
+        top_k: experts per token (1 <= top_k <= E).
+        group: the ep group; None = the world, `topology.ALONE` = this rank alone.
+        capacity_factor: None = dropless. Else each expert keeps at most
+            ceil(capacity_factor * T * top_k / E) assignments from each source rank,
+            T = that rank's tokens, first come first kept in token order;
+            dropped assignments contribute zero (a token whose every choice is
+            dropped outputs zero).
+        balance: "aux" (Switch/GShard auxiliary loss in `self.aux_loss`), "bias"
+            (DeepSeek-V3's loss-free per-expert bias) or "none".
+        aux_loss_weight: the auxiliary loss coefficient.
+        bias_update_rate: the bias step per training forward.
+
+    After each forward:
+        aux_loss: scalar tensor in the graph (zero unless balance="aux"), for the
+            caller to add to its loss: aux_loss_weight * E * sum_e f_e * P_e over
+            this rank's tokens, f_e = share of the T*top_k assignments routed to e
+            (before drops), P_e = mean router probability of e.
+        stats: {"tokens_per_expert": assignments routed to each expert before
+            drops, summed over the ep group; "dropped": assignments dropped, over
+            the ep group; "balance": max load / mean load}.
+    """
+
+    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 2,
+                 group=None, capacity_factor: float | None = None, balance: str = "aux",
+                 aux_loss_weight: float = 0.01, bias_update_rate: float = 1e-3):
+        super().__init__()
+        self.group, self.ep_size, self.ep_rank = _ep_group(group)
+        if num_experts % self.ep_size:
+            raise ValueError(f"num_experts={num_experts} is not a multiple of the ep group "
+                             f"size {self.ep_size}: use a multiple of {self.ep_size} or a "
+                             f"smaller ep group")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k={top_k}: choose 1 <= top_k <= num_experts={num_experts}")
+        if balance not in BALANCE_MODES:
+            raise ValueError(f"balance={balance!r}: use one of {BALANCE_MODES}")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor}: give a positive number, "
+                             f"or None for dropless routing")
+        self.hidden, self.ffn_hidden, self.num_experts, self.top_k = (
+            hidden, ffn_hidden, num_experts, top_k)
+        self.local_experts = num_experts // self.ep_size
+        self.first_expert = self.ep_rank * self.local_experts
+        self.capacity_factor, self.balance = capacity_factor, balance
+        self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
+        self.router = nn.Linear(hidden, num_experts, bias=False)
+        self.w_in = nn.Parameter(torch.empty(self.local_experts, hidden, ffn_hidden))
+        self.w_out = nn.Parameter(torch.empty(self.local_experts, ffn_hidden, hidden))
+        for p in (self.w_in, self.w_out):
+            p._nbtrain_expert = True
+        self.register_buffer("expert_bias", torch.zeros(num_experts))
+        self.aux_loss = torch.zeros(())
+        self.stats: dict = {}
+        self.reset_experts()
+
+    @torch.no_grad()
+    def reset_experts(self) -> None:
+        """Draws every expert in turn (U(+-1/sqrt(fan_in)), nn.Linear's scale) and
+        keeps this rank's: the same seed gives the same model at any ep size. Local."""
+        for e in range(self.num_experts):
+            w_in = torch.empty(self.hidden, self.ffn_hidden).uniform_(-1, 1) / math.sqrt(self.hidden)
+            w_out = torch.empty(self.ffn_hidden, self.hidden).uniform_(-1, 1) / math.sqrt(self.ffn_hidden)
+            local = e - self.first_expert
+            if 0 <= local < self.local_experts:
+                self.w_in[local].copy_(w_in)
+                self.w_out[local].copy_(w_out)
+
+    def capacity(self, tokens: int) -> int:
+        """Assignments each expert keeps from a rank with `tokens` tokens."""
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(batch, seq, hidden) -> (batch, seq, hidden). Ranks may hold different
+        batch and seq sizes. Collective: every rank of the ep group calls this."""
+        shape = x.shape
+        tokens = x.reshape(-1, self.hidden)
+        scores = torch.softmax(self.router(tokens).float(), dim=-1)       # (T, E)
+        use_bias = self.balance == "bias"
+        chosen, weights = route(scores, self.top_k, self.expert_bias if use_bias else None)
+        routed = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
+        keep = torch.ones_like(chosen, dtype=torch.bool)
+        if self.capacity_factor is not None:
+            keep = capacity_keep(chosen, self.num_experts, self.capacity(tokens.shape[0]))
+        out = self._dispatch_compute_combine(tokens, chosen, weights.to(x.dtype), keep)
+        self._after_routing(scores, routed, int((~keep).sum()))
+        return out.reshape(shape)
+
+    def _dispatch_compute_combine(self, tokens, chosen, weights, keep):
+        """Sends each kept assignment's token row to its expert's rank, runs the
+        experts, brings the results back and sums them weighted: (T, hidden)."""
+        token_of = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1).expand_as(chosen)[keep]
+        expert_of, weight_of = chosen[keep], weights[keep]
+        order = torch.argsort(expert_of, stable=True)  # grouped by expert = by owner rank
+        token_of, expert_of, weight_of = token_of[order], expert_of[order], weight_of[order]
+        send_counts = torch.bincount(expert_of, minlength=self.num_experts)      # (E,)
+        recv_counts = torch.empty_like(send_counts)
+        collectives.all_to_all_single(recv_counts, send_counts, None, None,
+                                      group=self.group, label="moe counts")
+        recv_counts = recv_counts.view(self.ep_size, self.local_experts)  # [source, local e]
+        in_splits = send_counts.view(self.ep_size, -1).sum(1).tolist()
+        out_splits = recv_counts.sum(1).tolist()
+        received = all_to_all_rows(tokens[token_of], out_splits, in_splits, self.group,
+                                   "moe dispatch")
+        # Received rows come by source rank, each source's grouped by local expert:
+        # regroup by expert, run each expert on its rows, put them back.
+        local_of = torch.repeat_interleave(
+            torch.arange(self.local_experts, device=received.device).repeat(self.ep_size), recv_counts.reshape(-1))
+        by_expert = torch.argsort(local_of, stable=True)
+        per_expert = torch.bincount(local_of, minlength=self.local_experts).tolist()
+        outs = [expert_ffn(rows, self.w_in[e], self.w_out[e])
+                for e, rows in enumerate(received[by_expert].split(per_expert))]
+        computed = torch.empty_like(received).index_copy(0, by_expert, torch.cat(outs))
+        returned = all_to_all_rows(computed, in_splits, out_splits, self.group, "moe combine")
+        return torch.zeros_like(tokens).index_add(
+            0, token_of, returned * weight_of.unsqueeze(1))
+
+    def _after_routing(self, scores, routed, dropped):
+        totals = torch.cat([routed, routed.new_tensor([dropped])])
+        collectives.all_reduce(totals, group=self.group, label="moe stats")
+        load = totals[:-1]
+        mean = load.float().mean()
+        self.stats = {"tokens_per_expert": load.tolist(), "dropped": int(totals[-1]),
+                      "balance": float(load.max() / mean) if mean > 0 else float("nan")}
+        if self.balance == "aux":
+            share = routed.float() / max(int(routed.sum()), 1)                   # f_e
+            self.aux_loss = (self.aux_loss_weight * self.num_experts
+                             * (share * scores.mean(0)).sum())
+        else:
+            self.aux_loss = scores.new_zeros(())
+        if self.balance == "bias" and self.training:
+            with torch.no_grad():  # same global load on every rank: same bias
+                self.expert_bias += self.bias_update_rate * torch.sign(mean - load.float())
+
+    def extra_repr(self) -> str:
+        return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
+                f"({self.local_experts} here, from {self.first_expert}), top_k={self.top_k}, "
+                f"ep={self.ep_size}, capacity_factor={self.capacity_factor}, "
+                f"balance={self.balance!r}")
+
+
+def moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tensor,
+                  w_out: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
+                  keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The same layer in one process, a plain loop over all experts (for tests).
+
+    Args:
+        x: (..., hidden) tokens; router_weight: (E, hidden); w_in: (E, hidden, ffn);
+        w_out: (E, ffn, hidden); bias: (E,) selection bias; keep: (T, top_k) bool,
+            the assignments kept (None: all).
+
+    Returns (..., hidden). Local.
+    """
+    tokens = x.reshape(-1, x.shape[-1])
+    scores = torch.softmax(tokens @ router_weight.t(), dim=-1)
+    chosen, weights = route(scores, top_k, bias)
+    if keep is not None:
+        weights = weights * keep
+    out = torch.zeros_like(tokens)
+    for e in range(router_weight.shape[0]):
+        rows, slot = (chosen == e).nonzero(as_tuple=True)
+        out = out.index_add(0, rows, expert_ffn(tokens[rows], w_in[e], w_out[e])
+                            * weights[rows, slot].unsqueeze(1))
+    return out.reshape(x.shape)
