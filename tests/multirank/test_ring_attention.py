@@ -1,0 +1,184 @@
+"""Ring attention (context parallelism) on real gloo ranks at cp 2 and 3, against
+F.scaled_dot_product_attention on the full sequence:
+
+- output and q/k/v gradients, causal or not, packed documents or not, zigzag or
+  contiguous shards, within 1e-5 in float32;
+- shard_sequence / gather_sequence round trips; the zigzag layout's equal causal work;
+- the P2P bytes of a forward and a backward against the ring's arithmetic;
+- the next K/V block posted before the current one is computed (event order);
+- a cp group of global ranks 0 and 2 inside a world of 3;
+- in one process: the world-of-one fallback, the no-NaN merge, the skipped chunk
+  pairs, and the input errors.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from ranks import run_ranks
+from ring_cases import (BATCH, HEAD_DIM, HEADS, SEQ_PER_RANK, full_inputs, packed_position_ids,
+                        ring_cases)
+
+from nbtrain.nn import ring_attention as R
+
+WORLDS = (2, 3)
+CASES = [(causal, packed, layout) for causal in (True, False) for packed in (False, True)
+         for layout in ("zigzag", "contiguous")]
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return {world: run_ranks(ring_cases, world, 7, timeout_s=120) for world in WORLDS}
+
+
+def reference(q, k, v, dout, causal, position_ids=None):
+    """Output and q/k/v gradients of plain attention on the full sequence."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    if position_ids is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        doc = R.document_ids(position_ids)
+        mask = (doc.unsqueeze(2) == doc.unsqueeze(1)).unsqueeze(1)
+        if causal:
+            mask = mask & torch.ones(q.shape[2], q.shape[2], dtype=torch.bool).tril()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    out.backward(dout)
+    return out.detach(), [q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'causal' if c[0] else 'full'}-"
+                         f"{'packed' if c[1] else 'one-doc'}-{c[2]}")
+def test_output_and_gradients_equal_full_attention(runs, world, case):
+    causal, packed, _ = case
+    first = runs[world][0]
+    q, k, v, dout = first["inputs"]
+    out, grads = reference(q, k, v, dout, causal, first["position_ids"] if packed else None)
+    for rank_result in runs[world]:
+        got = rank_result["cases"][case]
+        assert (got["out"] - out).abs().max() < 1e-5
+        for name, g, want in zip("qkv", got["grads"], grads):
+            err = float((g - want).abs().max())
+            assert err < 1e-5, f"d{name}: max error {err:.2e}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_shard_and_gather_round_trip(runs, world):
+    for rank_result in runs[world]:
+        assert all(rank_result["round_trips"].values()), rank_result["round_trips"]
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_positions_and_zigzag_balances_causal_work(runs, world):
+    work = {"zigzag": [], "contiguous": []}
+    for rank_result in runs[world]:
+        for layout, (sharded, computed) in rank_result["positions"].items():
+            assert torch.equal(sharded, computed), layout
+            work[layout].append(int((sharded + 1).sum()))  # causal (q, k) pairs
+    seq = SEQ_PER_RANK * world
+    for layout in work:
+        assert sum(work[layout]) == seq * (seq + 1) // 2
+    assert len(set(work["zigzag"])) == 1, work
+    assert len(set(work["contiguous"])) == world, work  # the imbalance zigzag removes
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_p2p_bytes_follow_the_ring(runs, world):
+    kv = 2 * BATCH * HEADS * SEQ_PER_RANK * HEAD_DIM * 4  # one K and one V block, float32
+    docs = BATCH * SEQ_PER_RANK * 8  # int64 document ids
+    for rank_result in runs[world]:
+        for (_, packed, _), got in rank_result["cases"].items():
+            block = kv + (docs if packed else 0)
+            assert got["fwd_bytes"] == (world - 1) * block
+            # K/V (and ids) go round again; each block's dK/dV (float32) travel home
+            assert got["bwd_bytes"] == (world - 1) * block + world * kv
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_next_block_is_posted_before_the_current_one_is_computed(runs, world):
+    for rank_result in runs[world]:
+        order = rank_result["events"]
+        for phase, kv_label in (("forward", "cp ring kv step"),
+                                ("backward", "cp ring kv grad step")):
+            for step in range(world - 1):
+                compute = order.index(("compute_begin", f"cp ring attention step {step}",
+                                       phase))
+                issued = order.index(("comm_issue", f"{kv_label} {step + 1}", None))
+                waited = order.index(("comm_wait", f"{kv_label} {step + 1}", None))
+                assert issued < compute < waited, (phase, step, order)
+
+
+def test_a_cp_group_inside_a_larger_world(runs):
+    q, k, v, dout = full_inputs(24, 7)
+    out, grads = reference(q, k, v, dout, True, packed_position_ids(24))
+    per_rank = [r["subgroup"] for r in runs[3]]
+    assert per_rank[1] is None
+    for got in (per_rank[0], per_rank[2]):
+        for g, want in zip(got, [out] + grads):
+            assert (g - want).abs().max() < 1e-5
+
+
+# ----------------------------------------------------------------- in one process
+
+
+def test_a_world_of_one_is_plain_attention():
+    q, k, v, dout = (torch.randn(2, 3, 10, 4, generator=torch.Generator().manual_seed(i))
+                     for i in range(4))
+    position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]] * 2)
+    for causal in (True, False):
+        for pos in (None, position_ids):
+            want, _ = reference(q, k, v, dout, causal, pos)
+            docs = None if pos is None else R.document_ids(pos)
+            got = R.ring_attention(q, k, v, causal=causal, doc_ids=docs)
+            assert (got - want).abs().max() < 1e-6
+    x = torch.randn(2, 10)
+    assert torch.equal(R.gather_sequence(R.shard_sequence(x, 1), 1), x)
+
+
+def test_rows_without_a_visible_key_merge_without_nan():
+    q, k, v = (torch.randn(1, 1, 3, 4) for _ in range(3))
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, False, True]])
+    out, lse = R._block_forward(q, k, v, mask, 0.5)
+    assert torch.isneginf(lse[0, 0, 1]) and torch.equal(out[0, 0, 1], torch.zeros(4))
+    empty_out, empty_lse = R._block_forward(q, k, v, torch.zeros(3, 3, dtype=torch.bool), 0.5)
+    merged, merged_lse = R._merge(empty_out, empty_lse, out, lse)
+    assert not torch.isnan(merged).any() and torch.equal(merged[0, 0, 1], torch.zeros(4))
+    assert torch.allclose(merged[0, 0, [0, 2]], out[0, 0, [0, 2]])
+    assert torch.equal(merged_lse, lse)
+
+
+@pytest.mark.parametrize("world", (2, 3, 4))
+def test_future_chunk_pairs_are_skipped_and_zigzag_work_is_equal(world):
+    chunk = 3
+    per_rank = {}
+    for layout in ("zigzag", "contiguous"):
+        local = chunk * len(R.chunk_ids(0, world, layout))
+        per_rank[layout] = []
+        for rank in range(world):
+            ring = R._Ring(rank, world, list(range(world)), None, R.SequenceLayout(layout), True)
+            per_rank[layout].append(sum((rows.stop - rows.start) * n_keys
+                                        for step in range(world)
+                                        for rows, n_keys, _ in ring.pairs(step, local, "cpu")))
+        chunks = R._n_chunks(world, layout)
+        # only the chunk pairs at or below the diagonal are computed
+        assert sum(per_rank[layout]) == chunks * (chunks + 1) // 2 * chunk ** 2
+    assert len(set(per_rank["zigzag"])) == 1, per_rank
+    assert len(set(per_rank["contiguous"])) == world, per_rank
+
+
+def test_bad_inputs_name_the_problem():
+    q = torch.randn(2, 2, 6, 4)
+    with pytest.raises(ValueError, match="share one shape"):
+        R.ring_attention(q, torch.randn(2, 2, 5, 4), q)
+    with pytest.raises(ValueError, match="floating dtype"):
+        R.ring_attention(q, q.double(), q)
+    with pytest.raises(ValueError, match="local_seq=5 is odd"):
+        R.ring_attention(*(torch.randn(2, 2, 5, 4) for _ in range(3)))
+    with pytest.raises(ValueError, match="layout='diagonal'"):
+        R.ring_attention(q, q, q, layout="diagonal")
+    with pytest.raises(ValueError, match=r"doc_ids must be integers shaped \(batch, local_seq\)"):
+        R.ring_attention(q, q, q, doc_ids=torch.zeros(2, 5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="does not divide into 2 chunks"):
+        R.shard_sequence(torch.randn(2, 7), 1)
+    with pytest.raises(ValueError, match="position_ids must be integers"):
+        R.document_ids(torch.zeros(2, 4))
+    assert packed_position_ids(24).shape == (BATCH, 24)
