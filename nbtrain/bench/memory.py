@@ -68,6 +68,19 @@ class Phase:
         return False
 
 
+def fix_mmap_threshold() -> bool:
+    """Makes glibc allocate large blocks (128 KiB up) with mmap, given back to the system
+    when freed, and stop raising that threshold (M_MMAP_THRESHOLD = -3): a phase's
+    peak is then its own, not what the allocator kept from an earlier phase. Returns
+    whether glibc took it (False off glibc). Local."""
+    import ctypes
+
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024) == 1
+    except (OSError, AttributeError):
+        return False
+
+
 def _gpt(cfg, how: str):
     """A ZeRO-3 GPT: from the meta device and initialised rank by rank ("meta"), from
     the meta device with nothing drawn ("empty", for a load), or built whole on every
@@ -89,17 +102,12 @@ def _gpt(cfg, how: str):
 
 def run_rank(spec: dict) -> dict:
     """One rank of one path ("meta": build, train, save, load; "whole": build, train)."""
-    import ctypes
-
     import torch
 
     import nbtrain
     from nbtrain.models.gpt import GPTConfig
 
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
-    except OSError:
-        pass
+    fix_mmap_threshold()
     ctx = nbtrain.get_context()
     tiny = GPTConfig(vocab_size=256, hidden=64, heads=4, layers=2, seq_len=16)
     warm = f"{spec['folder']}/warm.safetensors"

@@ -72,26 +72,17 @@ def hf_llama_from_meta():
     return state, logits, meta_buffers
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def build_peak(hidden: int, layers: int, from_meta: bool):
     """Peak resident memory (Linux's VmHWM) added while building a GPT of `hidden` x
     `layers` and sharding it with ZeRO-3: from the meta device (empty_parameters,
     init_parameters), or built whole and then wrapped (`from_meta=False`, the path
     that holds a full copy). A first small build pays the one-time costs.
     Returns (peak bytes, the model's bytes, this rank's parameter bytes)."""
-    import ctypes
-
     import nbtrain
+    from nbtrain.bench.memory import Phase, fix_mmap_threshold
     from nbtrain.models.gpt import GPT, GPTConfig, gpt_inits
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # big tensors mmapped, given back
+    fix_mmap_threshold()  # big tensors mmapped, given back when freed
 
     def build(cfg):
         if not from_meta:
@@ -109,11 +100,9 @@ def build_peak(hidden: int, layers: int, from_meta: bool):
     cfg = GPTConfig(vocab_size=VOCAB, hidden=hidden, heads=8, layers=layers, seq_len=16)
     with torch.device("meta"):
         full = sum(p.numel() * p.element_size() for p in GPT(cfg).parameters())
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # VmHWM := VmRSS
-    base = _status_kib("VmRSS")
-    model = build(cfg)
-    peak = (_status_kib("VmHWM") - base) * 1024
+    with Phase(nbtrain.get_context().device) as phase:
+        model = build(cfg)
+    peak = phase.host
     held = sum(p.numel() * p.element_size() for p in model.parameters())
     return peak, full, held
 
@@ -123,12 +112,11 @@ def save_load_peak(folder: str, hidden: int, layers: int, vocab: int = VOCAB):
     with nbtrain.save and loaded into a second one: the peak resident memory each
     adds above what the rank held before it (VmHWM, reset just before), with the
     sizes to judge them by. Returns a dict of bytes."""
-    import ctypes
-
     import nbtrain
+    from nbtrain.bench.memory import Phase, fix_mmap_threshold
     from nbtrain.models.gpt import GPT, GPTConfig, gpt_inits
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)
+    fix_mmap_threshold()
 
     def build(cfg, init=True):
         with nbtrain.empty_parameters():
@@ -148,12 +136,9 @@ def save_load_peak(folder: str, hidden: int, layers: int, vocab: int = VOCAB):
     path = f"{folder}/model.safetensors"
 
     def peak_of(fn):
-        gc.collect()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        base = _status_kib("VmRSS")
-        out = fn()
-        return (_status_kib("VmHWM") - base) * 1024, out
+        with Phase(nbtrain.get_context().device) as phase:
+            out = fn()
+        return phase.host, out
 
     save_peak, _ = peak_of(lambda: nbtrain.save(model, path))
     load_peak, fresh = peak_of(lambda: _load_fresh(build, cfg, path))

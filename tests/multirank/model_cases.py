@@ -77,30 +77,20 @@ def hf_logits(folders: dict, layouts: list):
     return out
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def load_peak(path: str, parallel: dict):
     """Builds the "nbtrain" backend from `path` (twice: the second is measured), the peak
     resident memory the build adds (Linux's VmHWM, reset just before): (peak bytes,
     the folder's tensor bytes, this rank's parameter bytes after the load, whether
     glibc took the fixed mmap threshold)."""
-    from nbtrain.models.hf_load import read_tensor, weight_files
+    import nbtrain
+    from nbtrain.bench.memory import Phase, fix_mmap_threshold
+    from nbtrain.checkpoint.stream import read_one
+    from nbtrain.models.hf_load import weight_files
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
 
-    import ctypes
-
-    # Large tensors from mmap, given back when freed (M_MMAP_THRESHOLD = -3, which also
-    # stops glibc raising the threshold): the high-water mark then shows what was held
-    # at once, not what the allocator kept from earlier.
-    fixed = ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024) == 1
+    fixed = fix_mmap_threshold()  # the high-water mark shows what is held at once
     files = weight_files(path)
-    full = sum(read_tensor(f, n).nbytes for n, f in files.items())  # before the baseline
+    full = sum(read_one(f, n).nbytes for n, f in files.items())  # before the baseline
     cfg = RuntimeConfig("nbtrain", hf_path=path, backend_cfg=NBConfig(
         model_name="llama", parallel=ParallelConfig(**parallel)))
     rt = create_runtime(cfg)
@@ -109,11 +99,9 @@ def load_peak(path: str, parallel: dict):
     warm = rt.build_model()
     del warm
     gc.collect()
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident size
-    base = _status_kib("VmRSS")
-    handle = rt.build_model()
-    peak = (_status_kib("VmHWM") - base) * 1024
+    with Phase(nbtrain.get_context().device) as phase:
+        handle = rt.build_model()
+    peak = phase.host
     held = sum(p.numel() * p.element_size() for p in handle.model.parameters())
     return peak, full, held, fixed
 
