@@ -6,10 +6,10 @@ model, tensor by tensor, with no full copy of the model anywhere.
 
 `load_hf_weights` works on a plain model, and on one built on the meta device and
 then tensor-parallelised, cut into pipeline stages and sharded by `nbtrain.wrap`:
-for each parameter it opens the file holding it, reads that one tensor, and hands
-it to the model's `load_state_dict`, which keeps only this rank's slice (its
-tensor-parallel slice, its ZeRO shard). At any moment a rank holds its shards and
-one full tensor of the checkpoint: never the whole model.
+for each parameter it opens the file holding it and reads, as `nbtrain.load` does
+(checkpoint/stream.py), only this rank's rows of a ZeRO-sharded parameter, or the
+one tensor (a tensor-parallel slice, a transposed weight) that the model's
+`load_state_dict` then cuts to this rank's slice. A rank never holds the whole model.
 
 Names: a model package maps each of its plain parameter names to the checkpoint's
 (`hf_names(plain_name) -> [HFWeight, ...]`, the first found in the folder wins). A
@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
+
+from ..checkpoint import stream
 
 
 @dataclass(frozen=True)
@@ -64,13 +66,6 @@ def weight_files(path: str) -> dict[str, str]:
             "safe_serialization=True)")
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}
-
-
-def read_tensor(file: str, name: str) -> torch.Tensor:
-    """One tensor of a safetensors file, read on its own (the file is opened and closed
-    around it, so nothing else of the file stays mapped). Local."""
-    with safe_open(file, framework="pt") as f:
-        return f.get_tensor(name)
 
 
 def record_plain_names(stage: torch.nn.Module, model: torch.nn.Module) -> dict[str, str]:
@@ -119,6 +114,7 @@ def load_hf_weights(model: torch.nn.Module, path: str, hf_names, *,
             if id(p) not in seen:
                 seen.add(id(p))
                 plain_names[name] = name
+    owners = stream.slice_owners(model)
     missing, read = [], 0
     for key, plain in tqdm(plain_names.items(), desc=f"loading {os.path.basename(path)}",
                            disable=not progress, leave=False):
@@ -126,11 +122,14 @@ def load_hf_weights(model: torch.nn.Module, path: str, hf_names, *,
         if source is None:
             missing.append(f"{plain} (looked for {[w.name for w in hf_names(plain)]})")
             continue
-        value = read_tensor(files[source.name], source.name)
+        read += 1
+        if key in owners and not source.transpose:  # only this rank's rows of it
+            stream.load_slice(files[source.name], source.name, owners[key])
+            continue
+        value = stream.read_one(files[source.name], source.name)
         if source.transpose:
             value = value.t().contiguous()
         model.load_state_dict({key: value}, strict=False)
-        read += 1
         del value  # one checkpoint tensor at a time
     if missing:
         raise KeyError(f"{path!r} lacks {len(missing)} of the model's parameters: "
