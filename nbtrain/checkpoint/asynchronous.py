@@ -102,19 +102,15 @@ def in_flight() -> bool:
         return any(s.is_alive() for s in _pending)
 
 
-def _join() -> BaseException | None:
-    """Waits for this rank's background saves; returns the first error. Local."""
+def _join() -> tuple[bool, BaseException | None]:
+    """Waits for this rank's background saves: (whether there were any, the first
+    error). Local."""
     with _lock:
         saves, _pending[:] = list(_pending), []
-    errors = []
     for save in saves:
         save.join()
-        if save.error is not None:
-            errors.append(save.error)
-    return errors[0] if errors else (None if saves else _NOTHING)
-
-
-_NOTHING = RuntimeError("no background save")  # a sentinel: nothing was pending
+    errors = [s.error for s in saves if s.error is not None]
+    return bool(saves), errors[0] if errors else None
 
 
 def wait() -> None:
@@ -125,8 +121,8 @@ def wait() -> None:
     and load_checkpoint do), so that on return every rank knows the outcome, rank 0's
     commit included. Nothing pending: returns at once, no collective.
     """
-    error = _join()
-    if error is _NOTHING:
+    pending, error = _join()
+    if not pending:
         return
     from .layout import agreed
 
@@ -143,8 +139,8 @@ def wait() -> None:
 
 
 def _at_exit() -> None:
-    error = _join()  # local: the other ranks may be gone already
-    if error is not None and error is not _NOTHING:  # the process is ending: say so
+    _, error = _join()  # local: the other ranks may be gone already
+    if error is not None:  # the process is ending: say so
         print(f"nbtrain: a background checkpoint save failed: {error}", flush=True)
 
 

@@ -16,6 +16,7 @@ columns, the embedding and head by vocabulary; norms stay whole.
 """
 from __future__ import annotations
 
+from .builtin_gpt import make_forward_step  # noqa: F401 (the protocol's; model(ids, pos))
 from .hf_load import HFWeight, read_hf_config
 from .hf_load import load_hf_weights as _load
 from .hf_tp import llama_plan
@@ -44,11 +45,6 @@ def build_model(config: LlamaConfig, parallel=None) -> Llama:
 def load_hf_weights(model, hf_path: str) -> int:
     read_hf_config(hf_path)
     return _load(model, hf_path, hf_names())
-
-
-def make_forward_step(model: Llama):
-    """(input_ids, position_ids) -> logits."""
-    return lambda input_ids, position_ids=None: model(input_ids, position_ids)
 
 
 def tp_plan(config: LlamaConfig) -> dict:

@@ -140,21 +140,20 @@ class NBTrainRuntime(Runtime):
             out = Link(ranks[index + 1], ctx.device, "logits out")
             out.send(y, "act")
             out.finish()
-        shape = (mine.rows, mine.seq_len, -1)
         if topo.pipe_size > 1:  # the vocabulary's width, then the logits
             width = torch.tensor([y.shape[-1] if index == topo.pipe_size - 1 else 0],
                                  device=ctx.device)
             C.broadcast(width, src=ranks[-1], group=topo.group("pipe"), label="logits width")
             if index < topo.pipe_size - 1:
                 y = torch.empty(mine.rows, mine.seq_len, int(width), device=ctx.device)
-            y = y.float().contiguous()
-            C.broadcast(y, src=ranks[-1], group=topo.group("pipe"), label="logits")
         y = y.float().contiguous()
+        if topo.pipe_size > 1:
+            C.broadcast(y, src=ranks[-1], group=topo.group("pipe"), label="logits")
         if topo.dp_size == 1:
             return y.cpu()
         out = torch.empty(topo.dp_size * y.numel(), dtype=y.dtype, device=ctx.device)
         C.all_gather(out, y.reshape(-1), group=topo.group("dp"), label="logits")
-        return out.view(data.rows, *shape[1:2], y.shape[-1]).cpu()
+        return out.view(data.rows, mine.seq_len, y.shape[-1]).cpu()
 
     def _gather_token_losses(self, parts: list, mine: PackedBatch, topo) -> torch.Tensor:
         """The global batch's token losses (rows, seq_len) on the CPU, on every rank:
