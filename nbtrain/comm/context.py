@@ -95,7 +95,7 @@ def _seed_everything(seed: int) -> None:
 def init_distributed(seed: int = 0, backend: str | None = None,
                      timeout: float | timedelta = 600.0, tp_size: int = 1,
                      pipe_size: int = 1, num_micro_batches: int | None = None,
-                     **_bmtrain_compat) -> DistContext:
+                     ep_size: int = 1, cp_size: int = 1, **_bmtrain_compat) -> DistContext:
     """Initialise torch.distributed for this process and return the context.
 
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -112,10 +112,14 @@ def init_distributed(seed: int = 0, backend: str | None = None,
             world size must be a multiple of tp_size x pipe_size. Tensor-parallel peers
             are neighbouring ranks: tp_rank = rank % tp_size.
         pipe_size: pipeline stages (outermost: a stage's ranks are neighbours).
+        ep_size: expert-parallel ranks (nbtrain.moe), carved from the data-parallel
+            ranks: it must divide world / (tp_size x pipe_size).
+        cp_size: context-parallel ranks (ring attention) splitting each sequence,
+            carved from the data-parallel ranks likewise.
         num_micro_batches: BMTrain's pipeline keyword, kept in the context.
 
     Called again on an initialised process (a notebook cell on every rank, a script
-    on a notebook engine) it seeds again, and with other tp_size/pipe_size makes the
+    on a notebook engine) it seeds again, and with other sizes makes the
     new topology's groups; the process group stays.
 
     Collective: every rank calls this.
@@ -123,9 +127,10 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     global _CONTEXT
     if _CONTEXT is not None and dist.is_initialized():
         topo = _CONTEXT.topology
-        if (topo.tp_size, topo.pipe_size) != (tp_size, pipe_size):
-            _topology.check_sizes(_CONTEXT.world_size, tp_size, pipe_size)
-            topo = _topology.build(_CONTEXT.rank, _CONTEXT.world_size, tp_size, pipe_size)
+        sizes = (tp_size, pipe_size, ep_size, cp_size)
+        if (topo.tp_size, topo.pipe_size, topo.ep_size, topo.cp_size) != sizes:
+            _topology.check_sizes(_CONTEXT.world_size, *sizes)
+            topo = _topology.build(_CONTEXT.rank, _CONTEXT.world_size, *sizes)
         _seed_everything(seed)  # a script's init_distributed(seed=...) still seeds
         changed = dict(topology=topo, seed=seed, num_micro_batches=num_micro_batches)
         if any(getattr(_CONTEXT, k) is not v and getattr(_CONTEXT, k) != v
@@ -145,7 +150,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         rank = _env_int("RANK", 0)
         world = _env_int("WORLD_SIZE", 1)
         local_rank = _env_int("LOCAL_RANK", rank)
-        _topology.check_sizes(world, tp_size, pipe_size)  # before any rank waits for others
+        # before any rank waits for others
+        _topology.check_sizes(world, tp_size, pipe_size, ep_size, cp_size)
         # Before the group exists, so that its default arguments are None, not the group.
         teardown.import_group_functional()
         if have_env and world > 1:
@@ -171,7 +177,7 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         device = torch.device("cpu")
     _seed_everything(seed)
     with links.recording():
-        topo = _topology.build(rank, world, tp_size, pipe_size)
+        topo = _topology.build(rank, world, tp_size, pipe_size, ep_size, cp_size)
     _CONTEXT = DistContext(rank=rank, world_size=world, local_rank=local_rank,
                            backend=backend, device=device, seed=seed, topology=topo,
                            num_micro_batches=num_micro_batches)
@@ -188,7 +194,8 @@ def rebuild_topology() -> None:
     topo = _CONTEXT.topology
     with links.recording():
         _CONTEXT = replace(_CONTEXT, topology=_topology.build(
-            _CONTEXT.rank, _CONTEXT.world_size, topo.tp_size, topo.pipe_size))
+            _CONTEXT.rank, _CONTEXT.world_size, topo.tp_size, topo.pipe_size, topo.ep_size,
+            topo.cp_size))
 
 
 def get_context() -> DistContext:

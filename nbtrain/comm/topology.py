@@ -15,6 +15,21 @@ The named groups, each the ranks that share every coordinate but one:
                                                                    (size dp x tp)
     pipe   same replica and tp slot: the stages of one pipeline    (size pipe_size)
 
+Expert and context parallelism are carved from the data-parallel ranks (each size
+divides dp_size); within a dp group, ep_rank = dp_rank % ep_size and cp_rank =
+dp_rank % cp_size, so their peers are neighbours too:
+
+    ep     dp ranks with the same dp_rank // ep_size: together hold every expert,
+           exchange tokens by all-to-all                           (size ep_size)
+    edp    dp ranks with the same ep_rank: hold the same experts, shard and reduce
+           their gradients                                         (size dp / ep)
+    cp     dp ranks with the same dp_rank // cp_size: split one sequence (ring
+           attention); they read the same batch, each its part      (size cp_size)
+
+Every replicated parameter stays sharded and reduced over dp (cp ranks are data-
+parallel ranks whose data is a part of a sequence). Distinct batches: dp / cp
+(`data_size`, this rank's `data_rank`).
+
 A group that spans the whole world is None (torch's default group) and a group of
 one rank is `ALONE` (nothing to communicate: callers skip the collective), so a
 plain data-parallel run makes no extra groups and behaves as before.
@@ -25,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-GROUPS = ("tp", "dp", "zero", "pipe")
+GROUPS = ("tp", "dp", "zero", "pipe", "ep", "edp", "cp")
 
 
 class _Alone:
@@ -38,16 +53,28 @@ class _Alone:
 ALONE = _Alone()
 
 
-def check_sizes(world_size: int, tp_size: int, pipe_size: int) -> int:
-    """The data-parallel size, or a ValueError naming the three numbers."""
-    for name, value in (("tp_size", tp_size), ("pipe_size", pipe_size)):
+def check_sizes(world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1,
+                cp_size: int = 1) -> int:
+    """The data-parallel size, or a ValueError naming the numbers that do not fit."""
+    for name, value in (("tp_size", tp_size), ("pipe_size", pipe_size),
+                        ("ep_size", ep_size), ("cp_size", cp_size)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: give a positive integer")
     if world_size % (tp_size * pipe_size):
         raise ValueError(f"world size {world_size} is not divisible by tp_size {tp_size} x "
                          f"pipe_size {pipe_size} = {tp_size * pipe_size}: choose sizes whose "
                          "product divides the number of ranks")
-    return world_size // (tp_size * pipe_size)
+    dp_size = world_size // (tp_size * pipe_size)
+    for name, value in (("ep_size", ep_size), ("cp_size", cp_size)):
+        if dp_size % value:
+            raise ValueError(f"{name}={value} does not divide the data-parallel size "
+                             f"{dp_size} (world {world_size} / tp_size {tp_size} / pipe_size "
+                             f"{pipe_size}): {name} ranks are carved from the data-parallel "
+                             f"ranks, choose a divisor of {dp_size}")
+    if ep_size > 1 and tp_size > 1:
+        raise ValueError(f"ep_size={ep_size} with tp_size={tp_size}: experts are not split "
+                         "by tensor parallelism; use tp_size=1 with expert parallelism")
+    return dp_size
 
 
 def coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, int]:
@@ -55,7 +82,8 @@ def coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, int]:
     return rank // (tp_size * dp_size), (rank // tp_size) % dp_size, rank % tp_size
 
 
-def group_ranks(name: str, world_size: int, tp_size: int, pipe_size: int) -> list[list[int]]:
+def group_ranks(name: str, world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1,
+                cp_size: int = 1) -> list[list[int]]:
     """Every group of kind `name`, as sorted rank lists, in a fixed order."""
     dp_size = world_size // (tp_size * pipe_size)
     stage = tp_size * dp_size
@@ -74,6 +102,14 @@ def group_ranks(name: str, world_size: int, tp_size: int, pipe_size: int) -> lis
     if name == "pipe":
         return [[rank_of(p, d, t) for p in range(pipe_size)]
                 for d in range(dp_size) for t in range(tp_size)]
+    if name in ("ep", "cp"):  # consecutive dp ranks
+        size = ep_size if name == "ep" else cp_size
+        return [[rank_of(p, q * size + i, t) for i in range(size)]
+                for p in range(pipe_size) for t in range(tp_size)
+                for q in range(dp_size // size)]
+    if name == "edp":  # dp ranks with the same ep_rank
+        return [[rank_of(p, q * ep_size + e, t) for q in range(dp_size // ep_size)]
+                for p in range(pipe_size) for t in range(tp_size) for e in range(ep_size)]
     raise ValueError(f"unknown group {name!r}; known: {', '.join(GROUPS)}")
 
 
@@ -86,6 +122,8 @@ class Topology:
     tp_size: int = 1
     dp_size: int = 1
     pipe_size: int = 1
+    ep_size: int = 1
+    cp_size: int = 1
     groups: dict = field(default_factory=dict, compare=False, repr=False)
     members: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -100,6 +138,31 @@ class Topology:
     @property
     def pipe_rank(self) -> int:
         return coordinates(self.rank, self.tp_size, self.dp_size)[0]
+
+    @property
+    def ep_rank(self) -> int:
+        """Which experts this rank holds: its place in the ep group."""
+        return self.dp_rank % self.ep_size
+
+    @property
+    def edp_rank(self) -> int:
+        """Its place among the ranks holding the same experts (the edp group)."""
+        return self.dp_rank // self.ep_size
+
+    @property
+    def cp_rank(self) -> int:
+        """Which part of each sequence this rank holds: its place in the cp group."""
+        return self.dp_rank % self.cp_size
+
+    @property
+    def data_size(self) -> int:
+        """Distinct batches per step: the data-parallel ranks over the cp size."""
+        return self.dp_size // self.cp_size
+
+    @property
+    def data_rank(self) -> int:
+        """Which batch this rank reads (its cp peers read the same one)."""
+        return self.dp_rank // self.cp_size
 
     @property
     def zero_rank(self) -> int:
@@ -121,8 +184,8 @@ class Topology:
         """The global ranks of this rank's group of kind `name`."""
         if name not in self.members:
             return [r for ranks in group_ranks(name, self.world_size, self.tp_size,
-                                               self.pipe_size) if self.rank in ranks
-                    for r in ranks]
+                                               self.pipe_size, self.ep_size, self.cp_size)
+                    if self.rank in ranks for r in ranks]
         return list(self.members[name])
 
     def label(self) -> str:
@@ -134,19 +197,25 @@ class Topology:
             parts.append(f"tp{self.tp_rank}")
         if self.tp_size > 1 or self.pipe_size > 1:
             parts.append(f"dp{self.dp_rank}")
+        if self.ep_size > 1:
+            parts.append(f"ep{self.ep_rank}")
+        if self.cp_size > 1:
+            parts.append(f"cp{self.cp_rank}")
         return " ".join(parts)
 
 
-def build(rank: int, world_size: int, tp_size: int = 1, pipe_size: int = 1) -> Topology:
+def build(rank: int, world_size: int, tp_size: int = 1, pipe_size: int = 1,
+          ep_size: int = 1, cp_size: int = 1) -> Topology:
     """Make the groups of every kind (collective: every rank calls it, same arguments).
 
     Groups the size of the world are None (the default group); every other group is
-    created on every rank in the same order, as torch.distributed requires.
+    created on every rank in the same order, as torch.distributed requires. A kind
+    whose groups equal an earlier kind's (edp is dp when ep_size is 1) shares them.
     """
-    dp_size = check_sizes(world_size, tp_size, pipe_size)
-    groups, members = {}, {}
+    dp_size = check_sizes(world_size, tp_size, pipe_size, ep_size, cp_size)
+    groups, members, made_for = {}, {}, {}
     for name in GROUPS:
-        all_ranks = group_ranks(name, world_size, tp_size, pipe_size)
+        all_ranks = group_ranks(name, world_size, tp_size, pipe_size, ep_size, cp_size)
         mine = next(ranks for ranks in all_ranks if rank in ranks)
         members[name] = tuple(mine)
         if len(mine) == world_size:
@@ -155,11 +224,15 @@ def build(rank: int, world_size: int, tp_size: int = 1, pipe_size: int = 1) -> T
         if len(mine) == 1:
             groups[name] = ALONE
             continue
-        made = None
-        for ranks in all_ranks:  # every rank creates every group, in one order
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                made = group
-        groups[name] = made
+        key = tuple(map(tuple, all_ranks))
+        if key not in made_for:
+            made = None
+            for ranks in all_ranks:  # every rank creates every group, in one order
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    made = group
+            made_for[key] = made
+        groups[name] = made_for[key]
     return Topology(rank=rank, world_size=world_size, tp_size=tp_size, dp_size=dp_size,
-                    pipe_size=pipe_size, groups=groups, members=members)
+                    pipe_size=pipe_size, ep_size=ep_size, cp_size=cp_size, groups=groups,
+                    members=members)
