@@ -16,10 +16,15 @@ Parameters and their gradients:
     router.weight  replicated on every rank; each rank's gradient comes from its
                    own tokens only, so the caller's data parallelism must reduce it
                    over all ranks that run this layer, like any replicated weight.
-    w_in, w_out    this rank's experts only (`param._nbtrain_expert = True`); their
-                   gradients already hold every ep rank's tokens and must be reduced
-                   only over ranks holding the same experts (the data-parallel
-                   replicas of this ep slot): none when ep covers all ranks.
+    w_in, w_out    this rank's experts only: slices along dim 0 of the full (E, ...)
+                   tensors over the ep group (`tp_split_dim = 0`, `tp_slice_group =
+                   "ep"`), so state dicts hold all E experts (gathered over ep) and
+                   `nbtrain.wrap` shards them over the ranks holding the same experts
+                   (the "edp" group), where their gradients are reduced: they already
+                   hold every ep rank's tokens, so wrap divides them by ep_size first.
+
+With `group=None` the layer takes the topology's "ep" group (`init_distributed(ep_size=)`)
+when torch.distributed is initialised.
 """
 from __future__ import annotations
 
@@ -30,8 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from .comm import collectives
+from .comm import collectives, events
 from .comm.topology import ALONE
+from .nn.parallel import _FullStateDict
 
 BALANCE_MODES = ("aux", "bias", "none")
 
@@ -64,11 +70,28 @@ def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[i
 
 
 def _ep_group(group):
-    """(group, size, rank): a one-rank group, or no process group at all, is ALONE."""
+    """(group, size, rank): a one-rank group, or no process group at all, is ALONE.
+    None is the topology's ep group (the world before `init_distributed`)."""
     if group is ALONE or not dist.is_initialized():
         return ALONE, 1, 0
+    if group is None:
+        from .comm.context import _CONTEXT  # noqa: the topology, if nbtrain made one
+
+        if _CONTEXT is not None:
+            group = _CONTEXT.topology.group("ep")
+            if group is ALONE:
+                return ALONE, 1, 0
     size = dist.get_world_size(group)
     return (ALONE, 1, 0) if size == 1 else (group, size, dist.get_rank(group))
+
+
+def _is_topology_ep(group) -> bool:
+    """Whether `group` is the ep group of nbtrain's topology: only then are the experts
+    slices that state dicts gather and `wrap` shards (over the topology's edp group).
+    Experts over another group stay this rank's own (local in state dicts)."""
+    from .comm.context import _CONTEXT
+
+    return _CONTEXT is not None and group is _CONTEXT.topology.group("ep")
 
 
 def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
@@ -97,7 +120,7 @@ def expert_ffn(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> t
     return F.gelu(rows @ w_in) @ w_out
 
 
-class MoE(nn.Module):
+class MoE(nn.Module, _FullStateDict):
     """Mixture of experts over an expert-parallel group.
 
     Each token goes to the top_k experts of softmax(router(x)); its output is the
@@ -112,7 +135,8 @@ class MoE(nn.Module):
         ffn_hidden: each expert's inner width.
         num_experts: E, a multiple of the ep group size P.
         top_k: experts per token (1 <= top_k <= E).
-        group: the ep group; None = the world, `topology.ALONE` = this rank alone.
+        group: the ep group; None = the topology's "ep" group (the world when
+            nbtrain has made none), `topology.ALONE` = this rank alone.
         capacity_factor: None = dropless. Else each expert keeps at most
             ceil(capacity_factor * T * top_k / E) assignments from each source rank,
             T = that rank's tokens, first come first kept in token order;
@@ -122,6 +146,7 @@ class MoE(nn.Module):
             (DeepSeek-V3's loss-free per-expert bias) or "none".
         aux_loss_weight: the auxiliary loss coefficient.
         bias_update_rate: the bias step per training forward.
+        label: the name of this layer's telemetry metrics.
 
     After each forward:
         aux_loss: scalar tensor in the graph (zero unless balance="aux"), for the
@@ -130,12 +155,16 @@ class MoE(nn.Module):
             (before drops), P_e = mean router probability of e.
         stats: {"tokens_per_expert": assignments routed to each expert before
             drops, summed over the ep group; "dropped": assignments dropped, over
-            the ep group; "balance": max load / mean load}.
+            the ep group; "balance": max load / mean load}. A training forward
+            also records them as telemetry metrics "<label>.balance" and
+            "<label>.dropped" (share of assignments dropped), which the dashboard's
+            routing panel draws.
     """
 
     def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 2,
                  group=None, capacity_factor: float | None = None, balance: str = "aux",
-                 aux_loss_weight: float = 0.01, bias_update_rate: float = 1e-3):
+                 aux_loss_weight: float = 0.01, bias_update_rate: float = 1e-3,
+                 label: str = "moe"):
         super().__init__()
         self.group, self.ep_size, self.ep_rank = _ep_group(group)
         if num_experts % self.ep_size:
@@ -155,11 +184,17 @@ class MoE(nn.Module):
         self.first_expert = self.ep_rank * self.local_experts
         self.capacity_factor, self.balance = capacity_factor, balance
         self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
+        self.label = label
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(self.local_experts, hidden, ffn_hidden))
         self.w_out = nn.Parameter(torch.empty(self.local_experts, ffn_hidden, hidden))
-        for p in (self.w_in, self.w_out):
+        for p, full in ((self.w_in, (num_experts, hidden, ffn_hidden)),
+                        (self.w_out, (num_experts, ffn_hidden, hidden))):
             p._nbtrain_expert = True
+            if self.ep_size > 1 and _is_topology_ep(self.group):
+                p.tp_split_dim, p.tp_full_shape, p.tp_groups = 0, full, 1
+                p.tp_slice_group = "ep"
+        self._setup_full_state_dict()
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         self.aux_loss = torch.zeros(())
         self.stats: dict = {}
@@ -233,6 +268,10 @@ class MoE(nn.Module):
         mean = load.float().mean()
         self.stats = {"tokens_per_expert": load.tolist(), "dropped": int(totals[-1]),
                       "balance": float(load.max() / mean) if mean > 0 else float("nan")}
+        if self.training:
+            routed_total = max(int(load.sum()), 1)
+            events.metric(**{f"{self.label}.balance": self.stats["balance"],
+                             f"{self.label}.dropped": self.stats["dropped"] / routed_total})
         if self.balance == "aux":
             share = routed.float() / max(int(routed.sum()), 1)                   # f_e
             self.aux_loss = (self.aux_loss_weight * self.num_experts

@@ -125,12 +125,17 @@ class OptimManager:
         out = torch.zeros(2, dtype=torch.float64 if norm_type == 0 else torch.float32,
                           device=ctx.device)
         dp_rank, tp_rank = ctx.topology.dp_rank, ctx.topology.tp_rank
+        edp_rank = ctx.topology.edp_rank
         for p in params:
             g = param_grad(p)
             if g is None or getattr(p, "_nbtrain_norm_skip", False):
                 continue  # (a tied parameter's copy on a later pipeline stage)
             if _is_sharded(p):
                 part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
+            elif getattr(p, "tp_slice_group", "tp") == "ep" and hasattr(p, "tp_split_dim"):
+                if edp_rank != 0:
+                    continue  # experts: counted by the first rank holding them
+                part = 0
             elif getattr(p, "tp_split_dim", None) is not None:
                 if dp_rank != 0:
                     continue  # a tensor-parallel slice: counted by its first replica only

@@ -41,7 +41,7 @@ from .flat import FlatGroup
 from .init import init_range
 from .parameter import DistributedParameter
 from .partition import FlatLayout
-from .placement import copy_tp_meta, is_tp_slice, shard_group
+from .placement import copy_tp_meta, is_tp_slice, shard_group, slice_kind
 from .tp_slices import full_from_slice, slice_from_full
 from .reducer import GradReducer
 
@@ -152,12 +152,12 @@ class Block(nn.Module):
     def _build_groups(self, entries: list[_ParamEntry], ctx, reduce_dtype=None) -> None:
         by_key: dict = {}
         for entry in entries:
-            key = (entry.param.dtype, entry.param.requires_grad, entry.tp is not None)
+            key = (entry.param.dtype, entry.param.requires_grad, slice_kind(entry.param))
             by_key.setdefault(key, []).append(entry)
         self._groups: list[FlatGroup] = []
         self._init_methods: list[list] = []
-        for i, ((dtype, requires_grad, tp_slices), group_entries) in enumerate(by_key.items()):
-            ranks = shard_group(tp_slices, stage=True)  # a block lives on one stage
+        for i, ((dtype, requires_grad, kind), group_entries) in enumerate(by_key.items()):
+            ranks = shard_group(kind, stage=True)  # a block lives on one stage
             values, inits = [], []
             for entry in group_entries:
                 p = entry.param

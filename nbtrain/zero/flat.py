@@ -149,6 +149,8 @@ class FlatGroup:
         `shard.main_grad` (dtype `grad_dtype`) instead; nbtrain's optimizers read it.
         """
         grad_full = grad_full.to(self.grad_dtype).contiguous()
+        if self.ranks.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
+            grad_full = grad_full * self.ranks.grad_scale
         if self.hold:  # a later micro-batch adds to it; reduced once by flush_deferred
             if self.deferred is None:
                 self.deferred = grad_full.clone()

@@ -50,6 +50,8 @@ class _GatherMany(torch.autograd.Function):
                 padded = F.pad(grad.reshape(-1), (0, world * numel - shape.numel()))
                 flat[:, offset:offset + numel].copy_(padded.view(world, numel))
             offset += numel
+        if ctx.ranks.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
+            flat.mul_(ctx.ranks.grad_scale)
         out = torch.empty(total, dtype=ref.dtype, device=ref.device)
         C.reduce_scatter(out, flat.view(-1), op="avg", group=ctx.ranks.group,
                          label="loose.grad")
@@ -67,7 +69,8 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
     by_key: dict = {}
     for p in params:
         ranks = group_of(p)
-        by_key.setdefault((p.dtype, p.device, id(ranks.group)), (ranks, []))[1].append(p)
+        key = (p.dtype, p.device, id(ranks.group), ranks.grad_scale)
+        by_key.setdefault(key, (ranks, []))[1].append(p)
     out = {}
     for ranks, group in by_key.values():
         out.update(zip(map(id, group), _GatherMany.apply(ranks, *group)))

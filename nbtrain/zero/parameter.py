@@ -19,7 +19,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from .partition import shard_range
-from .placement import ShardGroup, copy_tp_meta, is_tp_slice, shard_group
+from .placement import ShardGroup, copy_tp_meta, is_tp_slice, shard_group, slice_kind
 
 
 class ParameterInitializer:
@@ -72,7 +72,8 @@ class DistributedParameter(nn.Parameter):
     def __new__(cls, data: torch.Tensor, requires_grad: bool = True, init_method=None, *,
                 tp_slice_of=None, stage: bool = False):
         ctx = get_context()
-        group = shard_group(tp_slice_of is not None and is_tp_slice(tp_slice_of), stage)
+        group = shard_group(slice_kind(tp_slice_of) if tp_slice_of is not None else None,
+                            stage)
         local = _local_slice(data if data.is_meta else data.to(ctx.device), group.rank, group.size,
                              ctx.device)
         param = super().__new__(cls, local, requires_grad)
@@ -139,6 +140,8 @@ class _GatherParam(torch.autograd.Function):
         group = ctx.group
         flat = torch.zeros(ctx.numel * group.size, dtype=grad.dtype, device=grad.device)
         flat[: grad.numel()].copy_(grad.reshape(-1))
+        if group.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
+            flat.mul_(group.grad_scale)
         out = torch.empty(ctx.numel, dtype=grad.dtype, device=grad.device)
         C.reduce_scatter(out, flat, op="avg", group=group.group, label="param.grad")
         return out

@@ -6,6 +6,12 @@ pipeline stage (in a Block, or in a module marked as a stage) over that stage's 
 pipeline). A tensor-parallel slice differs between the tp ranks: only the ranks of
 its data-parallel group hold copies of it, so its shards are spread over that group,
 and its gradient is reduced there. With tp_size 1 the two coincide.
+
+Experts (nbtrain.moe) are slices too, of a tensor cut along its first dimension over
+the expert-parallel group (`tp_slice_group = "ep"`): their shards spread over the
+ranks holding the same experts (the "edp" group). Their gradients already sum every
+ep rank's tokens, so they are divided by ep_size before the average over edp: the
+result is the mean over all data-parallel ranks, as for every other parameter.
 """
 from __future__ import annotations
 
@@ -22,17 +28,29 @@ class ShardGroup:
     group: object
     rank: int
     size: int
+    grad_scale: float = 1.0  # applied to a gradient before its average over `group`
 
 
 def is_tp_slice(param) -> bool:
     return getattr(param, "tp_split_dim", None) is not None
 
 
-def shard_group(tp_slice: bool = False, stage: bool = False) -> ShardGroup:
-    """The ranks that shard a tensor-parallel slice (`tp_slice`) or a replicated tensor
-    of a pipeline stage (`stage`) or of every stage."""
+def slice_kind(param) -> str | None:
+    """"tp" for a tensor-parallel slice, "ep" for an expert slice, None otherwise."""
+    if not is_tp_slice(param):
+        return None
+    return getattr(param, "tp_slice_group", "tp")
+
+
+def shard_group(tp_slice: bool | str | None = False, stage: bool = False) -> ShardGroup:
+    """The ranks that shard a slice (`tp_slice`: True or "tp" for a tensor-parallel
+    slice, "ep" for experts) or a replicated tensor of a pipeline stage (`stage`) or of
+    every stage."""
     ctx = get_context()
     topo = ctx.topology
+    if tp_slice == "ep":
+        return ShardGroup(topo.group("edp"), topo.edp_rank, topo.dp_size // topo.ep_size,
+                          1.0 / topo.ep_size)
     if tp_slice:
         return ShardGroup(topo.group("dp"), topo.dp_rank, topo.dp_size)
     if stage:
@@ -47,6 +65,6 @@ def is_stage(module) -> bool:
 
 def copy_tp_meta(src, dst) -> None:
     """Carries a tensor-parallel slice's split dimension, part count and full shape."""
-    for name in ("tp_split_dim", "tp_groups", "tp_full_shape"):
+    for name in ("tp_split_dim", "tp_groups", "tp_full_shape", "tp_slice_group"):
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))

@@ -65,6 +65,11 @@ class ModelRoot:
         # data-parallel group of their tp slot, and reduced there (none when alone).
         slices = [p for _, p in named
                   if getattr(p, "tp_split_dim", None) is not None and p.requires_grad]
+        experts = [n for n, p in named if getattr(p, "tp_slice_group", "tp") == "ep"]
+        if experts and get_context_topology().dp_size > 1:
+            raise ValueError(f"{experts[0]!r}: expert parameters outside a Block have no "
+                             "gradient reduction here; shard the model with nbtrain.wrap "
+                             "(its experts shard and reduce over the ranks holding them)")
         named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
         # The ranks holding copies: a pipeline stage's, or (outside a stage) the world's.
         stage = _stage_group() if is_stage(model) else None
@@ -80,6 +85,12 @@ class ModelRoot:
         if dp_group is not ALONE:
             self.tp_data_parallel = DataParallelGrads(slices, self.reducer, bucket_numel,
                                                       group=dp_group)
+
+
+def get_context_topology():
+    from ..comm.context import get_context
+
+    return get_context().topology
 
 
 def _stage_group():

@@ -15,9 +15,13 @@ from ..comm import collectives as C
 from ..comm.context import get_context
 
 
-def _tp() -> tuple[int, int]:
+def _axis(meta) -> tuple[int, int, object]:
+    """(size, rank, group) of the ranks a slice is cut over: the tp group, or the ep
+    group for experts (`tp_slice_group = "ep"`)."""
     topo = get_context().topology
-    return topo.tp_size, topo.tp_rank
+    if getattr(meta, "tp_slice_group", "tp") == "ep":
+        return topo.ep_size, topo.ep_rank, topo.group("ep")
+    return topo.tp_size, topo.tp_rank, topo.group("tp")
 
 
 def pad_along(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
@@ -40,14 +44,14 @@ def cut(full: torch.Tensor, dim: int | None, size: int, rank: int,
 
 def full_from_slice(local: torch.Tensor, meta) -> torch.Tensor:
     """The full logical tensor from every tp rank's `local` slice of a parameter whose
-    tp attributes `meta` carries (collective over tp). Vocabulary padding is dropped."""
+    tp attributes `meta` carries (collective over tp, or ep for experts). Vocabulary
+    padding is dropped."""
     dim, groups = meta.tp_split_dim, getattr(meta, "tp_groups", 1)
-    size = _tp()[0]
+    size, _, group = _axis(meta)
     moved = local.detach().movedim(dim, -1).contiguous()
     if size > 1:
         stacked = torch.empty((size, *moved.shape), dtype=moved.dtype, device=moved.device)
-        C.all_gather(stacked.view(-1), moved.view(-1), group=get_context().topology.group("tp"),
-                     label="tp gather state")
+        C.all_gather(stacked.view(-1), moved.view(-1), group=group, label="tp gather state")
         moved = torch.cat(stacked.unbind(0), dim=-1)
     if groups > 1:  # [rank][part][rows] -> [part][rank][rows]
         lead = moved.shape[:-1]
@@ -63,7 +67,7 @@ def slice_from_full(value: torch.Tensor, meta, local_shape) -> torch.Tensor | No
         return value
     if tuple(value.shape) != tuple(meta.tp_full_shape):
         return None
-    size, rank = _tp()
+    size, rank, _ = _axis(meta)
     dim, groups = meta.tp_split_dim, getattr(meta, "tp_groups", 1)
     value = pad_along(value, dim, local_shape[dim] * size)  # a padded vocabulary
     return cut(value, dim, size, rank, groups).contiguous().clone()

@@ -154,6 +154,10 @@ def _uneven_split_error():
 
 
 def all_cases():
-    """Every case on this rank, in one launch: {name: result}."""
+    """Every case on this rank, in one launch: {name: result}. The world is the ep
+    group (MoE's default group is the topology's)."""
+    import nbtrain
+
+    nbtrain.init_distributed(ep_size=nbtrain.world_size())
     return {"top1": _routed(1), "top2": _routed(2), "capacity": _capacity(), "bias": _bias(),
             "alone": _alone(), "uneven_split_error": _uneven_split_error()}

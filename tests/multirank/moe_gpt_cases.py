@@ -1,0 +1,93 @@
+"""Rank functions for test_moe_gpt.py: the MoE GPT sharded by wrap at ep > 1 against the
+same model in one process (on rank 0, every expert local)."""
+import torch
+
+VOCAB, SEQ, ROWS = 64, 8, 2  # ROWS sequences per rank
+
+
+def config(**kw):
+    from nbtrain.models.gpt_moe import MoEGPTConfig
+
+    return MoEGPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=16, heads=2, layers=2,
+                        num_experts=4, top_k=2, **kw)
+
+
+def batches(world: int, steps: int):
+    """[step][rank] token ids (ROWS, SEQ), the same on every process."""
+    g = torch.Generator().manual_seed(7)
+    return [[torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(world)]
+            for _ in range(steps)]
+
+
+def _optimizer(kind, params):
+    if kind == "adamw":
+        return torch.optim.AdamW(params, lr=3e-3, weight_decay=0.01)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def train(ep_size: int, kind: str, steps: int, zero_level: int = 3):
+    """(sharded losses per step (mean over ranks), reference losses, final state dicts
+    of both, router stats, all_to_all bytes of one forward, what the routing counted)."""
+    import nbtrain
+    from nbtrain.comm.collectives import COUNTERS
+    from nbtrain.comm.topology import ALONE
+    from nbtrain.models.gpt_moe import MoEGPT, router_stats
+    from nbtrain.optim import OptimManager
+
+    nbtrain.init_distributed(ep_size=ep_size)
+    world, rank = nbtrain.world_size(), nbtrain.rank()
+    torch.manual_seed(0)
+    model = nbtrain.wrap(MoEGPT(config()), zero_level=zero_level)
+    manager = OptimManager()
+    manager.add_optimizer(_optimizer(kind, list(model.parameters())))
+    data = batches(world, steps)
+    losses, reference, ref_model = [], [], None
+    if rank == 0:
+        torch.manual_seed(0)
+        ref_model = MoEGPT(config(), ep_group=ALONE)  # the same draws, all experts here
+        ref_opt = _optimizer(kind, list(ref_model.parameters()))
+    for step in range(steps):
+        ids = data[step][rank]
+        manager.zero_grad()
+        loss = model.loss(ids, ids.roll(-1, dims=1))
+        manager.backward(loss)
+        manager.step()
+        losses.append(nbtrain.sum_loss(loss).item())
+        if ref_model is not None:  # the same ranks' batches, each its own aux loss
+            ref_opt.zero_grad()
+            ref_loss = sum(ref_model.loss(b, b.roll(-1, dims=1)) for b in data[step]) / world
+            ref_loss.backward()
+            ref_opt.step()
+            reference.append(ref_loss.item())
+    stats = router_stats(model)
+    COUNTERS.reset()
+    with torch.no_grad():
+        model(data[0][rank])
+    a2a = COUNTERS.snapshot()["bytes"].get("all_to_all", 0)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ref_state = ref_model.state_dict() if ref_model is not None else None
+    return dict(losses=losses, reference=reference, state=state, ref_state=ref_state,
+                stats=stats, a2a=a2a, local_experts=model.layers[0].mlp.local_experts)
+
+
+def save_and_load(ep_size: int, path: str):
+    """nbtrain.save of a wrapped MoE GPT (all experts in the file), then nbtrain.load into
+    a fresh one at the same ep size: (state before, state after, file keys' shapes)."""
+    import nbtrain
+    from nbtrain.models.gpt_moe import MoEGPT
+
+    nbtrain.init_distributed(ep_size=ep_size)
+    torch.manual_seed(3)
+    model = nbtrain.wrap(MoEGPT(config()))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    nbtrain.save(model, path)
+    torch.manual_seed(4)
+    fresh = nbtrain.wrap(MoEGPT(config()))
+    nbtrain.load(fresh, path)
+    after = {k: v.clone() for k, v in fresh.state_dict().items()}
+    try:
+        nbtrain.save_checkpoint(path + ".ckpt", fresh)
+        refused = None
+    except NotImplementedError as err:
+        refused = str(err)
+    return before, after, refused

@@ -1,0 +1,52 @@
+"""The MoE GPT (nbtrain.models.gpt_moe) sharded by wrap with expert parallelism trains
+equal to the same model in one process, 10 steps, with AdamW and SGD with momentum:
+
+    world 2, ep 2       every rank holds half the experts (edp of one rank)
+    world 4, ep 2       experts ZeRO-sharded over the two ranks holding them (edp 2)
+
+Each rank's loss is over its own tokens (cross-entropy plus its auxiliary balance
+loss); the reference averages the same per-rank losses. Expert gradients arrive as a
+sum over the ep ranks' tokens and must be divided by ep_size: SGD catches a wrong
+scale, AdamW would not. State dicts hold all experts, gathered over ep.
+"""
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from moe_gpt_cases import ROWS, SEQ, save_and_load, train
+from ranks import run_ranks
+
+STEPS = 10
+
+
+@pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_moe_gpt_at_ep_equals_one_process(world, ep, kind):
+    out = run_ranks(train, world, ep, kind, STEPS, timeout_s=300)
+    first = out[0]
+    assert len(set(round(x, 5) for x in first["reference"])) == STEPS  # it trains
+    assert first["losses"] == pytest.approx(first["reference"], abs=1e-5)
+    for key, ref in first["ref_state"].items():
+        for o in out:
+            assert torch.allclose(o["state"][key], ref, atol=1e-5), key
+    assert first["state"]["layers.0.mlp.w_in"].shape == (4, 16, 32)  # all experts
+    assert first["local_experts"] == 4 // ep
+    # Router statistics of the last forward: every assignment counted once per layer.
+    load = first["stats"]["moe.0.load"]
+    assert sum(load) == 2 * ROWS * SEQ * ep and first["stats"]["moe.0.dropped"] == 0
+    assert first["stats"]["moe.0.balance"] >= 1.0
+    assert all(o["a2a"] > 0 for o in out)
+
+
+def test_moe_gpt_save_holds_every_expert_and_loads_back(tmp_path):
+    path = str(tmp_path / "moe.safetensors")
+    out = run_ranks(save_and_load, 2, 2, path, timeout_s=300)
+    before, after, refused = out[0]
+    assert "nbtrain.save(model, path)" in refused and "ep_size 2" in refused
+    stored = load_file(path)
+    assert stored["layers.1.mlp.w_out"].shape == (4, 32, 16)
+    for key, value in before.items():
+        assert torch.equal(stored[key], value), key
+        assert torch.equal(after[key], value), key
+    assert all(torch.equal(out[1][0][k], v) for k, v in before.items())
+    assert out[1][2] == refused  # every rank refuses, none waits for the others
