@@ -6,7 +6,8 @@ by `StepLog.summary()`. This file lays the figure out; `panels_train` draws the
 training curves (step time with the skew between ranks, tokens/s, loss with user
 metrics, grad norm, learning rate), `panels_system` memory, communication and the
 last step's timeline (`pipeline_view` the pipeline's, when the ranks ran one), and
-`panels_base` holds what they share (up to
+`panels_moe` the MoE layers' routing (a full-width row of its own, only when
+some layer recorded it), and `panels_base` holds what they share (up to
 `MAX_RANKS_SHOWN` ranks a line each, above that a min/median/max band; integer
 step ticks).
 """
@@ -14,30 +15,40 @@ from __future__ import annotations
 
 import io
 
+from . import panels_moe as moe
 from . import panels_system as system
 from . import pipeline_view
 from . import panels_train as train
 from .panels_base import MAX_RANKS_SHOWN, shown_ranks, step_times  # noqa: F401 (public)
 
-# Row by row, left to right; the last step's timeline takes the bottom row.
+# Row by row, left to right; the last step's timeline takes the bottom row (the routing
+# panel, when drawn, the row above it).
 GRID = ((train.draw_step_time, train.draw_throughput, train.draw_loss),
         (train.draw_grad_norm, train.draw_lr, system.draw_hidden_share),
         (system.draw_memory, system.draw_model_state, system.draw_comm))
 
 
 def figure(summaries: dict, width_in: float = 13.0, height_in: float = 11.0):
-    """A matplotlib Figure (no pyplot state): 3 x 3 panels above the last step's timeline."""
+    """A matplotlib Figure (no pyplot state): 3 x 3 panels above the last step's timeline,
+    with the expert-routing panel's row between them when a MoE layer recorded its
+    routing (the figure then grows by that row's height, so no panel shrinks)."""
     from matplotlib.figure import Figure
 
+    summaries = {int(r): s for r, s in summaries.items() if s}
+    routing = bool(moe.routing_layers(summaries))
+    rows = [1] * len(GRID) + ([0.8] if routing else []) + [1.15]
+    if routing:
+        height_in *= 1 + 0.8 / (len(GRID) + 1.15)
     # Constrained layout costs ~20% of a draw (1.2 s at 2 ranks and 300 steps) but keeps
     # twin-axis labels from running into the next panel whatever the tick labels are.
     fig = Figure(figsize=(width_in, height_in), layout="constrained")
-    grid = fig.add_gridspec(len(GRID) + 1, 3, height_ratios=[1] * len(GRID) + [1.15])
-    summaries = {int(r): s for r, s in summaries.items() if s}
+    grid = fig.add_gridspec(len(rows), 3, height_ratios=rows)
     for i, row in enumerate(GRID):
         for j, draw in enumerate(row):
             draw(fig.add_subplot(grid[i, j]), summaries)
-    bottom = fig.add_subplot(grid[len(GRID), :])
+    if routing:
+        moe.draw_routing(fig.add_subplot(grid[len(GRID), :]), summaries)
+    bottom = fig.add_subplot(grid[len(rows) - 1, :])
     pipeline = pipeline_view.analyse(summaries)
     if pipeline is not None:  # stages and micro-batches say more than compute vs comm
         pipeline_view.draw(bottom, summaries, pipeline)

@@ -1,12 +1,15 @@
 """The training-curve panels: step time with the skew between ranks, tokens/s, loss
 with user metrics, gradient norm and learning rate (each on its own labelled axis).
+The MoE routing metrics are not user metrics here: panels_moe draws them.
 """
 from __future__ import annotations
 
 from .panels_base import (COMPUTE_COLOR, SKEW_COLOR, by_step, draw_series, empty, lead_rank,
                           metric_by_rank, skew, step_axis, step_times)
+from .panels_moe import is_routing_metric
 
-# Metric names drawn by a panel of their own; any other number is a user metric.
+# Metric names drawn by a panel of their own; any other number is a user metric (the
+# MoE layers' "moe.<i>.balance" / "moe.<i>.dropped" go to the routing panel, panels_moe).
 OWN_PANEL = frozenset(("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s",
                        "tokens"))
 
@@ -60,7 +63,7 @@ def draw_throughput(ax, summaries: dict) -> None:
 # -- loss, metrics, grad norm, learning rate ------------------------------------------
 def user_metrics(summaries: dict) -> list[str]:
     names = {k for s in summaries.values() for m in s.get("metrics", []) for k in m}
-    return sorted(names - OWN_PANEL - {"step"})
+    return sorted(n for n in names - OWN_PANEL - {"step"} if not is_routing_metric(n))
 
 
 def draw_loss(ax, summaries: dict) -> None:
