@@ -68,6 +68,7 @@ class ModelEntry:
 
 _REGISTRY: dict[str, ModelEntry] = {}
 _BUILTINS = {"gpt": ("nbtrain.models.builtin_gpt", []),
+             "gpt_moe": ("nbtrain.models.builtin_gpt_moe", []),
              "gpt2": ("nbtrain.models.builtin_gpt2", ["gpt2"]),
              "llama": ("nbtrain.models.builtin_llama", ["llama", "qwen2"])}
 

@@ -26,7 +26,8 @@ class ParallelConfig:
     Attributes:
         tp: tensor-parallel ranks (attention heads and MLP columns split).
         pp: pipeline stages.
-        ep: expert-parallel ranks (not yet supported: must be 1).
+        ep: expert-parallel ranks (MoE models: experts split over them), carved from
+            the data-parallel ranks: it must divide dp.
         cp: context-parallel ranks (not yet supported: must be 1).
         zero_level: 2 or 3, ZeRO sharding of each stage over its data-parallel ranks.
         num_microbatches: micro-batches per step (each data-parallel rank's rows must
@@ -45,7 +46,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig: {name}={value!r} must be a positive integer")
-        for name, what in (("ep", "expert"), ("cp", "context")):
+        for name, what in (("cp", "context"),):
             if getattr(self, name) > 1:
                 raise NotImplementedError(
                     f"ParallelConfig: {name}={getattr(self, name)}: {what} parallelism is not "
@@ -54,12 +55,20 @@ class ParallelConfig:
             raise ValueError(f"ParallelConfig: zero_level={self.zero_level!r}: use 2 or 3")
 
     def check_world(self, world_size: int) -> None:
-        """Raises ValueError when tp x pp does not divide `world_size`."""
+        """Raises ValueError when tp x pp does not divide `world_size`, or ep does not
+        divide the data-parallel ranks left."""
         if world_size % (self.tp * self.pp):
             raise ValueError(
                 f"ParallelConfig: tp={self.tp} x pp={self.pp} = {self.tp * self.pp} does not "
                 f"divide the world size {world_size}: choose tp and pp whose product divides "
                 f"{world_size}, or run on a multiple of {self.tp * self.pp} ranks")
+        dp = world_size // (self.tp * self.pp)
+        for name in ("ep", "cp"):
+            if dp % getattr(self, name):
+                raise ValueError(
+                    f"ParallelConfig: {name}={getattr(self, name)} does not divide the "
+                    f"data-parallel size {dp} (world {world_size} / tp {self.tp} / pp "
+                    f"{self.pp}): {name} ranks are carved from the data-parallel ranks")
 
 
 @dataclass

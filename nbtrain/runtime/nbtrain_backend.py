@@ -42,12 +42,13 @@ class NBTrainRuntime(Runtime):
         from ..zero.wrap import wrap
 
         par = self.nb.parallel
-        ctx = self._context(tp_size=par.tp, pipe_size=par.pp)
+        ctx = self._context(tp_size=par.tp, pipe_size=par.pp, ep_size=par.ep, cp_size=par.cp)
         hf_path = self.cfg.hf_path
         protocol = self.nb.protocol()
         # From a folder: built on the meta device, so a rank allocates only its shards.
         model, config = self._plain_model("meta" if hf_path else ctx.device, par)
-        numel = sum(p.numel() for p in model.parameters())  # the whole model's, ties once
+        # The whole model's, ties once (experts split over ep: their full shapes).
+        numel = sum(math.prod(getattr(p, "tp_full_shape", p.shape)) for p in model.parameters())
         if par.tp > 1:
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
@@ -61,16 +62,18 @@ class NBTrainRuntime(Runtime):
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)  # the schedule is stepped by lr_scheduler_step
         return ModelHandle(stage, optimizer, self._scheduler(optimizer), manager, "nbtrain",
-                           extra={"layout": (par.tp, par.pp, ctx.world_size),
+                           extra={"layout": (par.tp, par.pp, par.ep, ctx.world_size),
                                   "positions": positions, "numel": numel})
 
     def _topology(self, handle: ModelHandle):
         topo = self._context().topology
-        if (topo.tp_size, topo.pipe_size, topo.world_size) != handle.extra["layout"]:
-            tp, pp, world = handle.extra["layout"]
+        if (topo.tp_size, topo.pipe_size, topo.ep_size, topo.world_size) != \
+                handle.extra["layout"]:
+            tp, pp, ep, world = handle.extra["layout"]
             raise RuntimeError(
-                f"this model was built for tp={tp}, pp={pp} on {world} ranks, but the "
-                f"distributed context now has tp={topo.tp_size}, pp={topo.pipe_size}: "
+                f"this model was built for tp={tp}, pp={pp}, ep={ep} on {world} ranks, but "
+                f"the distributed context now has tp={topo.tp_size}, pp={topo.pipe_size}, "
+                f"ep={topo.ep_size}: "
                 "another runtime re-made the groups; finish with one layout before building "
                 "the next")
         return topo

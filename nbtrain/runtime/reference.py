@@ -19,6 +19,7 @@ import torch
 
 from ..optim.manager import OptimManager
 from .base import Runtime, labelled_weight, token_cross_entropy
+from .config import ParallelConfig
 from .contracts import ForwardResult, ModelHandle, PackedBatch
 
 
@@ -29,7 +30,7 @@ class ReferenceRuntime(Runtime):
         """The plain model of `NBConfig.model_config`, seeded by `NBConfig.seed`, with
         `hf_path`'s weights when given (the whole model, read on this rank). Local."""
         ctx = self._context()
-        model, _ = self._plain_model(ctx.device, self.nb.parallel)
+        model, _ = self._plain_model(ctx.device, ParallelConfig())  # one process's layout
         protocol = self.nb.protocol()
         if self.cfg.hf_path is not None:
             protocol.load_hf_weights(model, self.cfg.hf_path)

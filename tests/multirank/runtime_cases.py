@@ -21,12 +21,17 @@ def batches(count=2, rows=4, seed=0):
     return synthetic_batches(count, rows, SEQ, VOCAB, seed)
 
 
-def configs(optimizer="adamw", untied=False, **parallel):
+def configs(optimizer="adamw", untied=False, moe=None, **parallel):
+    """(reference, nbtrain) configs of the tiny GPT, or with `moe` (a balance mode) the
+    MoE GPT with 4 experts, top 2."""
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig
 
     model = {**MODEL, "tie_embeddings": False} if untied else MODEL
     nb = dict(model_config=model, optimizer=OPTIMIZERS[optimizer], clip_grad_norm=1.0,
               lr_schedule={"name": "warmup", "warmup_steps": 4})
+    if moe:
+        nb.update(model_name="gpt_moe",
+                  model_config={**model, "num_experts": 4, "top_k": 2, "balance": moe})
     ref = RuntimeConfig("reference", backend_cfg=NBConfig(**nb))
     mine = RuntimeConfig("nbtrain", backend_cfg=NBConfig(
         **nb, parallel=ParallelConfig(**parallel)))

@@ -1,6 +1,7 @@
 """nbtrain.runtime on real gloo ranks: the "nbtrain" backend at dp=2 ZeRO-3 (and ZeRO-2),
-tp=2 and pp=2 (2 micro-batches), then tp 2 x dp 2, pp 2 x dp 2 and tp 2 x pp 2 (tied
-and untied embedding) at world 4, against the "reference"
+tp=2 and pp=2 (2 micro-batches), the MoE GPT at ep=2 (loss-free bias balancing), then
+tp 2 x dp 2, pp 2 x dp 2, ep 2 x dp 2 (MoE) and tp 2 x pp 2 (tied and untied
+embedding) at world 4, against the "reference"
 backend through `compare` (one case with per-token loss weights, one with a loss scale):
 10 steps, AdamW and SGD with momentum, loss and gradient norm within 1e-5 at every step,
 the same rows on every rank. Packed documents against the documents run one per row
@@ -19,15 +20,17 @@ STEPS = 10
 WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
           ("adamw", {"tp": 2}), ("sgd", {"tp": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
-          ("adamw", {"pp": 2, "num_microbatches": 2, "scaled": True})]
+          ("adamw", {"pp": 2, "num_microbatches": 2, "scaled": True}),
+          ("adamw", {"ep": 2, "moe": "bias"}), ("sgd", {"ep": 2, "moe": "bias"})]
 WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
+          ("sgd", {"ep": 2, "moe": "none"}),
           ("adamw", {"tp": 2, "pp": 2, "num_microbatches": 2}),
           ("sgd", {"tp": 2, "pp": 2, "num_microbatches": 2, "untied": True})]
 
 
 def _name(case):
     opt, par = case
-    flags = [k for k in ("untied", "weighted", "scaled") if par.get(k)]
+    flags = [k for k in ("untied", "weighted", "scaled", "moe") if par.get(k)]
     sizes = [f"{k}{v}" for k, v in par.items() if k not in flags] or ["dp"]
     return "-".join([opt, *sizes, *flags])
 

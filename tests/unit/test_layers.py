@@ -12,7 +12,7 @@ import nbtrain
 
 ROOT = pathlib.Path(nbtrain.__file__).parent
 KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
-LAYERS = ["comm", "zero", "nn", "pipeline", "optim", "checkpoint", "models", "telemetry",
+LAYERS = ["comm", "zero", "nn", "moe", "pipeline", "optim", "checkpoint", "models", "telemetry",
           "notebook", "launch", "runtime"]  # runtime drives the models; validate launches ranks
 
 

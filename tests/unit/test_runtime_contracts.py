@@ -80,9 +80,10 @@ def test_micro_batches_must_divide_the_rows():
 @pytest.mark.parametrize("make,error,match", [
     (lambda: RuntimeConfig(backend="megatron"), ValueError, r"backend='megatron'.*reference"),
     (lambda: NBConfig(model_name="bert"), ValueError,
-     r"model_name='bert' is not registered.*'gpt', 'gpt2', 'llama'.*register_model"),
+     r"model_name='bert' is not registered.*'gpt', 'gpt2', 'gpt_moe', 'llama'.*register_model"),
     (lambda: NBConfig(impl="fast"), ValueError, r"impl='fast'.*\['default'\]"),
-    (lambda: ParallelConfig(ep=2), NotImplementedError, r"ep=2: expert parallelism.*ep=1"),
+    (lambda: ParallelConfig(ep=3).check_world(4), ValueError,
+     r"ep=3 does not divide the data-parallel size 4 \(world 4 / tp 1 / pp 1\)"),
     (lambda: ParallelConfig(cp=2), NotImplementedError, r"cp=2: context parallelism.*cp=1"),
     (lambda: ParallelConfig(tp=0), ValueError, r"tp=0 must be a positive integer"),
     (lambda: ParallelConfig(zero_level=1), ValueError, r"zero_level=1: use 2 or 3"),

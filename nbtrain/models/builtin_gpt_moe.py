@@ -1,0 +1,45 @@
+"""The MoE GPT (models/gpt_moe.py) as a registered model package: "gpt_moe".
+
+    NBConfig(model_name="gpt_moe", model_config={"preset": "tiny", "num_experts": 4},
+             parallel=ParallelConfig(ep=2))
+
+model_config holds MoEGPTConfig fields, with "preset" picking the GPT's size. With
+`ParallelConfig(ep=E)` each MoE layer splits its experts over the topology's ep group
+(carved from the data-parallel ranks) and `wrap` shards them over the ranks holding the
+same experts. The runtime's loss is the token loss: the layers' auxiliary balance loss
+is not added, so balance through the runtime with `"balance": "bias"` (loss-free).
+Tensor parallelism does not split experts: tp must be 1.
+"""
+from __future__ import annotations
+
+from ..comm.topology import ALONE
+from .builtin_gpt import hf_names, load_hf_weights, make_forward_step  # noqa: F401
+from .builtin_gpt import pp_stages  # noqa: F401 (the GPT's layers, MoE MLPs inside)
+from .gpt import GPTConfig
+from .gpt_moe import MoEGPT, MoEGPTConfig
+
+
+def make_config(model_config: dict, hf_config: dict | None = None) -> MoEGPTConfig:
+    """The MoEGPTConfig of `model_config` (its fields, "preset" for the GPT's size)."""
+    if hf_config is not None:
+        raise ValueError("model 'gpt_moe' has no Hugging Face config: give hf_path=None "
+                         "(a file written by nbtrain.save loads with nbtrain.load)")
+    fields = dict(model_config)
+    preset = fields.pop("preset", None)
+    if preset:
+        sizes = GPTConfig.preset(preset)
+        fields = {**{k: getattr(sizes, k) for k in ("hidden", "heads", "layers", "seq_len")},
+                  **fields}
+    return MoEGPTConfig(**fields)
+
+
+def build_model(config: MoEGPTConfig, parallel=None) -> MoEGPT:
+    """The MoE GPT: every expert here (parallel None or ep 1: the reference), or this
+    rank's experts of the topology's ep group (ep > 1)."""
+    ep = getattr(parallel, "ep", 1)
+    return MoEGPT(config, ep_group=None if ep > 1 else ALONE)
+
+
+def tp_plan(config: MoEGPTConfig) -> dict:
+    raise ValueError("model 'gpt_moe': tensor parallelism does not split experts; use "
+                     "ParallelConfig(tp=1) (ep and dp split the work instead)")
