@@ -8,6 +8,22 @@ at 0 where each document starts (Hugging Face's packing convention) embeds each
 document's positions from 0 and masks attention causally within each document, so a
 row of packed documents computes what the documents would one by one. Without
 position_ids a row is one causal sequence (the `is_causal` fast path).
+
+Context parallelism (cp > 1, `nbtrain.init_distributed(cp_size=...)`): each rank of the
+cp group holds a shard of every sequence, and the GPT takes that shard. Attention runs
+as ring attention over the group (nbtrain.nn.ring_attention), the position embedding
+reads each token's global position, and packed documents are masked by document ids
+taken from the full rows. By default a GPT follows nbtrain's topology (cp over its "cp"
+group, zigzag layout, whenever cp_size > 1); `model.context_parallel` overrides it
+(a `ContextParallel`, or None for one whole sequence per rank). A training step:
+
+    idx, targets, position_ids, doc_ids = model.shard_batch(idx, targets, position_ids)
+    loss = model.loss(idx, targets, position_ids, doc_ids)  # mean over this rank's tokens
+
+Every rank holds as many tokens as its peers, so the data-parallel average of the
+gradients (`wrap` averages over the dp group, which holds the cp ranks) is the
+gradient of the full-sequence mean: no extra reduction. With cp 1 (or outside
+nbtrain) the GPT is the plain model, unchanged.
 """
 from __future__ import annotations
 
@@ -15,8 +31,15 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from ..comm.topology import ALONE
+from ..nn.ring_attention import (SequenceLayout, chunk_ids, document_ids, gather_sequence,
+                                 global_positions, ring_attention, shard_sequence)
+
+TOPOLOGY = "topology"  # GPT.context_parallel's default: follow nbtrain's topology
 
 
 @dataclass
@@ -97,6 +120,123 @@ def check_position_ids(position_ids, idx):
                          f"{tuple(position_ids.shape)}")
 
 
+@dataclass(frozen=True)
+class ContextParallel:
+    """How a GPT splits each sequence over the ranks of a cp group.
+
+    Attributes:
+        group: the cp process group (None: the whole world; `ALONE`: this rank alone,
+            which runs the cp code path on whole sequences).
+        layout: "zigzag" (rank r holds chunks r and 2*cp-1-r of 2*cp: equal causal
+            work) or "contiguous" (chunk r of cp); see `SequenceLayout`.
+    """
+    group: object = None
+    layout: str = "zigzag"
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "layout", SequenceLayout(self.layout).value)
+        except ValueError:
+            raise ValueError(f"layout={self.layout!r}: use one of "
+                             f"{[m.value for m in SequenceLayout]}") from None
+
+    @classmethod
+    def from_topology(cls, layout="zigzag") -> "ContextParallel | None":
+        """The topology's cp group when nbtrain is initialised with cp_size > 1, else None."""
+        from ..comm import context
+
+        if not context.is_initialized():
+            return None
+        topo = context.get_context().topology
+        return cls(topo.group("cp"), layout) if topo.cp_size > 1 else None
+
+    @property
+    def rank(self) -> int:
+        if self.group is ALONE or not dist.is_initialized():
+            return 0
+        rank = dist.get_rank(self.group)
+        if rank < 0:
+            raise ValueError(f"context parallelism: global rank {dist.get_rank()} is not in "
+                             "the cp group: give each rank the group holding it")
+        return rank
+
+    @property
+    def size(self) -> int:
+        if self.group is ALONE or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.group)
+
+    @property
+    def chunks(self) -> int:
+        """How many equal chunks a full sequence is cut into (2*cp zigzag, cp contiguous)."""
+        return self.size * len(chunk_ids(0, self.size, self.layout))
+
+    def shard_batch(self, idx, targets=None, position_ids=None):
+        """This rank's shard of a batch of full rows. Local (every cp rank holds the batch).
+
+        Args:
+            idx: int (rows, seq) token ids; seq must divide into `chunks`.
+            targets: optional, shaped like idx.
+            position_ids: optional int (rows, seq), packed documents (0 at each start).
+
+        Returns:
+            (idx, targets, position_ids, doc_ids), each (rows, seq / cp) or None:
+            doc_ids are the documents of the FULL rows (a document may start in another
+            rank's shard), None without position_ids.
+        """
+        if idx.dim() != 2:
+            raise ValueError(f"shard_batch takes token ids of shape (rows, seq); got "
+                             f"{tuple(idx.shape)}")
+        seq, n = idx.shape[1], self.chunks
+        if seq % n:
+            raise ValueError(f"shard_batch: sequence length {seq} does not divide into {n} "
+                             f"chunks ({self.layout} layout over cp {self.size} ranks): pad "
+                             f"the rows to a multiple of {n} (e.g. {-(-seq // n) * n})")
+        if targets is not None and tuple(targets.shape) != tuple(idx.shape):
+            raise ValueError(f"shard_batch: targets of shape {tuple(targets.shape)} for token "
+                             f"ids of shape {tuple(idx.shape)}: give one target per token")
+        check_position_ids(position_ids, idx)
+        docs = None if position_ids is None else document_ids(position_ids)
+        return tuple(None if t is None else shard_sequence(t, 1, self.group, self.layout)
+                     for t in (idx, targets, position_ids, docs))
+
+    def gather(self, x, dim: int = 1):
+        """The full tensor from every rank's shard `x` along `dim`, in sequence order (no
+        autograd). Collective over the cp group."""
+        return gather_sequence(x, dim, self.group, self.layout)
+
+    def positions(self, local_seq: int, device=None):
+        """int64 (local_seq,): this rank's tokens' positions in the full sequence."""
+        return global_positions(self.rank, self.size, local_seq, self.layout, device)
+
+    def attention(self, q, k, v, doc_ids=None):
+        """Causal ring attention of this rank's q, k, v (batch, heads, local_seq, dim)."""
+        return ring_attention(q, k, v, causal=True, group=self.group, doc_ids=doc_ids,
+                              layout=self.layout)
+
+    def check_local(self, idx, position_ids, doc_ids, seq_len: int):
+        """Raises unless idx (rows, local_seq) is a shard this cp group can run."""
+        t, size = idx.shape[1], self.size
+        where = f"GPT under context parallelism (cp {size}, {self.layout} layout)"
+        if t % (self.chunks // size):
+            raise ValueError(f"{where}: local sequence length {t} is odd; each rank holds "
+                             f"two equal chunks: shard full rows whose length divides by "
+                             f"2*cp = {self.chunks} (model.shard_batch), or use "
+                             "ContextParallel(layout='contiguous')")
+        if t * size > seq_len:
+            raise ValueError(f"{where}: sequence length {t * size} (local {t} x cp {size}) "
+                             f"exceeds seq_len={seq_len}: pass this rank's shard "
+                             "(model.shard_batch), not the full rows")
+        check_position_ids(position_ids, idx)
+        if (position_ids is None) != (doc_ids is None):
+            raise ValueError(f"{where}: position_ids and doc_ids come together: a document "
+                             "may start in another rank's shard, so its ids come from the "
+                             "full rows: idx, targets, position_ids, doc_ids = "
+                             "model.shard_batch(idx, targets, position_ids)")
+        if doc_ids is not None:
+            check_position_ids(doc_ids, idx)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -104,12 +244,17 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
-    def forward(self, x, position_ids=None):
+    def forward(self, x, position_ids=None, cp: ContextParallel | None = None, doc_ids=None):
+        """Under `cp`, x is this rank's shard and attention runs around the cp ring
+        (doc_ids: the shard's document ids, see ContextParallel.shard_batch)."""
         b, t, c = x.shape
         q, k, v = self.qkv(x).split(c, dim=2)
         q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = causal_attention(q, k, v, position_ids,
-                             dropout_p=self.dropout if self.training else 0.0)
+        if cp is not None:
+            y = cp.attention(q, k, v, doc_ids)
+        else:
+            y = causal_attention(q, k, v, position_ids,
+                                 dropout_p=self.dropout if self.training else 0.0)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -137,21 +282,35 @@ class TransformerLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden), gelu,
                                  nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden))
 
-    def forward(self, x, position_ids=None):
+    def forward(self, x, position_ids=None, cp: ContextParallel | None = None, doc_ids=None):
         # Without position_ids the call is the one-argument call it always was, so an
         # attention swapped in by other code (benchmarks) keeps working.
         h = self.ln1(x)
-        x = x + (self.attn(h) if position_ids is None else self.attn(h, position_ids))
+        if cp is not None:
+            if type(self.attn).forward is not Attention.forward:
+                raise NotImplementedError(
+                    f"context parallelism with {type(self.attn).__name__} (tensor-parallel or "
+                    "swapped-in attention): only the GPT's own Attention runs ring "
+                    "attention; use tp_size=1 with cp_size > 1")
+            x = x + self.attn(h, cp=cp, doc_ids=doc_ids)
+        else:
+            x = x + (self.attn(h) if position_ids is None else self.attn(h, position_ids))
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     """Token ids (B, T) int64, optional position_ids (B, T) int64 (packed documents, see
-    the module docstring) -> logits (B, T, vocab)."""
+    the module docstring) -> logits (B, T, vocab).
+
+    `context_parallel`: "topology" (the default: cp over nbtrain's cp group when
+    cp_size > 1), a `ContextParallel`, or None (never). Under cp, T is this rank's
+    shard (see `shard_batch`) and the logits are the shard's.
+    """
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        self.context_parallel = TOPOLOGY
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.layers))
@@ -173,10 +332,42 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def forward(self, idx, position_ids=None):
+    def active_cp(self) -> ContextParallel | None:
+        """The context parallelism the next forward runs under (None: whole sequences)."""
+        setting = self.context_parallel
+        if isinstance(setting, str):
+            if setting != TOPOLOGY:
+                raise ValueError(f"GPT.context_parallel={setting!r}: use {TOPOLOGY!r}, a "
+                                 "ContextParallel, or None")
+            return ContextParallel.from_topology()
+        return setting
+
+    def shard_batch(self, idx, targets=None, position_ids=None):
+        """(idx, targets, position_ids, doc_ids): this rank's shard of full rows under
+        context parallelism (see ContextParallel.shard_batch); without it the batch as
+        given and doc_ids None. Local."""
+        cp = self.active_cp()
+        if cp is None:
+            return idx, targets, position_ids, None
+        return cp.shard_batch(idx, targets, position_ids)
+
+    def gather_sequence(self, x, dim: int = 1):
+        """The full sequence of a per-shard tensor such as the logits (no autograd);
+        without context parallelism x itself, detached. Collective over the cp group."""
+        cp = self.active_cp()
+        return x.detach() if cp is None else cp.gather(x, dim)
+
+    def forward(self, idx, position_ids=None, doc_ids=None):
         if idx.dtype.is_floating_point or idx.dim() != 2:
             raise TypeError(f"GPT takes token ids of shape (batch, seq) and an integer dtype; "
                             f"got {idx.dtype} of shape {tuple(idx.shape)}")
+        cp = self.active_cp()
+        if cp is not None:
+            return self._forward_shard(idx, position_ids, doc_ids, cp)
+        if doc_ids is not None:
+            raise ValueError("GPT: doc_ids are for context parallelism (shard_batch makes "
+                             "them); on whole sequences the documents come from "
+                             "position_ids: drop doc_ids")
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={self.cfg.seq_len}")
@@ -190,7 +381,28 @@ class GPT(nn.Module):
             x = layer(x) if position_ids is None else layer(x, position_ids)
         return self.head(self.ln_f(x))
 
-    def loss(self, idx, target, position_ids=None):
-        logits = self(idx, position_ids)
+    def _forward_shard(self, idx, position_ids, doc_ids, cp: ContextParallel):
+        """This rank's shard of each row: global positions, ring attention."""
+        cp.check_local(idx, position_ids, doc_ids, self.cfg.seq_len)
+        if self.training and self.cfg.dropout:
+            raise NotImplementedError(f"context parallelism with dropout={self.cfg.dropout}: "
+                                      "ring attention has no dropout; use dropout=0.0")
+        idx = idx.to(self.tok.weight.device, non_blocking=True)
+        if position_ids is None:  # the shard's place in the full sequence
+            position_ids = cp.positions(idx.shape[1], idx.device)
+        else:
+            position_ids = position_ids.to(idx.device, non_blocking=True)
+            doc_ids = doc_ids.to(idx.device, non_blocking=True)
+        x = self.tok(idx) + self.pos(position_ids)
+        for layer in self.layers:
+            x = layer(x, cp=cp, doc_ids=doc_ids)
+        return self.head(self.ln_f(x))
+
+    def loss(self, idx, target, position_ids=None, doc_ids=None):
+        """Mean cross-entropy over the given tokens (under context parallelism, this
+        rank's: every rank holds as many, so the gradients' data-parallel average is the
+        full rows' mean; targets ignored with -100 would weigh the ranks unequally)."""
+        logits = self(idx, position_ids) if doc_ids is None else self(idx, position_ids,
+                                                                       doc_ids)
         target = target.to(logits.device, non_blocking=True)
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
