@@ -32,8 +32,12 @@ def hf_names(config=None):
 
 
 def build_model(config: GPTConfig, parallel=None) -> GPT:
-    """The plain GPT (any layout: tensor and pipeline parallelism come after)."""
-    return GPT(config)
+    """The plain GPT (any layout: tensor and pipeline parallelism come after). Its
+    forward splits sequences over the topology's cp group only when `parallel` asks
+    for context parallelism (cp > 1): a reference built beside it stays whole."""
+    model = GPT(config)
+    model.context_parallel = "topology" if getattr(parallel, "cp", 1) > 1 else None
+    return model
 
 
 def load_hf_weights(model, hf_path: str) -> int:

@@ -37,7 +37,9 @@ def build_model(config: MoEGPTConfig, parallel=None) -> MoEGPT:
     """The MoE GPT: every expert here (parallel None or ep 1: the reference), or this
     rank's experts of the topology's ep group (ep > 1)."""
     ep = getattr(parallel, "ep", 1)
-    return MoEGPT(config, ep_group=None if ep > 1 else ALONE)
+    model = MoEGPT(config, ep_group=None if ep > 1 else ALONE)
+    model.context_parallel = "topology" if getattr(parallel, "cp", 1) > 1 else None
+    return model
 
 
 def tp_plan(config: MoEGPTConfig) -> dict:

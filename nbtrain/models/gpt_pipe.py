@@ -40,26 +40,34 @@ class StagePositions:
 
     def __init__(self):
         self.current: torch.Tensor | None = None
+        self.current_docs: torch.Tensor | None = None
+        self.cp = None  # a gpt.ContextParallel while feeding sequence shards
 
     @contextmanager
-    def feeding(self, stage: nn.Module, position_ids: list):
+    def feeding(self, stage: nn.Module, position_ids: list, doc_ids: list | None = None,
+                cp=None):
         """During the context, each forward of `stage` (one per micro-batch) makes the
         next of `position_ids` (one int64 (rows, seq) tensor per micro-batch, any
-        device) current. Local."""
+        device) current. Under context parallelism (`cp`, a gpt.ContextParallel) the
+        tensors are this rank's sequence shards and `doc_ids` their document ids
+        (`ContextParallel.shard_batch`): the layers then run ring attention. Local."""
         pending = list(position_ids)
+        docs = list(doc_ids) if doc_ids is not None else [None] * len(pending)
+        self.cp = cp
 
         def next_micro_batch(module, args):
             if not pending:
                 raise RuntimeError(f"StagePositions: the stage ran more forwards than the "
                                    f"{len(position_ids)} micro-batches it was fed")
             self.current = pending.pop(0)
+            self.current_docs = docs.pop(0)
 
         hook = stage.register_forward_pre_hook(next_micro_batch)
         try:
             yield self
         finally:
             hook.remove()
-            self.current = None
+            self.current = self.current_docs = self.cp = None
 
     def read(self, x: torch.Tensor) -> torch.Tensor | None:
         """The current ids on x's device, checked against x's (rows, seq). Local."""
@@ -101,6 +109,11 @@ class FedLayer(TransformerLayer):
     def forward(self, x, position_ids=None):
         if position_ids is None:
             position_ids = self.positions.read(x)
+        cp = self.positions.cp
+        if cp is not None:  # a sequence shard: ring attention within the documents
+            docs = self.positions.current_docs
+            return super().forward(x, cp=cp, doc_ids=None if docs is None else
+                                   docs.to(x.device, non_blocking=True))
         return super().forward(x, position_ids)
 
 

@@ -28,7 +28,9 @@ class ParallelConfig:
         pp: pipeline stages.
         ep: expert-parallel ranks (MoE models: experts split over them), carved from
             the data-parallel ranks: it must divide dp.
-        cp: context-parallel ranks (not yet supported: must be 1).
+        cp: context-parallel ranks splitting each sequence (ring attention; models
+            "gpt" and "gpt_moe"), carved from the data-parallel ranks: it must divide
+            dp; tp must be 1.
         zero_level: 2 or 3, ZeRO sharding of each stage over its data-parallel ranks.
         num_microbatches: micro-batches per step (each data-parallel rank's rows must
             divide by it); `forward_backward(..., num_microbatches=)` overrides it.
@@ -46,11 +48,10 @@ class ParallelConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig: {name}={value!r} must be a positive integer")
-        for name, what in (("cp", "context"),):
-            if getattr(self, name) > 1:
-                raise NotImplementedError(
-                    f"ParallelConfig: {name}={getattr(self, name)}: {what} parallelism is not "
-                    f"yet supported by nbtrain.runtime; use {name}=1")
+        if self.cp > 1 and self.tp > 1:
+            raise NotImplementedError(
+                f"ParallelConfig: cp={self.cp} with tp={self.tp}: ring attention does not "
+                "split heads; use tp=1 with context parallelism")
         if self.zero_level not in (2, 3):
             raise ValueError(f"ParallelConfig: zero_level={self.zero_level!r}: use 2 or 3")
 

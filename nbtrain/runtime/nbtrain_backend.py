@@ -49,6 +49,14 @@ class NBTrainRuntime(Runtime):
         model, config = self._plain_model("meta" if hf_path else ctx.device, par)
         # The whole model's, ties once (experts split over ep: their full shapes).
         numel = sum(math.prod(getattr(p, "tp_full_shape", p.shape)) for p in model.parameters())
+        if par.cp > 1:
+            from ..models.gpt import GPT
+
+            if not isinstance(model, GPT):
+                raise NotImplementedError(
+                    f"ParallelConfig(cp={par.cp}): model {self.nb.model_name!r} "
+                    f"({type(model).__name__}) has no context-parallel attention; the "
+                    "built-in 'gpt' and 'gpt_moe' have: use one of them, or cp=1")
         if par.tp > 1:
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
@@ -95,8 +103,8 @@ class NBTrainRuntime(Runtime):
         loss_fn = loss_fn or token_cross_entropy
         topo = self._topology(handle)
         micro = num_microbatches or self.nb.parallel.num_microbatches
-        mine = data.rows_for(topo.dp_rank, topo.dp_size)
-        parts = mine.split(micro)
+        mine = data.rows_for(topo.data_rank, topo.data_size)
+        parts, cp = mine.split(micro), _context_parallel(handle, topo)
         # Each rank's objective is dp * (its weighted token-loss sum) / (the global
         # batch's total weight): the dp average of the gradients is the global mean's.
         # pipeline.run backpropagates loss_fn / micro, hence the factor micro.
@@ -111,10 +119,12 @@ class NBTrainRuntime(Runtime):
 
         from .. import pipeline
 
-        with handle.extra["positions"].feeding(handle.model, [p.position_ids for p in parts]):
-            pipeline.run(handle.model, [p.input_ids for p in parts],
-                         [(p.labels, p.token_weights()) for p in parts], stage_loss)
-        tokens = self._gather_token_losses(token_losses, mine, topo)
+        shards = [_shard(p, cp) for p in parts]  # (ids, pos, docs, labels, weights)
+        with handle.extra["positions"].feeding(handle.model, [t[1] for t in shards],
+                                               [t[2] for t in shards], cp):
+            pipeline.run(handle.model, [t[0] for t in shards],
+                         [(t[3], t[4]) for t in shards], stage_loss)
+        tokens = self._gather_token_losses(token_losses, mine, topo, cp)
         loss = float((tokens * data.token_weights()).sum()) / labelled_weight(data)
         return ForwardResult(
             metrics={"loss": loss, "tokens": int((data.labels != -100).sum()),
@@ -131,11 +141,13 @@ class NBTrainRuntime(Runtime):
 
         topo = self._topology(handle)
         ctx = self._context()
-        mine = data.rows_for(topo.dp_rank, topo.dp_size)
+        mine = data.rows_for(topo.data_rank, topo.data_size)
+        cp = _context_parallel(handle, topo)
+        ids, pos, docs, _, _ = _shard(mine, cp)
         ranks, index = topo.ranks("pipe"), topo.pipe_rank
-        with handle.extra["positions"].feeding(handle.model, [mine.position_ids]):
+        with handle.extra["positions"].feeding(handle.model, [pos], [docs], cp):
             if index == 0:
-                x = mine.input_ids.to(ctx.device)
+                x = ids.to(ctx.device)
             else:
                 x = Link(ranks[index - 1], ctx.device, "logits in").recv_act()
             y = handle.model(x)
@@ -148,31 +160,25 @@ class NBTrainRuntime(Runtime):
                                  device=ctx.device)
             C.broadcast(width, src=ranks[-1], group=topo.group("pipe"), label="logits width")
             if index < topo.pipe_size - 1:
-                y = torch.empty(mine.rows, mine.seq_len, int(width), device=ctx.device)
+                y = torch.empty(mine.rows, ids.shape[1], int(width), device=ctx.device)
         y = y.float().contiguous()
         if topo.pipe_size > 1:
             C.broadcast(y, src=ranks[-1], group=topo.group("pipe"), label="logits")
-        if topo.dp_size == 1:
-            return y.cpu()
-        out = torch.empty(topo.dp_size * y.numel(), dtype=y.dtype, device=ctx.device)
-        C.all_gather(out, y.reshape(-1), group=topo.group("dp"), label="logits")
-        return out.view(data.rows, mine.seq_len, y.shape[-1]).cpu()
+        return _gather_rows(y, topo, cp, "logits").view(data.rows, mine.seq_len, -1).cpu()
 
-    def _gather_token_losses(self, parts: list, mine: PackedBatch, topo) -> torch.Tensor:
+    def _gather_token_losses(self, parts: list, mine: PackedBatch, topo, cp=None
+                             ) -> torch.Tensor:
         """The global batch's token losses (rows, seq_len) on the CPU, on every rank:
-        from the last stage to its pipeline, then over the data-parallel ranks."""
+        from the last stage to its pipeline, then over the cp and data ranks."""
         device = self._context().device
+        local_seq = mine.seq_len // (cp.size if cp is not None else 1)
         local = torch.cat(parts) if parts else \
-            torch.zeros(mine.rows, mine.seq_len, dtype=torch.float32, device=device)
+            torch.zeros(mine.rows, local_seq, dtype=torch.float32, device=device)
         if topo.pipe_size > 1:
             C.broadcast(local, src=topo.ranks("pipe")[-1], group=topo.group("pipe"),
                         label="runtime token losses")
-        if topo.dp_size == 1:
-            return local.cpu()
-        out = torch.empty(topo.dp_size * local.numel(), dtype=local.dtype, device=device)
-        C.all_gather(out, local.reshape(-1).contiguous(), group=topo.group("dp"),
-                     label="runtime token losses")
-        return out.view(-1, mine.seq_len).cpu()
+        return _gather_rows(local, topo, cp, "runtime token losses").view(
+            -1, mine.seq_len).cpu()
 
     def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int]:
         """Unscales, clips the global gradient norm to `NBConfig.clip_grad_norm`, checks
@@ -196,3 +202,39 @@ class NBTrainRuntime(Runtime):
         if ok:
             handle.steps += 1
         return ok, norm, zeros
+
+
+def _context_parallel(handle: ModelHandle, topo):
+    """The gpt.ContextParallel splitting sequences over the topology's cp group, or None
+    (cp_size 1)."""
+    if topo.cp_size == 1:
+        return None
+    from ..models.gpt import ContextParallel
+
+    return ContextParallel(topo.group("cp"))
+
+
+def _shard(batch: PackedBatch, cp) -> tuple:
+    """(input_ids, position_ids, doc_ids, labels, token weights) of `batch`: whole rows
+    (doc_ids None), or under `cp` this rank's shard of every row."""
+    weights = batch.token_weights()
+    if cp is None:
+        return batch.input_ids, batch.position_ids, None, batch.labels, weights
+    from ..nn.ring_attention import shard_sequence
+
+    ids, labels, pos, docs = cp.shard_batch(batch.input_ids, batch.labels, batch.position_ids)
+    return ids, pos, docs, labels, shard_sequence(weights, 1, cp.group, cp.layout)
+
+
+def _gather_rows(local: torch.Tensor, topo, cp, label: str) -> torch.Tensor:
+    """Every data rank's rows of a (rows, seq or its shard, ...) tensor, in order: the
+    sequence joined over cp first, then the rows over the data-parallel ranks (whose
+    cp peers hold the same rows: one copy each). Collective over the dp group."""
+    if cp is not None:
+        local = cp.gather(local, 1)
+    local = local.contiguous()
+    if topo.dp_size == 1:
+        return local
+    out = torch.empty(topo.dp_size * local.numel(), dtype=local.dtype, device=local.device)
+    C.all_gather(out, local.reshape(-1), group=topo.group("dp"), label=label)
+    return out.view(topo.dp_size, *local.shape)[::topo.cp_size].reshape(-1, *local.shape[1:])

@@ -41,6 +41,7 @@ def configs(optimizer="adamw", untied=False, moe=None, **parallel):
 def parity(cases, steps):
     """compare(reference, nbtrain layout) for each (optimizer, parallel kwargs) case, in
     one launch: {case index: rows}."""
+    from nbtrain.comm.collectives import COUNTERS
     from nbtrain.runtime import compare
 
     out = {}
@@ -51,7 +52,9 @@ def parity(cases, steps):
         cfgs = configs(opt, **par)
         for cfg in cfgs if scaled else ():
             cfg.backend_cfg.loss_scale = 2.0 ** 12  # a power of two: exact in fp32
+        COUNTERS.reset()
         out[i] = compare(*cfgs, steps=steps, data=data, verbose=False)
+        out[f"bytes {i}"] = dict(COUNTERS.snapshot()["bytes"])  # which exchanges ran
     return out
 
 

@@ -1,7 +1,8 @@
 """nbtrain.runtime on real gloo ranks: the "nbtrain" backend at dp=2 ZeRO-3 (and ZeRO-2),
-tp=2 and pp=2 (2 micro-batches), the MoE GPT at ep=2 (loss-free bias balancing), then
-tp 2 x dp 2, pp 2 x dp 2, ep 2 x dp 2 (MoE) and tp 2 x pp 2 (tied and untied
-embedding) at world 4, against the "reference"
+tp=2 and pp=2 (2 micro-batches), the MoE GPT at ep=2 (loss-free bias balancing), cp=2
+(ring attention over packed documents), then tp 2 x dp 2, pp 2 x dp 2, ep 2 x dp 2
+(MoE), cp 2 x pp 2 and tp 2 x pp 2 (tied and untied embedding) at world 4, against
+the "reference"
 backend through `compare` (one case with per-token loss weights, one with a loss scale):
 10 steps, AdamW and SGD with momentum, loss and gradient norm within 1e-5 at every step,
 the same rows on every rank. Packed documents against the documents run one per row
@@ -21,9 +22,10 @@ WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"we
           ("adamw", {"tp": 2}), ("sgd", {"tp": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
           ("adamw", {"pp": 2, "num_microbatches": 2, "scaled": True}),
-          ("adamw", {"ep": 2, "moe": "bias"}), ("sgd", {"ep": 2, "moe": "bias"})]
+          ("adamw", {"ep": 2, "moe": "bias"}), ("sgd", {"ep": 2, "moe": "bias"}),
+          ("adamw", {"cp": 2}), ("sgd", {"cp": 2, "weighted": True})]
 WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
-          ("sgd", {"ep": 2, "moe": "none"}),
+          ("sgd", {"ep": 2, "moe": "none"}), ("adamw", {"cp": 2, "pp": 2, "num_microbatches": 2}),
           ("adamw", {"tp": 2, "pp": 2, "num_microbatches": 2}),
           ("sgd", {"tp": 2, "pp": 2, "num_microbatches": 2, "untied": True})]
 
@@ -60,14 +62,25 @@ def _check(per_rank, index):
     assert len({round(r["loss_a"], 4) for r in rows}) == STEPS, rows
 
 
+def _check_exchanges(per_rank, cases, index):
+    """Expert and context parallelism really ran: the MoE layers' all-to-alls, the ring's
+    point-to-point transfers (none at pp 1 otherwise)."""
+    par, sent = cases[index][1], per_rank[0][f"bytes {index}"]
+    assert (sent.get("all_to_all", 0) > 0) == (par.get("ep", 1) > 1), sent
+    if par.get("pp", 1) == 1:
+        assert (sent.get("p2p", 0) > 0) == (par.get("cp", 1) > 1), sent
+
+
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_name(c) for c in WORLD2])
 def test_nbtrain_matches_reference_at_world_2(world2, index):
     _check(world2, index)
+    _check_exchanges(world2, WORLD2, index)
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_name(c) for c in WORLD4])
 def test_nbtrain_matches_reference_at_world_4(world4, index):
     _check(world4, index)
+    _check_exchanges(world4, WORLD4, index)
 
 
 PACKED = [{"tp": 2}, {"pp": 2, "num_microbatches": 2}]
