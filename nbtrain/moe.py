@@ -145,7 +145,12 @@ class MoE(nn.Module, _FullStateDict):
         balance: "aux" (Switch/GShard auxiliary loss in `self.aux_loss`), "bias"
             (DeepSeek-V3's loss-free per-expert bias) or "none".
         aux_loss_weight: the auxiliary loss coefficient.
-        bias_update_rate: the bias step per training forward.
+        bias_update_rate: the bias step per training step. The load of every
+            training forward of a step (micro-batches) is added up, and the bias moves
+            by bias_update_rate * sign(mean load - load) when the step ends
+            (OptimManager.step, or `nbtrain.comm.events.end_step()`, or
+            `apply_bias_update()` in a loop without them), so every forward of a step,
+            and a forward recomputed in backward, routes with the same bias.
         label: the name of this layer's telemetry metrics.
 
     After each forward:
@@ -185,6 +190,8 @@ class MoE(nn.Module, _FullStateDict):
         self.capacity_factor, self.balance = capacity_factor, balance
         self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
         self.label = label
+        self._load_sum: torch.Tensor | None = None  # this step's routed load (bias mode)
+        events.on_step_end(self.apply_bias_update)
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(self.local_experts, hidden, ffn_hidden))
         self.w_out = nn.Parameter(torch.empty(self.local_experts, ffn_hidden, hidden))
@@ -262,13 +269,16 @@ class MoE(nn.Module, _FullStateDict):
             0, token_of, returned * weight_of.unsqueeze(1))
 
     def _after_routing(self, scores, routed, dropped):
+        # A forward recomputed in backward (activation checkpointing) routes the same
+        # tokens again: it must not step the bias or record the metrics a second time.
+        recomputed = torch._C._current_graph_task_id() != -1
         totals = torch.cat([routed, routed.new_tensor([dropped])])
         collectives.all_reduce(totals, group=self.group, label="moe stats")
         load = totals[:-1]
         mean = load.float().mean()
         self.stats = {"tokens_per_expert": load.tolist(), "dropped": int(totals[-1]),
                       "balance": float(load.max() / mean) if mean > 0 else float("nan")}
-        if self.training:
+        if self.training and not recomputed:
             routed_total = max(int(load.sum()), 1)
             events.metric(**{f"{self.label}.balance": self.stats["balance"],
                              f"{self.label}.dropped": self.stats["dropped"] / routed_total})
@@ -278,9 +288,18 @@ class MoE(nn.Module, _FullStateDict):
                              * (share * scores.mean(0)).sum())
         else:
             self.aux_loss = scores.new_zeros(())
-        if self.balance == "bias" and self.training:
-            with torch.no_grad():  # same global load on every rank: same bias
-                self.expert_bias += self.bias_update_rate * torch.sign(mean - load.float())
+        if self.balance == "bias" and self.training and not recomputed:
+            load = load.float()  # the same global load on every rank: the same bias
+            self._load_sum = load if self._load_sum is None else self._load_sum + load
+
+    @torch.no_grad()
+    def apply_bias_update(self) -> None:
+        """Moves the loss-free bias by the load routed since the last update (balance
+        "bias"): bias_update_rate * sign(mean load - load). Runs at every step's end;
+        a no-op without routed load. Local."""
+        load, self._load_sum = self._load_sum, None
+        if load is not None:
+            self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "

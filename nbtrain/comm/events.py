@@ -8,11 +8,13 @@ else (a test, a profiler) may subscribe too. With no subscriber, or with
 publishing switched off, each hot-path call costs one attribute read.
 
 Every event carries the training step it belongs to (`step`), advanced by
-`end_step()` (OptimManager.step calls it).
+`end_step()` (OptimManager.step calls it), which also runs the methods registered
+with `on_step_end` (a MoE layer's loss-free bias moves once per step there).
 """
 from __future__ import annotations
 
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Callable
 
@@ -33,6 +35,13 @@ class EventHub:
 
 
 HUB = EventHub()
+_STEP_END: list[weakref.WeakMethod] = []
+
+
+def on_step_end(method) -> None:
+    """Calls the bound method `method` at every `end_step()`, until its object is
+    collected (held weakly)."""
+    _STEP_END.append(weakref.WeakMethod(method))
 
 
 def subscribe(fn: Subscriber) -> None:
@@ -111,6 +120,12 @@ def metric(**values) -> None:
 
 def end_step() -> int:
     """Closes the current step (a `step_end` event) and returns the next step's number."""
+    alive = [ref for ref in _STEP_END if ref() is not None]
+    _STEP_END[:] = alive
+    for ref in alive:
+        method = ref()
+        if method is not None:
+            method()
     if HUB.active:
         publish({"type": "step_end", "t": time.perf_counter()})
     HUB.step += 1

@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from ..comm import events
 from ..optim.manager import OptimManager
 from .base import Runtime, labelled_weight, token_cross_entropy
 from .config import ParallelConfig
@@ -112,4 +113,5 @@ class ReferenceRuntime(Runtime):
             if manager.loss_scale_enabled:
                 manager.loss_scale = max(manager.loss_scale / manager.loss_scale_factor,
                                          manager.min_loss_scale)
+        events.end_step()  # as OptimManager.step: the step's end (a MoE bias moves)
         return ok, norm, zeros

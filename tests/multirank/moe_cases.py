@@ -109,6 +109,8 @@ def _bias():
     x, _ = rank_tokens(nbtrain.rank())
     moe.train()
     moe(x)
+    unmoved = bool((moe.expert_bias == 0).all())  # the bias moves when the step ends
+    moe.apply_bias_update()
     trained = moe.expert_bias.clone()
     stats = moe.stats
     moe.eval()
@@ -117,7 +119,7 @@ def _bias():
     with torch.no_grad():
         moe.expert_bias.copy_(steer)
         out = moe(x)
-    return {"trained_bias": trained, "stats": stats, "steered_out": out,
+    return {"trained_bias": trained, "unmoved": unmoved, "stats": stats, "steered_out": out,
             "bias_after_eval": moe.expert_bias.clone(), "x": x, "steer": steer,
             "aux": moe.aux_loss}
 

@@ -91,3 +91,28 @@ def save_and_load(ep_size: int, path: str):
     except NotImplementedError as err:
         refused = str(err)
     return before, after, refused
+
+
+def bias_with_checkpointing(steps: int = 3):
+    """The loss-free bias after `steps` steps, with and without activation checkpointing
+    (each Block's forward recomputed in backward): (plain bias, checkpointed bias,
+    balance metrics recorded per step)."""
+    import nbtrain
+    from nbtrain.comm import events
+    from nbtrain.models.gpt_moe import MoEGPT
+
+    nbtrain.init_distributed(ep_size=nbtrain.world_size())
+    rank, out, recorded = nbtrain.rank(), [], []
+    events.subscribe(lambda e: recorded.append(e) if e.get("type") == "metric" else None)
+    for use_checkpoint in (False, True):
+        torch.manual_seed(0)
+        model = nbtrain.wrap(MoEGPT(config(balance="bias", bias_update_rate=0.1)),
+                             use_checkpoint=use_checkpoint)
+        recorded.clear()
+        for step in range(steps):
+            ids = batches(nbtrain.world_size(), steps)[step][rank]
+            model.loss(ids, ids.roll(-1, dims=1)).backward()
+            events.end_step()  # what OptimManager.step does: the bias moves
+        out.append(model.layers[0].mlp.expert_bias.clone())
+        out.append(sum("moe.0.balance" in e for e in recorded))
+    return out

@@ -132,6 +132,7 @@ def test_the_bias_moves_towards_underloaded_experts_on_every_rank(runs, world):
     assert want[SILENT] == 0.1 and (want < 0).any()
     router, w_in, w_out = full_weights()
     for r in results:
+        assert r["unmoved"]
         assert torch.equal(r["trained_bias"], results[0]["trained_bias"])
         assert _err(r["trained_bias"], want) < 1e-7
         assert torch.equal(r["bias_after_eval"], r["steer"])  # eval: no update

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_gpt_cases import ROWS, SEQ, save_and_load, train
+from moe_gpt_cases import ROWS, SEQ, bias_with_checkpointing, save_and_load, train
 from ranks import run_ranks
 
 STEPS = 10
@@ -50,3 +50,11 @@ def test_moe_gpt_save_holds_every_expert_and_loads_back(tmp_path):
         assert torch.equal(after[key], value), key
     assert all(torch.equal(out[1][0][k], v) for k, v in before.items())
     assert out[1][2] == refused  # every rank refuses, none waits for the others
+
+
+def test_a_recomputed_forward_steps_the_bias_once():
+    plain, plain_metrics, ckpt, ckpt_metrics = run_ranks(bias_with_checkpointing, 2,
+                                                         timeout_s=300)[0]
+    assert plain.abs().sum() > 0  # the bias moved
+    assert torch.equal(plain, ckpt)
+    assert plain_metrics == ckpt_metrics == 3
