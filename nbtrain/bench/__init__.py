@@ -18,6 +18,12 @@ count, model state against 16 bytes x params / tp, and the loss difference. With
 `--pp P` it compares nbtrain's 1F1B pipeline with torch.distributed.pipelining's
 (see pp.py): step time, the measured bubble against (P - 1) / (M + P - 1), and the
 point-to-point bytes against the activation count.
+
+With `--moe` it times the MoE GPT (nbtrain.models.gpt_moe, experts over the ranks)
+against the dense GPT of equal active parameters: tokens/s of both, parameters, the
+all-to-all bytes and the router's balance (see moe.py). With `--ring` it times ring
+attention over the ranks against its compute alone, its communication alone and one
+rank's full-sequence attention: the share of its communication hidden (see ring.py).
 """
 from __future__ import annotations
 
@@ -60,6 +66,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--offload", action="store_true",
                    help="with --memory: also the path with wrap(offload=True) and "
                         "AdamOffloadOptimizer (on a GPU, its device peaks)")
+    p.add_argument("--moe", action="store_true",
+                   help="tokens/s of the MoE GPT (experts over the ranks, ZeRO-3) against the "
+                        "dense GPT of equal active parameters, all-to-all bytes, router balance")
+    p.add_argument("--ring", action="store_true",
+                   help="ring attention over the ranks (cp = world): its hidden-communication "
+                        "share, and its time against one rank's full-sequence SDPA")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="micro-batches per step with --pp (default 4)")
     return p
@@ -157,10 +169,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or (args.tp > 1 and args.ranks != args.tp):
         raise SystemExit(f"--tp {args.tp} with --ranks {args.ranks}: the tensor-parallel "
                          f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
+    if sum((args.memory, args.moe, args.ring)) > 1:
+        raise SystemExit("--memory, --moe and --ring are separate benchmarks: give one")
     if args.memory:
         from . import memory
 
         return memory.main(args)
+    if args.moe:
+        from . import moe
+
+        return moe.main(args)
+    if args.ring:
+        from . import ring
+
+        return ring.main(args)
     settings = _settings(args)
     result = run(args.ranks, settings)
     s = result["settings"]

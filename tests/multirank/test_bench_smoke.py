@@ -120,3 +120,43 @@ def test_memory_bench_runs_and_measures_the_paths(tmp_path):
         assert ratios[f"{phase}_vs_theory"] > 0, ratios
     # On a CPU the offloaded shards live where the resident ones do: the same peaks.
     assert 0.8 < ratios["offload_train_vs_meta_train"] < 1.25, ratios
+
+
+def test_quick_moe_bench_against_the_dense_gpt(tmp_path):
+    """`nbtrain bench --moe --quick`: the MoE GPT and the dense GPT of equal active
+    parameters both train; the tokens moved by the all-to-all and the routing are read."""
+    result, stdout = _quick_bench(tmp_path, "--moe")
+    assert set(result["runs"]) == {"moe", "dense"}
+    ratios = result["ratios"]
+    assert set(ratios) == {"moe_tokens_per_s_vs_dense", "moe_total_params_vs_dense",
+                           "moe_active_params_vs_dense", "moe_wire_bytes_vs_dense",
+                           "moe_router_balance_mean"}
+    # equal active parameters (the dense MLP's biases, the router: well under 1%)
+    assert abs(ratios["moe_active_params_vs_dense"] - 1) < 0.01, ratios
+    assert ratios["moe_total_params_vs_dense"] > 1.4, ratios  # 4 experts, top-2
+    assert ratios["moe_router_balance_mean"] >= 1.0 and ratios["moe_tokens_per_s_vs_dense"] > 0
+    moe, dense = result["runs"]["moe"], result["runs"]["dense"]
+    assert moe["all_to_all_bytes_per_step"] > 0 and dense["all_to_all_bytes_per_step"] == 0
+    assert len(moe["step_times_s"]) == result["settings"]["steps"]
+    assert set(result["routing"]) == {"moe.0", "moe.1"}
+    for line in ("moe_tokens_per_s_vs_dense", "router balance", "tokens/s"):
+        assert line in stdout, stdout
+
+
+def test_quick_ring_bench_measures_the_hidden_share(tmp_path):
+    """`nbtrain bench --ring --quick`: ring attention is exact against full-sequence SDPA,
+    and its time is split into compute and communication."""
+    result, stdout = _quick_bench(tmp_path, "--ring")
+    assert set(result["median_s"]) == {"ring", "compute", "comm", "sdpa"}
+    assert all(t > 0 for t in result["median_s"].values()), result["median_s"]
+    assert result["max_abs_diff_vs_sdpa"] < 1e-4
+    # cp 2: K/V passed once forward and once backward, dK/dV (float32) at both steps
+    s = result["settings"]
+    kv = 2 * s["batch"] * s["heads"] * (s["seq"] // 2) * s["head_dim"] * 4
+    assert result["p2p_bytes_per_call"] == 4 * kv, result["p2p_bytes_per_call"]
+    ratios = result["ratios"]
+    assert 0 <= ratios["ring_hidden_comm_share"] <= 1, ratios
+    assert ratios["ideal_vs_full_sdpa"] == 0.5
+    for key in ("ring_vs_full_sdpa", "ring_vs_compute_only", "comm_only_vs_compute_only"):
+        assert ratios[key] > 0 and f"{key}:" in stdout, key
+    assert "ring_hidden_comm_share:" in stdout and "compute only" in stdout, stdout
