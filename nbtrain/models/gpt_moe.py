@@ -12,6 +12,11 @@ the cross-entropy: each rank's loss is over its own tokens, as data parallelism 
 `nbtrain.wrap(model)` shards it: the experts over the ranks holding the same experts,
 everything else over the data-parallel ranks. `router_stats(model)` reads the routing of
 the last forward, for telemetry.
+
+Built on the meta device (`nbtrain.empty_parameters()`), `assign_inits(model,
+moe_inits(cfg))` gives every parameter its initialiser: the GPT's, and nn.Linear's
+U(+-1/sqrt(fan_in)) for the experts. The experts' deferred draws follow their slice,
+so they are the same at any world size for one ep size (not across ep sizes).
 """
 from __future__ import annotations
 
@@ -21,7 +26,8 @@ import torch
 from torch import nn
 
 from ..moe import BALANCE_MODES, MoE
-from .gpt import GPT, GPTConfig
+from ..zero.parameter import ParameterInitializer
+from .gpt import GPT, GPTConfig, gpt_inits
 
 
 @dataclass
@@ -81,6 +87,22 @@ class MoEGPT(GPT):
     def loss(self, idx, target, position_ids=None):
         ce = super().loss(idx, target, position_ids)
         return ce + self.aux_loss().to(ce.device)
+
+
+def moe_inits(cfg: MoEGPTConfig):
+    """The MoE GPT's initialisation as a rule for `nbtrain.assign_inits`: gpt_inits for
+    everything but the experts, U(+-1/sqrt(fan_in)) for each expert's w_in (fan_in =
+    hidden) and w_out (fan_in = expert_hidden), as MoE.reset_experts draws them."""
+    dense = gpt_inits(cfg)
+    bounds = {"w_in": cfg.hidden ** -0.5, "w_out": cfg.expert_hidden ** -0.5}
+
+    def rule(name, module, param):
+        leaf = name.rpartition(".")[2]
+        if isinstance(module, MoE) and leaf in bounds:
+            b = bounds[leaf]
+            return ParameterInitializer(nn.init.uniform_, a=-b, b=b)
+        return dense(name, module, param)
+    return rule
 
 
 def router_stats(model: nn.Module) -> dict:

@@ -116,3 +116,29 @@ def bias_with_checkpointing(steps: int = 3):
         out.append(model.layers[0].mlp.expert_bias.clone())
         out.append(sum("moe.0.balance" in e for e in recorded))
     return out
+
+
+def meta_build(steps: int = 2):
+    """The MoE GPT built on the meta device, sharded at ep = world, initialised rank by
+    rank (moe_inits): (expert weights' std and bound, losses of a few steps)."""
+    import nbtrain
+    from nbtrain.models.gpt_moe import MoEGPT, moe_inits
+
+    nbtrain.init_distributed(ep_size=nbtrain.world_size())
+    cfg = config()
+    with nbtrain.empty_parameters():
+        model = MoEGPT(cfg)
+    nbtrain.assign_inits(model, moe_inits(cfg))
+    model = nbtrain.wrap(model)
+    nbtrain.init_parameters(model)
+    w_in = model.state_dict()["layers.0.mlp.w_in"]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    ids = batches(nbtrain.world_size(), 1)[0][nbtrain.rank()]
+    for _ in range(steps):  # one batch again and again: its loss falls
+        opt.zero_grad()
+        loss = model.loss(ids, ids.roll(-1, dims=1))
+        loss.backward()
+        opt.step()
+        losses.append(nbtrain.sum_loss(loss).item())
+    return float(w_in.std()), float(w_in.abs().max()), cfg.hidden ** -0.5, losses

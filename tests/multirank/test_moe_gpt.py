@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from moe_gpt_cases import ROWS, SEQ, bias_with_checkpointing, save_and_load, train
+from moe_gpt_cases import ROWS, SEQ, bias_with_checkpointing, meta_build, save_and_load, train
 from ranks import run_ranks
 
 STEPS = 10
@@ -58,3 +58,12 @@ def test_a_recomputed_forward_steps_the_bias_once():
     assert plain.abs().sum() > 0  # the bias moved
     assert torch.equal(plain, ckpt)
     assert plain_metrics == ckpt_metrics == 3
+
+
+def test_built_on_the_meta_device_and_initialised_rank_by_rank():
+    out = run_ranks(meta_build, 2, timeout_s=300)
+    std, largest, bound, losses = out[0]
+    assert largest <= bound and abs(std - bound / 3 ** 0.5) < 0.2 * bound  # U(-b, b)
+    assert out[1][:3] == out[0][:3]  # every rank gathers the same experts
+    assert losses[0] == pytest.approx(4.16, abs=0.1)  # log(64): an untrained model
+    assert losses[1] < losses[0]
