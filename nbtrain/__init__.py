@@ -31,6 +31,7 @@ _LAZY = {
     "lr_scheduler": ("nbtrain.optim.lr_scheduler", None),
     "loss": ("nbtrain.nn.loss", None),
     "nn": ("nbtrain.nn", None),
+    "moe": ("nbtrain.moe", None),
     "inspect": ("nbtrain.inspect", None),
     "progress": ("nbtrain.telemetry.progress", "progress"),
     "graceful_stop": ("nbtrain.comm.recovery", "graceful_stop"),

@@ -46,7 +46,7 @@ VARIANTS = ("ring", "compute", "comm", "sdpa")
 def _rings():
     """Three rings over ring_attention's `_Ring`: the real one with its waits timed,
     one computing with no communication, one communicating with no compute."""
-    from ..nn import ring_attention as ra
+    from ..nn import ring as ra
 
     class _TimedWork:
         def __init__(self, work, ring):
@@ -84,7 +84,7 @@ def run_rank(spec: dict) -> dict:
 
     import nbtrain
     from nbtrain.comm.collectives import COUNTERS
-    from nbtrain.nn import ring_attention as ra
+    from nbtrain.nn import ring as ra
 
     world = dist.get_world_size()
     ctx = nbtrain.init_distributed(cp_size=world)

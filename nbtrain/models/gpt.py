@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.topology import ALONE
-from ..nn.ring_attention import (SequenceLayout, chunk_ids, document_ids, gather_sequence,
+from ..nn.ring import (SequenceLayout, chunk_ids, document_ids, gather_sequence,
                                  global_positions, ring_attention, shard_sequence)
 
 TOPOLOGY = "topology"  # GPT.context_parallel's default: follow nbtrain's topology

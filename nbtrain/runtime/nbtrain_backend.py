@@ -220,7 +220,7 @@ def _shard(batch: PackedBatch, cp) -> tuple:
     weights = batch.token_weights()
     if cp is None:
         return batch.input_ids, batch.position_ids, None, batch.labels, weights
-    from ..nn.ring_attention import shard_sequence
+    from ..nn.ring import shard_sequence
 
     ids, labels, pos, docs = cp.shard_batch(batch.input_ids, batch.labels, batch.position_ids)
     return ids, pos, docs, labels, shard_sequence(weights, 1, cp.group, cp.layout)

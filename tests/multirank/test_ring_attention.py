@@ -18,7 +18,7 @@ from ranks import run_ranks
 from ring_cases import (BATCH, HEAD_DIM, HEADS, SEQ_PER_RANK, full_inputs, packed_position_ids,
                         ring_cases)
 
-from nbtrain.nn import ring_attention as R
+from nbtrain.nn import ring as R
 
 WORLDS = (2, 3)
 CASES = [(causal, packed, layout) for causal in (True, False) for packed in (False, True)
