@@ -90,6 +90,26 @@ def plain_gpt(cfg: GPTConfig, seed: int, device: torch.device) -> GPT:
     return GPT(cfg).to(device)
 
 
+def fsdp2_mesh():
+    """A one-dimensional device mesh over the default group, on nbtrain's device type.
+    Collective."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    ctx = nbt.get_context()
+    return init_device_mesh(ctx.device.type, (ctx.world_size,))
+
+
+def fully_shard_gpt(model: GPT, mesh) -> nn.Module:
+    """FSDP2 over `mesh`: each transformer layer, then the root (embeddings, final norm,
+    head). The model may be on the meta device (then `to_empty` and initialise it).
+    Collective."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.layers:  # one group per layer, as nbtrain's one Block per layer
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def build(engine: str, cfg: GPTConfig, seed: int) -> nn.Module:
     """The model for `engine`, sharded or replicated over the default group.
 
@@ -100,14 +120,8 @@ def build(engine: str, cfg: GPTConfig, seed: int) -> nn.Module:
     if engine in ("zero3", "zero2"):
         return nbt.wrap(model, zero_level=3 if engine == "zero3" else 2)
     if engine == "fsdp2":
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
         _count_torch_collectives(ctx.world_size)
-        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
-        for layer in model.layers:  # one group per layer, as nbtrain's one Block per layer
-            fully_shard(layer, mesh=mesh)
-        return fully_shard(model, mesh=mesh)
+        return fully_shard_gpt(model, fsdp2_mesh())
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -1,6 +1,8 @@
 """`nbtrain bench --memory`: peak memory per rank while a GPT is built, trained, saved
 and loaded with ZeRO-3, against the ZeRO-3 theory, with the naive path (the model
-built whole on every rank, then wrapped) for contrast.
+built whole on every rank, then wrapped) for contrast, and torch FSDP2 as the peer
+(memory_fsdp.py: meta device, fully_shard, to_empty, DCP save and load), with
+nbtrain's peak over FSDP2's per phase.
 
     nbtrain bench --memory                    # a ~200 M-parameter GPT on 2 ranks
     nbtrain bench --memory --quick            # a 6 M-parameter one
@@ -18,7 +20,7 @@ Theory, P parameters over N ranks (4 bytes each), as the rise above what the ran
 held: build and load make the shard, 4P/N; training adds gradients (4P/N) and
 AdamW's two moments (8P/N) to it, 16P/N in all, plus activations and the blocks
 gathered in flight; saving gathers one parameter at a time, at most one transformer
-block (the theory shown).
+block (the theory shown; FSDP2's DCP save writes each rank's shards where they lie).
 """
 from __future__ import annotations
 
@@ -192,18 +194,37 @@ def _gpt_meta_params(cfg):
 
 def measure(ranks: int, hidden: int, layers: int, heads: int, steps: int, batch: int,
             backend: str | None = None, log=print, offload: bool = False) -> dict:
-    """Both paths, each in its own launch: {"meta": per-rank dicts, "whole": ...}."""
+    """Every path, each in its own launch: {"meta": per-rank dicts, "whole": ...,
+    "fsdp2": ...}. An FSDP2 launch that fails is {"error": ...}, not a number."""
     from ..launch import run_ranks
+    from . import memory_fsdp
 
     out = {}
     with tempfile.TemporaryDirectory(prefix="nbtrain-memory-") as folder:
-        for path in ("meta", "whole") + (("offload",) if offload else ()):
+        for path in ("meta", "whole", "fsdp2") + (("offload",) if offload else ()):
             start = time.perf_counter()
             spec = {"path": path, "hidden": hidden, "layers": layers, "heads": heads,
                     "steps": steps, "batch": batch, "folder": folder}
-            out[path] = run_ranks(run_rank, ranks, spec, backend=backend, timeout_s=3600)
+            if path == "fsdp2":
+                try:
+                    out[path] = run_ranks(memory_fsdp.run_rank, ranks, spec,
+                                          backend=backend, timeout_s=3600)
+                except (AssertionError, RuntimeError, TimeoutError) as exc:
+                    out[path] = {"error": str(exc).strip().splitlines()[-1][:200]}
+            else:
+                out[path] = run_ranks(run_rank, ranks, spec, backend=backend, timeout_s=3600)
             log(f"{path}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return out
+
+
+def peak_of(per_rank: list, phase: str) -> int:
+    """The worst rank's peak for `phase`: its device peak on a GPU, else its host peak."""
+    return max(r[phase][1] if r[phase][1] is not None else r[phase][0] for r in per_rank)
+
+
+def _row(name, phase, peak, theory, ratio, seconds) -> str:
+    return (f"{name:<6} {phase:<6} {peak / MB:>9.1f} {theory / MB:>11.1f} {ratio:>6.2f} "
+            f"{seconds:>8.1f}")
 
 
 def table(result: dict, ranks: int) -> tuple[str, dict]:
@@ -229,13 +250,12 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
         paths.append(("offload", result["offload"], ("build", "train")))
     for name, per_rank, phases in paths:
         for phase in phases:
-            peak = max(r[phase][1] if r[phase][1] is not None else r[phase][0]
-                       for r in per_rank)
+            peak = peak_of(per_rank, phase)
             seconds = max(r[phase][2] for r in per_rank)
             ratio = peak / (theory[phase] + baseline)
             ratios[f"{name}_{phase}_vs_theory"] = ratio
-            lines.append(f"{name:<6} {phase:<6} {peak / MB:>9.1f} {theory[phase] / MB:>11.1f} "
-                         f"{ratio:>6.2f} {seconds:>8.1f}")
+            lines.append(_row(name, phase, peak, theory[phase], ratio, seconds))
+    lines += _fsdp2_rows(result, theory, meta, ratios)
     lines.append("theory (the rise above what the rank held): build/load 4P/N, train 12P/N "
                  "(gradients and AdamW's moments; + activations), save one block; "
                  "ratio = peak / (theory + baseline)")
@@ -249,6 +269,27 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
         ratios["offload_train_vs_meta_train"] = \
             ratios["offload_train_vs_theory"] / ratios["meta_train_vs_theory"]
     return "\n".join(lines), ratios
+
+
+def _fsdp2_rows(result: dict, theory: dict, meta: list, ratios: dict) -> list:
+    """FSDP2's rows (its ratios into `ratios`), or one line saying why there are none."""
+    from . import memory_fsdp
+
+    fsdp2 = result.get("fsdp2")
+    if fsdp2 is None:
+        return []
+    if isinstance(fsdp2, dict):  # the launch failed
+        return [f"fsdp2: not measured: {fsdp2['error']}"]
+    rows, fsdp2_ratios = memory_fsdp.rows(fsdp2, theory, _row, meta)
+    ratios.update(fsdp2_ratios)
+    base = max(r["baseline"] for r in fsdp2)
+    shard = max(r.get("shard", 0) for r in fsdp2)
+    loaded = [r.get("load_matches_save") for r in fsdp2]
+    load = ("no load" if None in loaded else "the load read the saved values" if all(loaded)
+            else "the load did NOT read the saved values")
+    return [f"torch {fsdp2[0]['torch']} FSDP2 (meta device, fully_shard per layer and root, "
+            f"to_empty, DCP): baseline {base / MB:.1f} MiB, shard {shard / MB:.1f} MiB, "
+            f"{load}"] + rows
 
 
 def main(args) -> int:

@@ -108,8 +108,8 @@ def test_quick_pp_bench_against_torch_pipelining(tmp_path):
 def test_memory_bench_runs_and_measures_the_paths(tmp_path):
     """`nbtrain bench --memory --quick --offload`: a 6 M-parameter GPT built from the meta device
     stays near its shard (the naive build holds the whole model first), training near
-    16P/N, and the save and load phases are measured. Memory, unlike time, is
-    deterministic enough to bound here."""
+    16P/N, and the save and load phases are measured, and so are FSDP2's. Memory, unlike
+    time, is deterministic enough to bound here."""
     result, stdout = _quick_bench(tmp_path, "--memory", "--offload")
     ratios = result["ratios"]
     assert "GPT of 6.4 M parameters" in stdout and "meta   build" in stdout, stdout
@@ -120,6 +120,16 @@ def test_memory_bench_runs_and_measures_the_paths(tmp_path):
         assert ratios[f"{phase}_vs_theory"] > 0, ratios
     # On a CPU the offloaded shards live where the resident ones do: the same peaks.
     assert 0.8 < ratios["offload_train_vs_meta_train"] < 1.25, ratios
+    # The FSDP2 peer (meta device, fully_shard, to_empty, DCP) measured phase by phase,
+    # with nbtrain's peak over its peak; no bounds on either side's memory here.
+    for phase in ("build", "train", "save", "load"):
+        assert f"fsdp2  {phase}" in stdout, stdout
+        for key in (f"fsdp2_{phase}_vs_theory", f"meta_{phase}_vs_fsdp2"):
+            assert isinstance(ratios[key], float) and f"{key}:" in stdout, (key, ratios)
+    assert "not measured" not in stdout and "nbtrain/FSDP2" in stdout, stdout
+    for rank in result["result"]["fsdp2"]:
+        assert rank["load_matches_save"], rank  # the fresh model read what was saved
+        assert rank["shard"] > 0 and rank["build"][0] > 0, rank
 
 
 def test_quick_moe_bench_against_the_dense_gpt(tmp_path):
