@@ -62,7 +62,8 @@ def _parser() -> argparse.ArgumentParser:
                         "torch.distributed.pipelining (use --ranks equal to --pp)")
     p.add_argument("--memory", action="store_true",
                    help="peak memory per rank of building, training, saving and loading a "
-                        "~200 M-parameter GPT with ZeRO-3 against the theory (--quick: 6 M)")
+                        "~200 M-parameter GPT with ZeRO-3 against the theory and against FSDP2 "
+                        "(meta device + DCP) in the same run (--quick: 6 M)")
     p.add_argument("--offload", action="store_true",
                    help="with --memory: also the path with wrap(offload=True) and "
                         "AdamOffloadOptimizer (on a GPU, its device peaks)")
