@@ -240,6 +240,12 @@ NOTEBOOKS = {
     # built on the meta device, trained, saved, reloaded, checkpointed in the background
     "tutorials/11_a_model_that_does_not_fit.ipynb": ([["losses", "trained_loss",
                                                        "reloaded_loss"]], _check_reload),
+    # ep_size and cp_size = the world size: 1, 2 and 3 ranks hold the 6 experts, and split
+    # each row of 384 tokens (2 x cp chunks); the cells assert the all-to-all and ring bytes
+    # against the routing and the theory, and each layout against one process
+    "tutorials/12_experts_and_long_sequences.ipynb": (
+        [["balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses"]],
+        _check_losses("balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses")),
 }
 # Rank code that cannot run at 1 and 3 ranks, and what covers it instead. Tutorial 10's
 # rank code imports the package its %%writefile cells write into a folder the notebook
@@ -248,7 +254,10 @@ NOTEBOOKS = {
 # executes the notebook at 2 ranks (pytest --nbval-lax tutorials).
 ELSEWHERE = {"tutorials/10_runtime_and_your_own_model.ipynb"}
 # Tensor and pipeline parallelism split layers, not data: every rank takes the global batch.
-WHOLE_BATCH = {"tutorials/08_tensor_parallelism.ipynb", "tutorials/09_pipeline_parallelism.ipynb"}
+# Tutorial 12's context parallelism splits every row of one batch over all ranks (each
+# reads it whole and keeps its part), and its one-process references take it whole too.
+WHOLE_BATCH = {"tutorials/08_tensor_parallelism.ipynb", "tutorials/09_pipeline_parallelism.ipynb",
+               "tutorials/12_experts_and_long_sequences.ipynb"}
 
 
 def test_every_tutorial_is_run_here_or_has_no_rank_code():
