@@ -9,12 +9,12 @@ causal sequence are sharded zigzag (`shard_sequence`), and each variant is timed
 forward + backward (the slowest rank, median over the timed iterations; the variants
 interleaved in rotating order, so a load change hits all alike):
 
-    ring      ring_attention's own autograd function and ring, its waits on sends and
-              receives timed (the output checked against `ring_attention` and full
-              attention first): T_ring, and W, the time blocked in those waits
+    ring      ring_attention with its waits on sends and receives timed (the output
+              checked against full attention first): T_ring, and W, the time blocked
+              in those waits
     compute   the same ring with every send/receive replaced by a local copy: the same
-              chunk pairs, block kernels and merges, no communication: T_comp
-    comm      the same ring with no chunk pair computed: the same sends and receives
+              blocks, block kernel and merges, no communication: T_comp
+    comm      the same ring with no block computed: the same sends and receives
               (K/V forward, K/V and dK/dV backward) with nothing to hide behind: T_comm
     sdpa      `scaled_dot_product_attention` of the full sequence, forward + backward,
               on each rank alone (every rank at once, as the ring's ranks run): T_full
@@ -26,13 +26,17 @@ times is within their noise; the waits measure it directly: hidden share from wa
 1 - W / T_comm (W of the rank that waited most, median over the iterations). W also
 holds the time a rank waits for a peer still computing its step (the ring meets at
 every step, where the compute variant's ranks only meet at the end), so it errs low.
+The comm also takes CPU from the compute where no core is idle (gloo moves the bytes
+with CPU threads), which the difference counts as not hidden and the waits do not see.
 T_ring / T_full against 1 / cp says what splitting the sequence buys over one rank's
-fused kernel.
+fused kernel; the table names the ring's block kernel (fused op or the math fallback).
 
-All three ring variants run ring_attention's own autograd function with a ring whose
-`exchange` or `pairs` is replaced or wrapped (subclasses of its private `_Ring`): no
-copy of the attention math here can drift from the real one; a change to those private
-names breaks this benchmark loudly (its smoke test), not silently.
+All three ring variants are `ring_attention` itself, given a `Ring` subclass through its
+public `ring=` argument (the hook for this): `exchange` wrapped to time the waits,
+replaced by local copies (compute only), or `blocks` returning none (comm only), so no
+copy of the attention math here can drift from the real one. W is also split by
+exchange (forward K/V, backward K/V, dK/dV on the way, dK/dV home: the last hop, which
+nothing is left to hide) in the JSON and the table.
 """
 from __future__ import annotations
 
@@ -44,36 +48,53 @@ VARIANTS = ("ring", "compute", "comm", "sdpa")
 
 
 def _rings():
-    """Three rings over ring_attention's `_Ring`: the real one with its waits timed,
+    """Three `Ring` subclasses: the real ring with its waits timed (per exchange kind),
     one computing with no communication, one communicating with no compute."""
-    from ..nn import ring as ra
+    from ..nn.ring import Ring
 
     class _TimedWork:
-        def __init__(self, work, ring):
-            self.work, self.ring = work, ring
+        def __init__(self, work, ring, kind):
+            self.work, self.ring, self.kind = work, ring, kind
 
         def wait(self):
             start = time.perf_counter()
             self.work.wait()
-            self.ring.waited += time.perf_counter() - start
+            waited = time.perf_counter() - start
+            self.ring.waited[self.kind] = self.ring.waited.get(self.kind, 0.0) + waited
 
-    class Timed(ra._Ring):
-        waited = 0.0  # seconds blocked on a send/receive: the comm left exposed
+    class Timed(Ring):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            self.waited = {}  # exchange kind: seconds blocked on it (the comm left exposed)
 
         def exchange(self, sends, recvs, tags, label):
-            return [_TimedWork(w, self) for w in super().exchange(sends, recvs, tags, label)]
+            kind = _exchange_kind(label, self.size)
+            return [_TimedWork(w, self, kind)
+                    for w in super().exchange(sends, recvs, tags, label)]
 
-    class ComputeOnly(ra._Ring):
+    class ComputeOnly(Ring):
         def exchange(self, sends, recvs, tags, label):
             for send, recv in zip(sends, recvs):
                 recv.copy_(send)  # this rank's own block stands in for its neighbour's
             return []
 
-    class CommOnly(ra._Ring):
-        def pairs(self, step, local_seq, device):
+    class CommOnly(Ring):
+        def blocks(self, step, local_seq, whole_diagonal=True):
             return []
 
     return Timed, ComputeOnly, CommOnly
+
+
+EXCHANGES = ("kv forward", "kv backward", "dkv", "dkv home")
+
+
+def _exchange_kind(label: str, size: int) -> str:
+    """ring_attention's exchange labels, by kind (the last dK/dV step is the hop home)."""
+    if label.startswith("cp ring kv grad"):
+        return "kv backward"
+    if label.startswith("cp ring kv"):
+        return "kv forward"
+    return "dkv home" if label == f"cp ring dkv step {size}" else "dkv"
 
 
 def run_rank(spec: dict) -> dict:
@@ -89,7 +110,6 @@ def run_rank(spec: dict) -> dict:
     world = dist.get_world_size()
     ctx = nbtrain.init_distributed(cp_size=world)
     group = ctx.topology.group("cp")
-    rank, size, ranks = ra._ring(group)
     b, h, t, d = spec["batch"], spec["heads"], spec["seq"], spec["head_dim"]
     g = torch.Generator().manual_seed(spec["seed"])  # the same full tensors on every rank
     full = [torch.randn(b, h, t, d, generator=g).to(ctx.device) for _ in range(4)]  # q k v dout
@@ -98,11 +118,11 @@ def run_rank(spec: dict) -> dict:
     rings = []  # the timed ring of each "ring" call, for its waits
 
     def ring_call(cls):
-        def call(q, k, v):
-            ring = cls(rank, size, ranks, group, ra.SequenceLayout.ZIGZAG, True)
-            rings.append(ring)
-            return ra._RingAttention.apply(q, k, v, None, ring)
-        return call
+        def build(**kwargs):  # ring_attention's `ring=` factory: keeps each ring built
+            rings.append(cls(**kwargs))
+            return rings[-1]
+        return lambda q, k, v: ra.ring_attention(q, k, v, causal=True, group=group,
+                                                 ring=build)
 
     calls = {
         "ring": (ring_call(timed_ring), local),
@@ -133,7 +153,7 @@ def run_rank(spec: dict) -> dict:
     once("ring")
     p2p = COUNTERS.snapshot()["bytes"].get("p2p", 0)
     times = {name: [] for name in VARIANTS}
-    waits = []
+    waits = []  # per timed "ring" call: {exchange kind: seconds blocked}
     for it in range(spec["warmup"] + spec["iters"]):
         order = VARIANTS[it % len(VARIANTS):] + VARIANTS[:it % len(VARIANTS)]
         for name in order:
@@ -149,8 +169,13 @@ def run_rank(spec: dict) -> dict:
             if it >= spec["warmup"]:
                 times[name].append(slowest.item())
                 if name == "ring":  # forward and backward share the ring object
-                    waits.append(sum(r.waited for r in rings))
-    return {"times": times, "waits": waits, "p2p_bytes": p2p, "max_abs_diff": diff}
+                    waits.append({kind: sum(r.waited.get(kind, 0.0) for r in rings)
+                                  for kind in EXCHANGES})
+    fused = ra._kernel("auto", local[0], False).fused is not None
+    kernel = {"cpu": "fused: aten flash attention for CPU", "cuda": "fused: aten memory-"
+              "efficient attention"}.get(ctx.device.type) if fused else "math (float32)"
+    return {"times": times, "waits": waits, "p2p_bytes": p2p, "max_abs_diff": diff,
+            "kernel": kernel}
 
 
 def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> dict:
@@ -163,7 +188,9 @@ def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> di
     log(f"ring bench: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     times = per_rank[0]["times"]  # every rank holds the same all-reduced maxima
     med = {name: statistics.median(times[name]) for name in VARIANTS}
-    waited = max(statistics.median(r["waits"]) for r in per_rank)
+    waited = max(statistics.median(sum(w.values()) for w in r["waits"]) for r in per_rank)
+    by_kind = {kind: max(statistics.median(w[kind] for w in r["waits"]) for r in per_rank)
+               for kind in EXCHANGES}
     t_ring, t_comp, t_comm, t_full = (med[n] for n in VARIANTS)
     hidden = _hidden(t_ring, t_comp, t_comm)
     ratios = {
@@ -177,9 +204,11 @@ def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> di
         "ideal_vs_full_sdpa": 1.0 / ranks,
     }
     return {"settings": {**spec, "ranks": ranks}, "median_s": med, "times_s": times,
-            "exposed_wait_s": waited, "waits_s": [r["waits"] for r in per_rank],
+            "exposed_wait_s": waited, "exposed_wait_by_exchange_s": by_kind,
+            "waits_s": [r["waits"] for r in per_rank],
             "p2p_bytes_per_call": max(r["p2p_bytes"] for r in per_rank),
             "max_abs_diff_vs_sdpa": max(r["max_abs_diff"] for r in per_rank),
+            "block_kernel": per_rank[0]["kernel"],
             "ratios": ratios}
 
 
@@ -197,6 +226,10 @@ def table(result: dict) -> str:
                      f"{1e3 * min(times[name]):>8.1f} {1e3 * max(times[name]):>8.1f}")
     lines.append(f"{'ring: blocked in waits (W)':<30} {1e3 * result['exposed_wait_s']:>10.1f}"
                  f"   (the rank that waited most)")
+    lines.append("  W by exchange: " + ", ".join(
+        f"{kind} {1e3 * t:.1f}" for kind, t in result["exposed_wait_by_exchange_s"].items())
+        + " ms (medians, the rank that waited most on each)")
+    lines.append(f"block kernel: {result['block_kernel']}")
     lines.append(f"p2p bytes per rank per forward+backward: "
                  f"{result['p2p_bytes_per_call'] / 2 ** 20:.2f} MiB; ring vs SDPA max |diff| "
                  f"{result['max_abs_diff_vs_sdpa']:.1e}")

@@ -1,5 +1,7 @@
 """Rank functions for test_ring_attention.py: ring attention over the world's ranks
-(the cp group), every case in one launch per world size."""
+(the cp group), every case in one launch per world size, with each block kernel (the
+fused op where torch has one, and the math fallback)."""
+import functools
 import itertools
 
 import torch
@@ -25,32 +27,33 @@ def full_inputs(seq: int, seed: int):
 
 
 def ring_cases(seed: int):
-    """Every case at this world size: {(causal, packed, layout): result}, with each
+    """Every case at this world size: {(causal, packed, layout, kernel): result}, with each
     result's gathered output and q/k/v gradients, the full inputs, and the P2P bytes this
     rank sent in the forward and in the backward; plus shard/gather round trips, each
     rank's global positions, and the events of one forward and backward."""
     import torch.distributed as dist
 
     from nbtrain.comm import collectives as C
-    from nbtrain.nn.ring import (document_ids, gather_sequence, ring_attention,
-                                           shard_sequence)
+    from nbtrain.nn.ring import (Ring, document_ids, gather_sequence, ring_attention,
+                                 shard_sequence)
 
     world = dist.get_world_size()
     seq = SEQ_PER_RANK * world
     q, k, v, dout = full_inputs(seq, seed)
     position_ids = packed_position_ids(seq)
     cases = {}
-    for causal, packed, layout in itertools.product((True, False), (False, True),
-                                                    ("zigzag", "contiguous")):
+    for causal, packed, layout, kernel in itertools.product(
+            (True, False), (False, True), ("zigzag", "contiguous"), ("auto", "math")):
         shards = [shard_sequence(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
         docs = shard_sequence(document_ids(position_ids), 1, layout=layout) if packed else None
         C.COUNTERS.reset()
-        out = ring_attention(*shards, causal=causal, doc_ids=docs, layout=layout)
+        out = ring_attention(*shards, causal=causal, doc_ids=docs, layout=layout,
+                             ring=functools.partial(Ring, kernel=kernel))
         fwd_bytes = C.COUNTERS.snapshot()["bytes"].get("p2p", 0)
         C.COUNTERS.reset()
         out.backward(shard_sequence(dout, 2, layout=layout))
         bwd_bytes = C.COUNTERS.snapshot()["bytes"].get("p2p", 0)
-        cases[(causal, packed, layout)] = dict(
+        cases[(causal, packed, layout, kernel)] = dict(
             out=gather_sequence(out, 2, layout=layout),
             grads=[gather_sequence(t.grad, 2, layout=layout) for t in shards],
             fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
@@ -66,7 +69,7 @@ def _subgroup(seed: int):
     import torch.distributed as dist
 
     from nbtrain.nn.ring import (document_ids, gather_sequence, ring_attention,
-                                           shard_sequence)
+                                 shard_sequence)
 
     group = dist.new_group([0, 2])  # every rank creates it
     if dist.get_rank() == 1:

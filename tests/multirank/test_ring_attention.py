@@ -2,13 +2,14 @@
 F.scaled_dot_product_attention on the full sequence:
 
 - output and q/k/v gradients, causal or not, packed documents or not, zigzag or
-  contiguous shards, within 1e-5 in float32;
+  contiguous shards, the fused block kernel and the math one, within 1e-5 in float32;
 - shard_sequence / gather_sequence round trips; the zigzag layout's equal causal work;
 - the P2P bytes of a forward and a backward against the ring's arithmetic;
 - the next K/V block posted before the current one is computed (event order);
 - a cp group of global ranks 0 and 2 inside a world of 3;
-- in one process: the world-of-one fallback, the no-NaN merge, the skipped chunk
-  pairs, and the input errors.
+- in one process: the world-of-one fallback, the no-NaN merge (math and fused kernels),
+  the blocks (skipped future pairs, equal zigzag work), the fused kernel's use on CPU,
+  and the input errors.
 """
 import pytest
 import torch
@@ -21,8 +22,9 @@ from ring_cases import (BATCH, HEAD_DIM, HEADS, SEQ_PER_RANK, full_inputs, packe
 from nbtrain.nn import ring as R
 
 WORLDS = (2, 3)
-CASES = [(causal, packed, layout) for causal in (True, False) for packed in (False, True)
-         for layout in ("zigzag", "contiguous")]
+CASES = [(causal, packed, layout, kernel) for causal in (True, False)
+         for packed in (False, True) for layout in ("zigzag", "contiguous")
+         for kernel in ("auto", "math")]
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +49,9 @@ def reference(q, k, v, dout, causal, position_ids=None):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'causal' if c[0] else 'full'}-"
-                         f"{'packed' if c[1] else 'one-doc'}-{c[2]}")
+                         f"{'packed' if c[1] else 'one-doc'}-{c[2]}-{c[3]}")
 def test_output_and_gradients_equal_full_attention(runs, world, case):
-    causal, packed, _ = case
+    causal, packed, _, _ = case
     first = runs[world][0]
     q, k, v, dout = first["inputs"]
     out, grads = reference(q, k, v, dout, causal, first["position_ids"] if packed else None)
@@ -86,7 +88,7 @@ def test_p2p_bytes_follow_the_ring(runs, world):
     kv = 2 * BATCH * HEADS * SEQ_PER_RANK * HEAD_DIM * 4  # one K and one V block, float32
     docs = BATCH * SEQ_PER_RANK * 8  # int64 document ids
     for rank_result in runs[world]:
-        for (_, packed, _), got in rank_result["cases"].items():
+        for (_, packed, _, _), got in rank_result["cases"].items():
             block = kv + (docs if packed else 0)
             assert got["fwd_bytes"] == (world - 1) * block
             # K/V (and ids) go round again; each block's dK/dV (float32) travel home
@@ -144,25 +146,75 @@ def test_rows_without_a_visible_key_merge_without_nan():
     assert not torch.isnan(merged).any() and torch.equal(merged[0, 0, 1], torch.zeros(4))
     assert torch.allclose(merged[0, 0, [0, 2]], out[0, 0, [0, 2]])
     assert torch.equal(merged_lse, lse)
+    # the fused kernel's op gives such a row lse 0; the kernel makes it -inf
+    fused = R._Kernel(R._FUSED["cpu"], torch.float32)
+    block = R.Block(slice(0, 3), 3, False)
+    got_out, got_lse = fused.forward(q, k, v, block, mask.view(1, 1, 3, 3), 0.5)
+    assert torch.equal(torch.isinf(got_lse), torch.isinf(lse))
+    assert torch.allclose(got_out, out, atol=1e-6)
+    assert torch.allclose(got_lse[0, 0, [0, 2]], lse[0, 0, [0, 2]], atol=1e-6)
+
+
+def test_the_fused_kernel_runs_on_cpu_and_math_when_asked():
+    q = torch.randn(1, 2, 8, 16)
+    for masked in (False, True):
+        assert R._kernel("auto", q, masked).fused is R._FUSED["cpu"]
+        assert R._kernel("math", q, masked).fused is None
+    assert R._kernel("auto", q.double(), True).fused is R._FUSED["cpu"]
+    assert R._kernel("auto", q.to("meta"), False).fused is None  # no fused op: the math
+    with pytest.raises(ValueError, match="kernel='fast'"):
+        R.Ring(kernel="fast")
+
+
+def test_a_fused_op_that_disagrees_with_the_math_is_not_used(monkeypatch):
+    def wrong_lse(q, k, v, causal, bias, scale):
+        out, lse = R._cpu_forward(q, k, v, causal, bias, scale)
+        return out, lse + 1e-2
+
+    def failing(*args):
+        raise RuntimeError("no kernel for these inputs\nmore")
+
+    for entry in ((wrong_lse, R._cpu_backward), (R._cpu_forward, failing)):
+        monkeypatch.setitem(R._FUSED, "cpu", entry + R._FUSED["cpu"][2:])
+        R._fused_works.cache_clear()
+        with pytest.warns(RuntimeWarning, match="fused attention op for cpu"):
+            assert R._kernel("auto", torch.randn(1, 2, 8, 16), False).fused is None
+    monkeypatch.undo()
+    R._fused_works.cache_clear()
+    assert R._kernel("auto", torch.randn(1, 2, 8, 16), False).fused is R._FUSED["cpu"]
 
 
 @pytest.mark.parametrize("world", (2, 3, 4))
-def test_future_chunk_pairs_are_skipped_and_zigzag_work_is_equal(world):
+def test_blocks_skip_future_pairs_and_zigzag_work_is_equal(world):
     chunk = 3
-    per_rank = {}
-    for layout in ("zigzag", "contiguous"):
-        local = chunk * len(R.chunk_ids(0, world, layout))
-        per_rank[layout] = []
-        for rank in range(world):
-            ring = R._Ring(rank, world, list(range(world)), None, R.SequenceLayout(layout), True)
-            per_rank[layout].append(sum((rows.stop - rows.start) * n_keys
-                                        for step in range(world)
-                                        for rows, n_keys, _ in ring.pairs(step, local, "cpu")))
-        chunks = R._n_chunks(world, layout)
-        # only the chunk pairs at or below the diagonal are computed
-        assert sum(per_rank[layout]) == chunks * (chunks + 1) // 2 * chunk ** 2
-    assert len(set(per_rank["zigzag"])) == 1, per_rank
-    assert len(set(per_rank["contiguous"])) == world, per_rank
+    for causal, whole_diagonal in ((True, True), (True, False), (False, True)):
+        per_rank = {}
+        for layout in ("zigzag", "contiguous"):
+            local = chunk * len(R.chunk_ids(0, world, layout))
+            per_rank[layout] = []
+            for rank in range(world):
+                pairs = 0  # (query, key) pairs left visible by each block's mask
+                for step in range(world):
+                    for block in R._step_blocks(rank, world, step, local,
+                                                R.SequenceLayout(layout), causal,
+                                                whole_diagonal):
+                        rows = block.rows.stop - block.rows.start
+                        assert not block.causal or (causal and step == 0)
+                        assert block.keys >= rows or not block.causal
+                        pairs += rows * block.keys - (rows * (rows - 1) // 2 if block.causal
+                                                      else 0)
+                per_rank[layout].append(pairs)
+            seq = world * local
+            # exactly the visible pairs: nothing in a query's future is computed
+            assert sum(per_rank[layout]) == (seq * (seq + 1) // 2 if causal else seq * seq)
+        if causal:
+            assert len(set(per_rank["zigzag"])) == 1, per_rank
+            assert len(set(per_rank["contiguous"])) == world, per_rank
+    # the fused kernel's own block is one square; the math kernel's, one per query chunk
+    assert R._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True) == [
+        R.Block(slice(0, 8), 8, True)]
+    assert R._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True, False) == [
+        R.Block(slice(0, 4), 4, True), R.Block(slice(4, 8), 8, True)]
 
 
 def test_bad_inputs_name_the_problem():
