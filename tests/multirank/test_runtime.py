@@ -47,15 +47,19 @@ def world4():
     return run_ranks(parity, 4, WORLD4, STEPS, timeout_s=300)
 
 
-def _check(per_rank, index):
+def _check(per_rank, index, cases=None):
     rows = per_rank[0][index]
     assert len(rows) == STEPS
     for rank_rows in per_rank[1:]:  # every rank returns the same table
         assert rank_rows[index] == rows
+    # Ring attention sums each row's attention block by block (a fused kernel per
+    # block): a gradient element of about 1e-10 may round to exactly 0 on one side.
+    # Structural zeros (unseen tokens' embedding rows) are hundreds: they still count.
+    slack = 1 if cases is not None and cases[index][1].get("cp", 1) > 1 else 0
     for r in rows:
         assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r
         assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r
-        assert r["num_zeros_a"] == r["num_zeros_b"], r
+        assert abs(r["num_zeros_a"] - r["num_zeros_b"]) <= slack, r
     assert any(r["num_zeros_a"] > 0 for r in rows)  # unseen tokens' embedding rows
     # the model trains: the steps change the loss (a comparison of two frozen models
     # would agree trivially)
@@ -73,13 +77,13 @@ def _check_exchanges(per_rank, cases, index):
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_name(c) for c in WORLD2])
 def test_nbtrain_matches_reference_at_world_2(world2, index):
-    _check(world2, index)
+    _check(world2, index, WORLD2)
     _check_exchanges(world2, WORLD2, index)
 
 
 @pytest.mark.parametrize("index", range(len(WORLD4)), ids=[_name(c) for c in WORLD4])
 def test_nbtrain_matches_reference_at_world_4(world4, index):
-    _check(world4, index)
+    _check(world4, index, WORLD4)
     _check_exchanges(world4, WORLD4, index)
 
 
