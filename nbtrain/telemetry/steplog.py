@@ -20,6 +20,7 @@ MEMORY_KEYS = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
                "optimizer_bytes", "full_param_bytes")
 NOT_METRICS = frozenset(("type", "t", "seq", "step"))
 MAX_METRIC_NAMES = 32       # numbers kept per metric row (a runaway dict stays bounded)
+MAX_ROUTING_NAMES = 256     # MoE layers' "moe.<i>.balance"/".dropped": two per layer
 MAX_SPANS_PER_STEP = 2000   # spans kept for the timeline of the open step
 MAX_TIMELINE_SPANS = 400    # spans sent to the dashboard for the last step
 DEFAULT_HISTORY = 2000      # steps of metrics, overlap, step times and memory kept
@@ -76,7 +77,13 @@ class StepLog:
         for k, v in event.items():
             if k in NOT_METRICS or not isinstance(v, (int, float)):
                 continue
-            if k in row or len(row) <= MAX_METRIC_NAMES:
+            if k in row:
+                row[k] = v
+            elif k.startswith("moe."):  # routing: bounded by the model's depth, apart
+                routing = sum(name.startswith("moe.") for name in row)
+                if routing < MAX_ROUTING_NAMES:
+                    row[k] = v
+            elif sum(not name.startswith("moe.") for name in row) <= MAX_METRIC_NAMES:
                 row[k] = v
 
     def _add_memory(self, event: dict) -> None:

@@ -54,3 +54,15 @@ def test_history_is_bounded():
     s = log.summary(max_points=3)
     assert [m["step"] for m in s["metrics"]] == [5, 6, 7]
     assert len(log.steps) == len(log.memory_history) == len(log.metrics) == 5
+
+
+def test_routing_metrics_of_a_deep_moe_are_kept_and_user_metrics_stay_bounded():
+    log = StepLog()
+    for i in range(40):  # 40 MoE layers: 80 routing names, more than the user-metric cap
+        log.feed({"type": "metric", f"moe.{i}.balance": 1.5, f"moe.{i}.dropped": 0.0,
+                  "t": 0.0, "step": 0})
+    log.feed({"type": "metric", "t": 0.0, "step": 0,
+              **{f"user{j}": float(j) for j in range(100)}})
+    row = log.summary()["metrics"][0]
+    assert sum(k.startswith("moe.") for k in row) == 80
+    assert 30 <= sum(k.startswith("user") for k in row) <= 33  # the cap still holds
