@@ -1,9 +1,14 @@
 """A persistent cluster of ranks that lives as long as the notebook.
 
 `Cluster` starts N ipyparallel engines, gives each one its torchrun variables
-(RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, a free MASTER_PORT) and runs
-`nbtrain.init_distributed()` on all of them, so torch.distributed is ready before
-the first cell. The magics in `nbtrain.notebook.magics` are a thin layer over this class.
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT; see
+`nbtrain.notebook.rendezvous`) and runs `nbtrain.init_distributed()` on all of them, so
+torch.distributed is ready before the first cell. The magics in
+`nbtrain.notebook.magics` are a thin layer over this class.
+
+Nothing assumes one host: each engine reports its host and an address of it that
+the others can reach (`nbtrain.notebook.address`); MASTER_ADDR is rank 0's address.
+With the Slurm launcher the engines are one batch job (`nbtrain.notebook.slurm`).
 
 Security: the controller listens on 127.0.0.1 unless `controller_ip` says
 otherwise, and every message is signed with the key ipyparallel generates per
@@ -11,68 +16,24 @@ cluster (HMAC-SHA256); nbtrain opens no listener of its own.
 """
 from __future__ import annotations
 
-import atexit
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import weakref
 
-import psutil
-
-from . import engine_boot as _engine_boot, engine_pull
+from . import address, engine_boot as _engine_boot, engine_pull, rendezvous, slurm as _slurm
 from .cell_run import rank_labels, run_cell, submit_cell
 from .errors import DistributedError, RankDiedError
-from .launchers import LAUNCHERS, engine_config
+from .launchers import LAUNCHERS, engine_config, engine_launcher
 from ..comm.topology import check_sizes
 from .pending import PendingCell, refuse_while_pending
 from .procs import pid_alive, rss_bytes
 from .targets import one_rank, select_ranks
+from .watchdog import Watchdog
+from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 
-_LIVE: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
 _STOP_GRACE_S = 5.0
-
-
-def _stop_all_at_exit() -> None:
-    for cluster in list(_LIVE):
-        cluster.stop()
-
-
-atexit.register(_stop_all_at_exit)
-
-
-def live_clusters() -> list["Cluster"]:
-    """Clusters started in this process and not yet stopped."""
-    return list(_LIVE)
-
-
-def stop_leftover_clusters(ipython_dir: str | None = None) -> list[str]:
-    """Stops nbtrain clusters left running, by cluster id; returns the ids stopped.
-
-    Clusters of this process are stopped directly; clusters that other processes
-    (notebook kernels) started are found by their cluster files under
-    `ipython_dir` (default $IPYTHONDIR) and stopped through ipyparallel. Only
-    nbtrain's own clusters (ids starting "nbtrain-") are touched.
-    """
-    import glob
-
-    import ipyparallel as ipp
-
-    stopped = []
-    for cluster in live_clusters():
-        stopped.append(cluster.cluster_id)
-        cluster.stop()
-    root = ipython_dir or os.environ.get("IPYTHONDIR") or os.path.expanduser("~/.ipython")
-    for path in glob.glob(os.path.join(root, "profile_*", "security", "cluster-nbtrain-*.json")):
-        try:
-            leftover = ipp.Cluster.from_file(path)
-            stopped.append(leftover.cluster_id)
-            leftover.stop_cluster_sync()
-        except Exception as err:  # a half-written file of a cluster that never started
-            print(f"nbtrain: could not stop the cluster of {path}: {err}")
-    return stopped
+_JOB_END_S = 20.0  # a cancelled job's steps end within Slurm's KillWait (2 s in the tests)
 
 
 class Cluster:
@@ -83,12 +44,17 @@ class Cluster:
         backend: "nccl", "gloo" or None (nccl with CUDA, else gloo).
         launcher: "local" (default), "mpi" (mpiexec) or "slurm" (sbatch + srun).
         controller_ip: address the controller listens on; loopback by default.
-            Engines on other nodes (slurm) need a routable address here.
-        start_timeout_s: how long to wait for engines to register and rendezvous.
+            Engines on other hosts need an address of this host they can reach;
+            with "slurm", loopback is refused only when a node of the job is another host.
+        start_timeout_s: how long to wait for engines to register and rendezvous,
+            counted from when the engines start (time in Slurm's queue is not counted).
         pg_timeout_s: torch.distributed process-group timeout on the ranks.
         tp_size: tensor-parallel size given to `init_distributed` on every rank.
-        slurm: options for the slurm launcher (nodes, ntasks_per_node,
-            gpus_per_task, partition, account, time); see `nbtrain.notebook.launchers`.
+        slurm: options for the slurm launcher: nodes, ntasks_per_node, gpus_per_node,
+            gpus_per_task, partition, account, time, options (extra sbatch lines,
+            e.g. ["--qos=high"]). `n` must equal nodes x ntasks_per_node (refused
+            before submitting); either may be left out and is then derived.
+        master_addr: the rendezvous address (MASTER_ADDR); default rank 0's address.
         profile_dir: ipyparallel profile directory (default: ipyparallel's).
     """
 
@@ -96,24 +62,32 @@ class Cluster:
                  launcher: str = "local", controller_ip: str = "127.0.0.1",
                  start_timeout_s: float = 120.0, pg_timeout_s: float = 600.0,
                  slurm: dict | None = None, profile_dir: str | None = None,
-                 tp_size: int = 1):
+                 tp_size: int = 1, master_addr: str | None = None):
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
         if backend not in (None, "gloo", "nccl"):
             raise ValueError(f"backend={backend!r}: use 'gloo', 'nccl' or None to pick")
         if n is not None and n < 1:
             raise ValueError(f"n={n}: a cluster needs at least one rank")
+        if slurm and launcher != "slurm":
+            raise ValueError(f"slurm options {sorted(slurm)} need launcher='slurm', "
+                             f"not {launcher!r}")
+        if launcher == "slurm":
+            n, slurm = _slurm.resolve_layout(n, slurm or {})  # before anything is submitted
         self.n, self.backend, self.launcher, self.tp_size = n, backend, launcher, tp_size
         self.controller_ip, self.slurm = controller_ip, dict(slurm or {})
+        self.master_addr_override = master_addr
+        self.master_addr = self.master_port = None
+        self.job: _slurm.SlurmJob | None = None  # the engines' Slurm job, if any
+        self.start_s: float | None = None  # seconds from start() to ready ranks
         self.start_timeout_s, self.pg_timeout_s = start_timeout_s, pg_timeout_s
         self.profile_dir = profile_dir
         self.client = None
         self.ranks: list[dict] = []  # per rank: engine_id, pid, host, device, ...
         self._ipp = None
-        self._procs: list[psutil.Process] = []  # every process this cluster started
         self._stuck = None  # the AsyncResult of a cell that would not stop
         self._pending: PendingCell | None = None  # a --noblock cell not yet collected
-        self._watchdog = None  # kills our processes if this process dies first
+        self._watchdog: Watchdog | None = None  # what this cluster started, to end it
 
     # ----------------------------------------------------------------- lifecycle
     @property
@@ -129,33 +103,69 @@ class Cluster:
         return len(self.ranks)
 
     def start(self) -> "Cluster":
-        """Start the engines and initialise torch.distributed on every rank."""
+        """Start the engines and initialise torch.distributed on every rank.
+
+        With the Slurm launcher this submits the job, shows its state while it waits
+        in the queue, and raises `slurm.SlurmError` with Slurm's reason at once if the
+        job is refused, can never start, or ends before its ranks are ready.
+        """
         if self.running:
             return self
         import ipyparallel as ipp
 
-        if self.launcher == "slurm" and self.controller_ip.startswith("127."):
-            raise ValueError("slurm engines run on other nodes and cannot reach a controller on "
-                             f"{self.controller_ip}: pass controller_ip (`--ip`) with an address "
-                             "of this host that the compute nodes can reach")
+        started = time.monotonic()
         n = self.n if self.n is not None else _default_n()
         check_sizes(n, self.tp_size, 1)  # before any engine starts
+        if self.launcher == "slurm":
+            _slurm.refuse_loopback(self.controller_ip, partition=self.slurm.get("partition", ""))
         kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}
         self._ipp = ipp.Cluster(
-            n=n, engines=self.launcher, controller_ip=self.controller_ip,
+            n=n, engines=engine_launcher(self.launcher), controller_ip=self.controller_ip,
             cluster_id=f"nbtrain-{os.getpid()}-{int(time.time() * 1000) % 10**8}",
             engine_timeout=int(self.start_timeout_s), log_level=40,
             config=engine_config(self.launcher, self.slurm), **kwargs)
         _LIVE.add(self)
-        self._start_watchdog()
+        self._watchdog = Watchdog()
         try:
-            self.client = self._ipp.start_and_connect_sync()
+            self._ipp.start_controller_sync()
             self._record_launcher_processes()
+            self._start_engines(n)
+            self._record_launcher_processes()
+            self.client = self._ipp.connect_client_sync()
+            self._wait_for_engines(n)
             self._boot(n)
         except BaseException:
             self.stop()
             raise
+        self.start_s = time.monotonic() - started
         return self
+
+    def _start_engines(self, n: int) -> None:
+        """Launch the engines; for Slurm, wait (untimed) until the job runs."""
+        self._ipp.start_engines_sync(n)
+        if self.launcher != "slurm":
+            return
+        launcher = next(iter(self._ipp.engines.values()))
+        self.job = _slurm.SlurmJob(launcher.job_id, launcher.output_file)
+        self._watchdog.watch_job(self.job.job_id)
+        self.job.wait_running()
+        _slurm.refuse_loopback(self.controller_ip, nodes=self.job.nodes)
+
+    def _wait_for_engines(self, n: int) -> None:
+        """Wait up to the start timeout for `n` engines; a Slurm job that ends fails at once."""
+        future = self.client.wait_for_engines(n, block=False, timeout=self.start_timeout_s)
+        while True:
+            try:
+                return future.result(timeout=1.0)
+            except TimeoutError:
+                if future.done():
+                    break
+            if self.job is not None and not self.job.running(max_age_s=0):
+                raise self.job.ended_error("before all its engines registered")
+        tail = self.job.output_tail() if self.job is not None else ""
+        raise DistributedError(f"expected {n} engines, {len(self.client.ids)} registered within "
+                               f"{self.start_timeout_s:g} s" + (f"; the job's output ends with:\n"
+                                                                f"{tail}" if tail else ""))
 
     def stop(self) -> None:
         """Stop every engine and the controller; no process of the cluster remains."""
@@ -169,17 +179,17 @@ class Cluster:
             ipp_cluster.stop_cluster_sync()
         except Exception:  # a launcher already gone; the pids below still get checked
             pass
-        # ipyparallel stops by signal and does not wait; engines blocked in a
-        # collective ignore SIGINT, so wait for our own pids and kill what remains.
-        _, alive = psutil.wait_procs(self._procs, timeout=_STOP_GRACE_S)
-        for proc in alive:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                pass
-        psutil.wait_procs(alive, timeout=_STOP_GRACE_S)
-        self._procs, self.ranks, self._stuck, self._pending = [], [], None, None
-        self._stop_watchdog()
+        if self.job is not None:
+            self.job.cancel()  # by id (ipyparallel's scancel may not have run)
+        watchdog, self._watchdog = self._watchdog, None
+        if watchdog is not None:  # ipyparallel stops by signal and does not wait
+            watchdog.reap(_STOP_GRACE_S)
+        if self.job is not None and not self.job.wait_ended(_JOB_END_S):
+            print(f"nbtrain: {self.job.describe()} after scancel; Slurm ends its "
+                  "processes after its KillWait", file=sys.stderr)
+        self.ranks, self._stuck, self._pending, self.job = [], None, None, None
+        if watchdog is not None:
+            watchdog.stop()
 
     def restart(self, n: int | None = None) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty.
@@ -198,7 +208,7 @@ class Cluster:
 
     def pids(self) -> list[int]:
         """Pids of every process this cluster started (controller, launchers, engines)."""
-        return sorted({p.pid for p in self._procs})
+        return self._watchdog.pids() if self._watchdog is not None else []
 
     def _record_launcher_processes(self) -> None:
         launchers = [self._ipp.controller] + list(self._ipp.engines.values())
@@ -206,83 +216,34 @@ class Cluster:
             for sub in [launcher] + list(getattr(launcher, "launchers", {}).values()):
                 process = getattr(sub, "process", None)
                 if process is not None:
-                    self._watch(process.pid)
-
-    def _watch(self, pid: int) -> None:
-        try:
-            proc = psutil.Process(pid)
-            new = [proc] + proc.children(recursive=True)
-        except psutil.NoSuchProcess:
-            return
-        self._procs.extend(new)
-        try:
-            self._watchdog.stdin.write("".join(f"{p.pid} {p.create_time()}\n" for p in new))
-            self._watchdog.stdin.flush()
-        except (OSError, ValueError, psutil.Error):
-            pass
-
-    def _start_watchdog(self) -> None:
-        # Own session: a Ctrl-C in the notebook must not reach it.
-        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "watchdog.py")
-        self._watchdog = subprocess.Popen([sys.executable, script], stdin=subprocess.PIPE,
-                                          text=True, start_new_session=True)
-
-    def _stop_watchdog(self) -> None:
-        watchdog, self._watchdog = self._watchdog, None
-        if watchdog is None:
-            return
-        try:
-            watchdog.stdin.write("stop\n")
-            watchdog.stdin.close()
-        except OSError:
-            pass
-        try:
-            watchdog.wait(timeout=_STOP_GRACE_S)
-        except subprocess.TimeoutExpired:
-            watchdog.kill()
-            watchdog.wait()
+                    self._watchdog.watch_launcher(process.pid)
 
     def _boot(self, n: int) -> None:
         view = self.client[:]
         infos = view.apply_async(_engine_boot.probe).get(timeout=self.start_timeout_s)
-        self.ranks = _assign_ranks(infos)
+        self.ranks = rendezvous.assign_ranks(infos)
         if len(self.ranks) != n:
             raise DistributedError(f"expected {n} engines, {len(self.ranks)} registered")
-        local_host = socket.gethostname()
+        here = address.machine_id()
         for info in self.ranks:
-            info["local"] = info["host"] == local_host
+            info["local"] = info.get("machine") == here  # its pid can be checked from here
             if info["local"]:
-                self._watch(info["pid"])
-        envs = self._rank_envs()
+                self._watchdog.watch(info["pid"])
+        master_addr = rendezvous.master_address(self.ranks, self.master_addr_override)
+        rank0 = self.client[self.ranks[0]["engine_id"]]
+        try:
+            master_port = rank0.apply_sync(_engine_boot.free_port, master_addr)
+        except Exception as err:  # noqa: BLE001 - an ipyparallel RemoteError wraps the OSError
+            raise DistributedError(f"rank 0 (on {self.ranks[0]['host']}) cannot listen on "
+                                   f"{master_addr} ({err}): the rendezvous address must be one "
+                                   "of rank 0's host (--master-addr)") from None
+        envs = rendezvous.rank_envs(self.ranks, master_addr, master_port)
+        self.master_addr, self.master_port = master_addr, master_port
         result = view.apply_async(_engine_boot.boot, envs, self.backend, self.pg_timeout_s,
                                   self.tp_size)
         for info, booted in zip(sorted(self.ranks, key=lambda i: i["engine_id"]),
                                 result.get(timeout=self.start_timeout_s)):
             info["device"] = booted["device"]
-
-    def _rank_envs(self) -> dict[int, dict[str, str]]:
-        hosts = {info["host"] for info in self.ranks}
-        single_local_host = hosts == {socket.gethostname()}
-        if single_local_host:
-            master_addr, master_port = "127.0.0.1", _engine_boot.free_port("127.0.0.1")
-        else:
-            master_addr = self.ranks[0]["address"]
-            rank0 = self.client[self.ranks[0]["engine_id"]]
-            master_port = rank0.apply_sync(_engine_boot.free_port, master_addr)
-        per_host: dict[str, int] = {}
-        envs = {}
-        for rank, info in enumerate(self.ranks):
-            local_rank = info["launcher_local_rank"]
-            if local_rank is None:
-                local_rank = per_host.get(info["host"], 0)
-            per_host[info["host"]] = per_host.get(info["host"], 0) + 1
-            info["rank"], info["local_rank"] = rank, local_rank
-            envs[info["engine_id"]] = {
-                "RANK": str(rank), "WORLD_SIZE": str(len(self.ranks)),
-                "LOCAL_RANK": str(local_rank), "MASTER_ADDR": master_addr,
-                "MASTER_PORT": str(master_port)}
-        self.master_addr, self.master_port = master_addr, master_port
-        return envs
 
     # --------------------------------------------------------------- operations
     def _require_running(self) -> None:
@@ -416,8 +377,10 @@ class Cluster:
                                    "still running?); run `%nbtrain restart`") from None
 
     def status(self) -> list[dict]:
-        """Per rank: rank, engine_id, pid, host, device, alive, busy, rss_bytes, cuda_bytes,
-        step and loss (the telemetry step counter and newest loss; None when unknown)."""
+        """Per rank: rank, engine_id, pid, host, address, node (Slurm's node name or None),
+        local_rank, device, alive, busy, rss_bytes, cuda_bytes, step and loss (the
+        telemetry step counter and newest loss; None when unknown). `job_status()` tells
+        the Slurm job's id, state and nodes."""
         self._require_running()
         dead = set(self.dead_ranks(range(self.world_size)))
         queues = self.client.queue_status() if len(dead) < self.world_size else {}
@@ -429,7 +392,9 @@ class Cluster:
             busy = rank not in dead and (rank in running
                                          or queues.get(eid, {}).get("queue", 0) > 0)
             row = {"rank": rank, "engine_id": eid, "pid": info["pid"], "host": info["host"],
-                   "device": info.get("device"), "busy": busy, "alive": rank not in dead,
+                   "address": info.get("address"), "node": info.get("node"),
+                   "local_rank": info.get("local_rank"), "device": info.get("device"),
+                   "busy": busy, "alive": rank not in dead,
                    "rss_bytes": None, "cuda_bytes": None, "step": None, "loss": None}
             if rank not in dead and not busy:
                 try:
@@ -443,7 +408,10 @@ class Cluster:
 
     # ------------------------------------------------- used by nbtrain.notebook.cell_run
     def dead_ranks(self, ranks) -> list[int]:
-        """Ranks whose engine process has exited (or unregistered, for remote hosts)."""
+        """Ranks whose engine process has exited (or unregistered, for remote hosts, or
+        whose Slurm job ended)."""
+        if self.job is not None and not self.job.running():
+            return list(ranks)  # the job ended (scancel, time limit, node failure): all of them
         registered = set(self.client.ids) if self.client is not None else set()
         dead = []
         for rank in ranks:
@@ -474,8 +442,17 @@ class Cluster:
     def mark_stuck(self, async_result) -> None:
         self._stuck = async_result
 
+    def job_status(self) -> str | None:
+        """The Slurm job as squeue sees it now ("Slurm job 42 RUNNING on node[1-2]"), or None."""
+        if self.job is None:
+            return None
+        self.job.refresh()
+        return self.job.describe()
+
     def __repr__(self) -> str:
         state = f"{self.world_size} ranks, {self.launcher}" if self.running else "stopped"
+        if self.job is not None:
+            state += f", job {self.job.job_id}"
         return f"<nbtrain.Cluster {self.cluster_id or ''} ({state})>"
 
 
@@ -483,13 +460,3 @@ def _default_n() -> int:
     import torch
 
     return torch.cuda.device_count() or 2
-
-
-def _assign_ranks(infos: list[dict]) -> list[dict]:
-    """Order engines by launcher rank (MPI, Slurm) when every engine has one, else by id."""
-    launcher_ranks = sorted(i["launcher_rank"] for i in infos if i["launcher_rank"] is not None)
-    if launcher_ranks == list(range(len(infos))):
-        return sorted(infos, key=lambda i: i["launcher_rank"])
-    for info in infos:
-        info["launcher_local_rank"] = None  # ranks follow engine ids; so do local ranks
-    return sorted(infos, key=lambda i: i["engine_id"])

@@ -26,18 +26,18 @@ def _engine_id() -> int:
     return get_ipython().kernel.engine_id
 
 
-def _host_address() -> str:
-    """An address of this host that other hosts can reach (best effort)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
-
-
 def probe() -> dict:
-    """Identity of this engine: engine id, pids, host and launcher rank if any."""
+    """Identity of this engine: engine id, pids, host, address and launcher rank if any.
+
+    `host` names the host (`NBTRAIN_HOST` overrides it), `address` is this host's address
+    that the other ranks can reach (`nbtrain.notebook.address`), `machine` tells the
+    notebook whether the pid can be checked from there, `node` is the Slurm node name.
+    """
+    from . import address
+
     info = {"engine_id": _engine_id(), "pid": os.getpid(), "ppid": os.getppid(),
-            "host": socket.gethostname(), "address": _host_address(),
+            "host": address.host_name(), "address": address.host_address(address.controller_host()),
+            "machine": address.machine_id(), "node": os.environ.get("SLURMD_NODENAME"),
             "launcher_rank": None, "launcher_local_rank": None}
     for rank_var, local_var in _LAUNCHER_RANK_VARS:
         if os.environ.get(rank_var, "").isdigit():

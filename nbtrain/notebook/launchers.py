@@ -3,7 +3,8 @@
 nbtrain does not launch processes itself: it configures ipyparallel's own
 launchers. What it adds is the engine environment (one OpenMP thread per rank,
 nbtrain importable, inline figures) and, for Slurm, a batch script that places
-`ntasks_per_node` ranks on each of `nodes` nodes with one GPU per task.
+`ntasks_per_node` ranks on each of `nodes` nodes (see `nbtrain.notebook.slurm` for the
+job itself: its options, its wait in the queue, its end).
 """
 from __future__ import annotations
 
@@ -14,19 +15,18 @@ LAUNCHERS = ("local", "mpi", "slurm")
 _ENGINE_SET_CLASSES = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
                        "slurm": "SlurmEngineSetLauncher"}
 
-# {cluster_id} and {program_and_args} are filled in by ipyparallel; the rest by nbtrain.
+# {cluster_id}, {output_file} and {program_and_args} are filled in by ipyparallel; the
+# rest by nbtrain. The output file holds the engines' own errors, shown if the job ends.
 SLURM_TEMPLATE = """#!/bin/sh
 #SBATCH --export=ALL
 #SBATCH --job-name=nbtrain-{{cluster_id}}
 #SBATCH --nodes={nodes}
 #SBATCH --ntasks={ntasks}
 #SBATCH --ntasks-per-node={ntasks_per_node}
+#SBATCH --output={{output_file}}
 {extra}export OMP_NUM_THREADS=1
 srun {{program_and_args}}
 """
-
-_SLURM_KEYS = {"nodes", "ntasks_per_node", "gpus_per_task", "partition", "account", "time",
-               "options"}
 
 
 def engine_environment(launcher: str) -> dict[str, str]:
@@ -47,21 +47,34 @@ def engine_environment(launcher: str) -> dict[str, str]:
     return env
 
 
-def slurm_template(nodes: int = 1, ntasks_per_node: int = 1, gpus_per_task: int = 0,
-                   partition: str = "", account: str = "", time: str = "",
-                   options: str = "") -> str:
+def slurm_template(nodes: int = 1, ntasks_per_node: int = 1, gpus_per_node: int = 0,
+                   gpus_per_task: int = 0, partition: str = "", account: str = "",
+                   time: str = "", options: str | list = "") -> str:
     """The sbatch script for the engines, before ipyparallel fills in its fields.
 
     ipyparallel adds partition/account/time lines only to its own default template,
-    so nbtrain writes them here. `options` is extra `#SBATCH` lines, verbatim.
+    so nbtrain writes them here. `options` is extra sbatch lines (a string of lines
+    or a list): "--qos=high" becomes "#SBATCH --qos=high"; a line that starts with
+    "#" is kept as it is.
     """
     extra = [f"#SBATCH --{flag}={value}" for flag, value in (
-        ("gpus-per-task", gpus_per_task), ("partition", partition), ("account", account),
-        ("time", time)) if value]
-    extra += [line for line in options.splitlines() if line.strip()]
+        ("gpus-per-node", gpus_per_node), ("gpus-per-task", gpus_per_task),
+        ("partition", partition), ("account", account), ("time", time)) if value]
+    lines = options.splitlines() if isinstance(options, str) else list(options)
+    extra += [line.strip() if line.strip().startswith("#") else f"#SBATCH {line.strip()}"
+              for line in lines if line.strip()]
     return SLURM_TEMPLATE.format(nodes=nodes, ntasks=nodes * ntasks_per_node,
                                  ntasks_per_node=ntasks_per_node,
                                  extra="".join(line + "\n" for line in extra))
+
+
+def engine_launcher(launcher: str):
+    """What `ipyparallel.Cluster(engines=...)` gets for `launcher`."""
+    if launcher == "slurm":
+        from .slurm import engine_launcher_class
+
+        return engine_launcher_class()
+    return launcher
 
 
 def engine_config(launcher: str, slurm: dict | None = None):
@@ -72,11 +85,9 @@ def engine_config(launcher: str, slurm: dict | None = None):
     section = cfg[_ENGINE_SET_CLASSES[launcher]]
     section.environment = engine_environment(launcher)
     if launcher == "slurm":
-        slurm = dict(slurm or {})
-        unknown = set(slurm) - _SLURM_KEYS
-        if unknown:
-            raise ValueError(f"unknown slurm option(s) {sorted(unknown)}; "
-                             f"known: {sorted(_SLURM_KEYS)}")
+        from .slurm import resolve_layout
+
+        _, slurm = resolve_layout(None, slurm or {})  # checks the names, fills the defaults
         section.batch_template = slurm_template(**slurm)
     return cfg
 
@@ -89,6 +100,9 @@ def slurm_script(n: int, cluster_id: str, profile_dir: str, slurm: dict | None =
     """
     from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
 
+    from .slurm import resolve_layout
+
+    n, slurm = resolve_layout(n, slurm or {})
     launcher = SlurmEngineSetLauncher(config=engine_config("slurm", slurm), work_dir=profile_dir,
                                       profile_dir=profile_dir, cluster_id=cluster_id)
     launcher.write_batch_script(n)

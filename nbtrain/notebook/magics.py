@@ -81,6 +81,35 @@ def _check_n(n: int | None) -> None:
         raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")
 
 
+_SLURM_FLAGS = {"nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
+                "gpus_per_node": "--gpus-per-node", "partition": "--partition",
+                "time": "--time", "account": "--account", "options": "--sbatch"}
+
+
+def _slurm_options(args) -> dict:
+    """The Slurm flags given, as `Cluster(slurm=...)` takes them.
+
+    Raises:
+        UsageError: a Slurm flag without `--launcher slurm`.
+    """
+    given = {"options" if key == "sbatch" else key: getattr(args, key)
+             for key in ("nodes", "ntasks_per_node", "gpus_per_node", "partition", "time",
+                         "account", "sbatch") if getattr(args, key) is not None}
+    if given and args.launcher != "slurm":
+        flags = ", ".join(_SLURM_FLAGS[k] for k in given)
+        raise UsageError(f"{flags}: Slurm options, for `%nbtrain start --launcher slurm`")
+    return given
+
+
+def _slurm_layout(args) -> tuple[int, dict]:
+    from .slurm import resolve_layout
+
+    try:
+        return resolve_layout(args.n, args.slurm)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 ACTIONS = ("start", "stop", "restart", "status", "pull", "push", "wait", "result", "dashboard")
 _START_TIMEOUT_S = 120.0
 
@@ -113,7 +142,24 @@ class NbtrainMagics(Magics):
                    "peer never joins (default 600); a failing rank aborts the others' "
                    "collectives at once, so this only bounds true deadlocks")
     @argument("--ip", default="127.0.0.1",
-              help="start: address the controller listens on (loopback by default)")
+              help="start: address the controller listens on (loopback by default; engines "
+                   "on other hosts need an address of this host that they can reach)")
+    @argument("--master-addr", default=None, metavar="ADDR",
+              help="start: rendezvous address (MASTER_ADDR; default: rank 0's address)")
+    @argument("--nodes", type=int, default=None,
+              help="start, slurm: number of nodes (default 1)")
+    @argument("--ntasks-per-node", type=int, default=None, metavar="K",
+              help="start, slurm: ranks per node (default -n / nodes); -n must equal "
+                   "nodes x K")
+    @argument("--gpus-per-node", type=int, default=None, metavar="G",
+              help="start, slurm: GPUs per node (#SBATCH --gpus-per-node)")
+    @argument("--partition", default=None, help="start, slurm: the partition (queue)")
+    @argument("--time", default=None, metavar="LIMIT",
+              help="start, slurm: the job's time limit, e.g. 02:00:00")
+    @argument("--account", default=None, help="start, slurm: the account to charge")
+    @argument("--sbatch", action="append", default=None, metavar="OPTION",
+              help="start, slurm: an extra sbatch option, repeatable; write "
+                   "--sbatch=--qos=high (with '=' as the option starts with '-')")
     @argument("-t", "--targets", default=None,
               help="pull/push: ranks, e.g. 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all); "
                    "write --targets=-1: for a slice that starts with '-'")
@@ -122,11 +168,15 @@ class NbtrainMagics(Magics):
 
         Actions:
           start      start N ranks with torch.distributed ready (-n, --backend,
-                     --launcher, --timeout, --pg-timeout, --tp, --ip); keeps a
-                     running cluster
+                     --launcher, --timeout, --pg-timeout, --tp, --ip, --master-addr);
+                     keeps a running cluster. With --launcher slurm: --nodes,
+                     --ntasks-per-node, --gpus-per-node, --partition, --time,
+                     --account, --sbatch=OPTION; the job's wait in the queue is shown
+                     and not counted against --timeout
           stop       stop every process of the cluster
           restart    fresh ranks with empty namespaces (-n N to change the count)
           status     one line per rank: pid, host, device, memory, step, loss, state
+                     (and the Slurm job: id, state, nodes)
           pull NAME  bring a variable (or attribute path such as
                      model.layers.0.mlp.fc.weight) back from the ranks: a list by
                      rank, one value with -t RANK; a sharded parameter comes back
@@ -144,8 +194,11 @@ class NbtrainMagics(Magics):
         """
         args = parse_argstring(self.nbtrain, line)
         _check_n(args.n)
+        args.slurm = _slurm_options(args)
         if args.action == "start" and args.tp != 1:
             n = args.n if args.n is not None else _default_n()
+            if args.launcher == "slurm":
+                n = _slurm_layout(args)[0]
             if args.tp < 1 or n % args.tp:
                 raise UsageError(f"--tp {args.tp} must divide the number of ranks ({n}), "
                                  f"e.g. -n {2 * max(args.tp, 1)} --tp {max(args.tp, 1)}")
@@ -172,11 +225,16 @@ class NbtrainMagics(Magics):
         timeout = _START_TIMEOUT_S if args.timeout is None else args.timeout
         extra = {} if args.pg_timeout is None else {"pg_timeout_s": args.pg_timeout}
         extra["tp_size"] = args.tp
-        _current = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
-                           controller_ip=args.ip, start_timeout_s=timeout, **extra).start()
+        if args.launcher == "slurm":
+            _slurm_layout(args)  # a wrong -n is a usage error, refused before submitting
+        cluster = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
+                          controller_ip=args.ip, start_timeout_s=timeout, slurm=args.slurm,
+                          master_addr=args.master_addr, **extra)
+        _current = cluster.start()
         devices = sorted({r["device"] for r in _current.ranks})
+        job = f", Slurm job {_current.job.job_id}" if _current.job is not None else ""
         print(f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
-              f"({_current.launcher} launcher, id {_current.cluster_id})")
+              f"({_current.launcher} launcher{job}, id {_current.cluster_id})")
 
     def _stop(self, args) -> None:
         global _current
@@ -200,7 +258,11 @@ class NbtrainMagics(Magics):
 
     def _status(self, args) -> None:
         cluster = _require_cluster()
-        print(format_status(cluster.status()))
+        rows = cluster.status()
+        job = cluster.job_status()
+        if job is not None:
+            print(job)
+        print(format_status(rows))
         pending = cluster.pending
         if pending is not None:
             print(_pending_line(pending))
