@@ -9,7 +9,7 @@ batches as nbtrain's path. Save: torch.distributed.checkpoint (`get_model_state_
 `dcp.save`; each rank writes its own shards). Load: a fresh meta-built FSDP2 GPT,
 `to_empty`, `dcp.load` into its state dict and `set_model_state_dict`.
 
-Each phase is measured as nbtrain's are (memory.Phase), in a launch of its own, after
+Each phase is measured as nbtrain's are (phase.Phase), in a launch of its own, after
 the same warm-up (a tiny model built, saved and loaded once). A phase that raises is
 recorded as {"error": ...} with the phases after it, not as a number.
 """
@@ -94,7 +94,7 @@ def run_rank(spec: dict) -> dict:
     from nbtrain.models.gpt import GPTConfig
 
     from .engines import fsdp2_mesh
-    from .memory import Phase, fix_mmap_threshold
+    from .phase import Phase, fix_mmap_threshold
 
     fix_mmap_threshold()
     # On a CPU mesh DTensor's random ops draw from each rank's own generator (no
@@ -151,7 +151,7 @@ def run_rank(spec: dict) -> dict:
 def rows(per_rank: list, theory: dict, fmt, meta: list) -> tuple[list, dict]:
     """The FSDP2 rows of memory.table (each with nbtrain's meta peak / FSDP2's as its
     note) and their ratios: fsdp2_<phase>_vs_theory and meta_<phase>_vs_fsdp2."""
-    from .memory import MB, peak_of
+    from .phase import MB, peak_of
 
     baseline = max(r["baseline"] for r in per_rank)
     lines, ratios, ours_ratios = [], {}, {}
