@@ -185,7 +185,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=qkv_bias)
         self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.attention_bias)
 
-    def forward(self, x, position_ids=None):
+    def forward(self, x, position_ids=None, cp=None, doc_ids=None):
+        """Under `cp` (a gpt.ContextParallel, the runtime's pipeline layers pass it) x is
+        this rank's sequence shard, position_ids its tokens' positions within their
+        documents (rotary) and doc_ids their documents: attention runs around the ring."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         # The rows of q (not x): a sequence-parallel column split gathers them.
         rows, t = q.shape[:2]
@@ -194,6 +197,8 @@ class Attention(nn.Module):
         if rest:
             raise ValueError(f"attention: {q.shape[1]} query heads for {k.shape[1]} key/value "
                              "heads; tensor parallelism must split both by the same tp_size")
+        if cp is not None:
+            return self._ring(q, k, v, groups, position_ids, cp, doc_ids)
         if position_ids is None:
             positions = torch.arange(t, device=q.device).expand(rows, t)
             mask = None
@@ -207,6 +212,19 @@ class Attention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                            enable_gqa=groups > 1)
+        return self.o_proj(y.transpose(1, 2).reshape(rows, t, -1))
+
+    def _ring(self, q, k, v, groups, position_ids, cp, doc_ids):
+        rows, t = q.shape[0], q.shape[2]
+        if position_ids is None or doc_ids is None:
+            raise ValueError("attention under context parallelism needs the shard's "
+                             "position_ids and doc_ids (gpt.ContextParallel.shard_batch)")
+        positions = position_ids.to(q.device, non_blocking=True)
+        cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if groups > 1:  # the ring passes whole heads: every query head its own K/V
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        y = cp.attention(q, k, v, doc_ids.to(q.device, non_blocking=True))
         return self.o_proj(y.transpose(1, 2).reshape(rows, t, -1))
 
 
@@ -234,8 +252,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, position_ids=None):
-        x = x + self.self_attn(self.input_layernorm(x), position_ids)
+    def forward(self, x, position_ids=None, cp=None, doc_ids=None):
+        h = self.input_layernorm(x)
+        x = x + (self.self_attn(h, position_ids) if cp is None else
+                 self.self_attn(h, position_ids, cp=cp, doc_ids=doc_ids))
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -329,6 +349,9 @@ class FedDecoderLayer(DecoderLayer):
     def forward(self, x, position_ids=None):
         if position_ids is None:
             position_ids = self.positions.read(x)
+        cp, docs = self.positions.cp, self.positions.current_docs
+        if cp is not None:  # a sequence shard: ring attention within the documents
+            return super().forward(x, position_ids, cp=cp, doc_ids=docs)
         return super().forward(x, position_ids)
 
 

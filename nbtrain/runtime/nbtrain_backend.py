@@ -51,12 +51,14 @@ class NBTrainRuntime(Runtime):
         numel = sum(math.prod(getattr(p, "tp_full_shape", p.shape)) for p in model.parameters())
         if par.cp > 1:
             from ..models.gpt import GPT
+            from ..models.llama import Llama
 
-            if not isinstance(model, GPT):
+            if not isinstance(model, (GPT, Llama)):
                 raise NotImplementedError(
                     f"ParallelConfig(cp={par.cp}): model {self.nb.model_name!r} "
                     f"({type(model).__name__}) has no context-parallel attention; the "
-                    "built-in 'gpt' and 'gpt_moe' have: use one of them, or cp=1")
+                    "built-in 'gpt', 'gpt2', 'gpt_moe' and 'llama' have: use one of "
+                    "them, or cp=1")
         if par.tp > 1:
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage

@@ -3,11 +3,13 @@
 - Hugging Face folders written by transformers' save_pretrained (built from a config, no
   download): GPT-2, Llama (tied, and sharded into several files) and Qwen2 (untied,
   q/k/v biases) load through the runtime, and their logits equal transformers' own
-  within 1e-5 at world 1, at world 2 (dp 2, ZeRO-3) and with tp=2 (and pp=2).
+  within 1e-5 at world 1, at world 2 (dp 2, ZeRO-3) and with tp=2, pp=2 and cp=2
+  (ring attention, GQA heads repeated for the ring).
 - Peak memory while a rank builds and loads a Llama of 25 MB: at world 2 (dp 2 ZeRO-3,
   and tp 2) it stays below 0.75 of the model's size (each rank holds its half and one
   tensor at a time, never the whole model).
-- Training from a loaded folder: reference against tp 2 and dp 2 ZeRO-3, 10 steps.
+- Training from a loaded folder: reference against tp 2, dp 2 ZeRO-3, pp 2 and cp 2,
+  10 steps.
 - A model package living only in this folder (toy_lm) registered with register_model
   trains through the runtime against its reference, at dp 2 ZeRO-3, tp 2 and pp 2,
   with nothing else changed.
@@ -18,7 +20,7 @@ from model_cases import hf_logits, hf_training, load_peak, save_hf_model, toy_pa
 from ranks import run_ranks
 
 STEPS = 10
-LAYOUTS = [{}, {"tp": 2}, {"pp": 2}]  # at world 2: dp 2 ZeRO-3, tp 2, pp 2
+LAYOUTS = [{}, {"tp": 2}, {"pp": 2}, {"cp": 2}]  # at world 2: dp 2 ZeRO-3, tp 2, pp 2, cp 2
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def test_hf_logits_at_world_1(folders, kind):
     assert nb < 1e-5 and ref < 1e-5, diffs
 
 
-@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=["dp2", "tp2", "pp2"])
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)), ids=["dp2", "tp2", "pp2", "cp2"])
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
 def test_hf_logits_at_world_2(logits2, kind, layout):
     for rank_diffs in logits2:
@@ -76,13 +78,14 @@ def test_no_rank_holds_the_whole_model_while_loading(big_llama, layout):
 
 @pytest.fixture(scope="module")
 def trained(folders):
-    cases = [("adamw", {"tp": 2}), ("sgd", {}), ("sgd", {"pp": 2, "num_microbatches": 2})]
+    cases = [("adamw", {"tp": 2}), ("sgd", {}), ("sgd", {"pp": 2, "num_microbatches": 2}),
+             ("sgd", {"cp": 2})]
     return run_ranks(hf_training, 2, folders["qwen2"], cases, STEPS, timeout_s=300)
 
 
-@pytest.mark.parametrize("index", range(3), ids=["adamw-tp2", "sgd-dp2", "sgd-pp2"])
+@pytest.mark.parametrize("index", range(4), ids=["adamw-tp2", "sgd-dp2", "sgd-pp2", "sgd-cp2"])
 def test_training_from_a_folder_matches_the_reference(trained, index):
-    _check(trained, index)
+    _check(trained, index, slack=1 if index == 3 else 0)
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,9 @@ def test_a_model_registered_from_the_test_folder_trains(toy, index):
     _check(toy, index)
 
 
-def _check(per_rank, index):
+def _check(per_rank, index, slack=0):
+    """Every step within 1e-5 in loss and grad norm; zero counts equal (within `slack`
+    under cp: the ring may round a ~1e-10 gradient element to exactly 0)."""
     rows = per_rank[0][index]
     assert len(rows) == STEPS
     for other in per_rank[1:]:
@@ -106,7 +111,7 @@ def _check(per_rank, index):
     for r in rows:
         assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r
         assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r
-        assert r["num_zeros_a"] == r["num_zeros_b"], r
+        assert abs(r["num_zeros_a"] - r["num_zeros_b"]) <= slack, r
     assert len({round(r["loss_a"], 4) for r in rows}) == STEPS, rows  # it trains
 
 
