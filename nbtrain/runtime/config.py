@@ -29,8 +29,8 @@ class ParallelConfig:
         ep: expert-parallel ranks (MoE models: experts split over them), carved from
             the data-parallel ranks: it must divide dp.
         cp: context-parallel ranks splitting each sequence (ring attention; models
-            "gpt" and "gpt_moe"), carved from the data-parallel ranks: it must divide
-            dp; tp must be 1.
+            "gpt", "gpt2", "gpt_moe" and "llama"), carved from the data-parallel ranks:
+            it must divide dp; tp must be 1.
         zero_level: 2 or 3, ZeRO sharding of each stage over its data-parallel ranks.
         num_microbatches: micro-batches per step (each data-parallel rank's rows must
             divide by it); `forward_backward(..., num_microbatches=)` overrides it.
