@@ -69,18 +69,24 @@ def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[i
     return _AllToAll.apply(rows, list(out_splits), list(in_splits), group, label)
 
 
+def _topology_ep():
+    """The ep group of nbtrain's topology (None: the world), or False when nbtrain has
+    made no context."""
+    from .comm import context
+
+    return context.get_context().topology.group("ep") if context.is_initialized() else False
+
+
 def _ep_group(group):
     """(group, size, rank): a one-rank group, or no process group at all, is ALONE.
     None is the topology's ep group (the world before `init_distributed`)."""
     if group is ALONE or not dist.is_initialized():
         return ALONE, 1, 0
-    if group is None:
-        from .comm.context import _CONTEXT  # noqa: the topology, if nbtrain made one
-
-        if _CONTEXT is not None:
-            group = _CONTEXT.topology.group("ep")
-            if group is ALONE:
-                return ALONE, 1, 0
+    topology_ep = _topology_ep() if group is None else False
+    if topology_ep is not False:
+        group = topology_ep
+        if group is ALONE:
+            return ALONE, 1, 0
     size = dist.get_world_size(group)
     return (ALONE, 1, 0) if size == 1 else (group, size, dist.get_rank(group))
 
@@ -89,9 +95,8 @@ def _is_topology_ep(group) -> bool:
     """Whether `group` is the ep group of nbtrain's topology: only then are the experts
     slices that state dicts gather and `wrap` shards (over the topology's edp group).
     Experts over another group stay this rank's own (local in state dicts)."""
-    from .comm.context import _CONTEXT
-
-    return _CONTEXT is not None and group is _CONTEXT.topology.group("ep")
+    topology_ep = _topology_ep()
+    return topology_ep is not False and group is topology_ep
 
 
 def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):

@@ -28,13 +28,13 @@ rank's full-sequence attention: the share of its communication hidden (see ring.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
 from . import report
 from . import pp as pp_bench, tp as tp_bench
 from .engines import ENGINES
+from .runs import write_json
 from ..launch import run_ranks
 from .worker import run_rank
 
@@ -194,7 +194,5 @@ def main(argv: list[str] | None = None) -> int:
           f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "
           f"(+{s['warmup']} warm-up), fp32, AdamW")
     print(report.table(result["runs"], result["ratios"]))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0 if all(r["parity"] for r in result["runs"].values()) else 1

@@ -236,12 +236,12 @@ def _fsdp2_rows(result: dict, theory: dict, meta: list, ratios: dict) -> list:
 
 
 def main(args) -> int:
-    import torch
+    from .runs import backend_of, write_json
 
     quick = args.quick
     hidden, layers = (256, 8) if quick else (1024, 16)
     ranks = args.ranks
-    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    backend = backend_of(args)
     print(f"nbtrain bench --memory: {ranks} ranks, {backend}", flush=True)
     result = measure(ranks, hidden, layers, 8, steps=2, batch=2, backend=backend,
                      offload=args.offload)
@@ -249,10 +249,6 @@ def main(args) -> int:
     print(text)
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}")
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump({"result": result, "ratios": ratios}, f, indent=2, default=str)
+    write_json(args.json, {"result": result, "ratios": ratios})
     return 0
 

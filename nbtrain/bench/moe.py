@@ -189,10 +189,10 @@ def table(result: dict) -> str:
 
 
 def main(args) -> int:
-    import torch
+    from .runs import backend_of, write_json
 
     quick = args.quick
-    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    backend = backend_of(args)
     spec = {"quick": quick, "seed": args.seed,
             "batch_per_rank": args.batch_per_rank,
             "warmup": args.warmup if args.warmup is not None else 2 if quick else 3,
@@ -209,9 +209,5 @@ def main(args) -> int:
           f"(+{spec['warmup']} warm-up) each", flush=True)
     result = measure(args.ranks, spec, backend)
     print(table(result))
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0

@@ -240,10 +240,10 @@ def table(result: dict) -> str:
 
 
 def main(args) -> int:
-    import torch
+    from .runs import backend_of, write_json
 
     quick = args.quick
-    backend = "nccl" if torch.cuda.is_available() and args.device != "cpu" else "gloo"
+    backend = backend_of(args)
     spec = {"batch": 1, "heads": 4 if quick else 8, "head_dim": 64,
             "seq": 1024 if quick else 2048, "seed": args.seed,
             "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
@@ -260,9 +260,5 @@ def main(args) -> int:
           f"per variant", flush=True)
     result = measure(args.ranks, spec, backend)
     print(table(result))
-    if args.json:
-        import json
-
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    write_json(args.json, result)
     return 0 if result["max_abs_diff_vs_sdpa"] < 1e-3 else 1

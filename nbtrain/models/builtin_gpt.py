@@ -16,14 +16,17 @@ from .hf_load import HFWeight
 from .hf_load import load_hf_weights as _load
 
 
-def make_config(model_config: dict, hf_config: dict | None = None) -> GPTConfig:
-    """The GPTConfig of `model_config` (GPTConfig fields, "preset" for a size)."""
+def make_config(model_config: dict, hf_config: dict | None = None,
+                config_class=GPTConfig) -> GPTConfig:
+    """The `config_class` (GPTConfig or a subclass) of `model_config`: its fields, with
+    "preset" for a size."""
     if hf_config is not None:
-        raise ValueError("model 'gpt' has no Hugging Face config: load GPT-2 folders with "
-                         "model_name='gpt2', or give hf_path=None")
+        raise ValueError("nbtrain's GPT has no Hugging Face config: load GPT-2 folders with "
+                         "model_name='gpt2' (a file written by nbtrain.save loads with "
+                         "nbtrain.load), or give hf_path=None")
     fields = dict(model_config)
     preset = fields.pop("preset", None)
-    return GPTConfig.preset(preset, **fields) if preset else GPTConfig(**fields)
+    return config_class.preset(preset, **fields) if preset else config_class(**fields)
 
 
 def hf_names(config=None):

@@ -13,24 +13,15 @@ Tensor parallelism does not split experts: tp must be 1.
 from __future__ import annotations
 
 from ..comm.topology import ALONE
+from . import builtin_gpt as _gpt
 from .builtin_gpt import hf_names, load_hf_weights, make_forward_step  # noqa: F401
 from .builtin_gpt import pp_stages  # noqa: F401 (the GPT's layers, MoE MLPs inside)
-from .gpt import GPTConfig
 from .gpt_moe import MoEGPT, MoEGPTConfig
 
 
 def make_config(model_config: dict, hf_config: dict | None = None) -> MoEGPTConfig:
     """The MoEGPTConfig of `model_config` (its fields, "preset" for the GPT's size)."""
-    if hf_config is not None:
-        raise ValueError("model 'gpt_moe' has no Hugging Face config: give hf_path=None "
-                         "(a file written by nbtrain.save loads with nbtrain.load)")
-    fields = dict(model_config)
-    preset = fields.pop("preset", None)
-    if preset:
-        sizes = GPTConfig.preset(preset)
-        fields = {**{k: getattr(sizes, k) for k in ("hidden", "heads", "layers", "seq_len")},
-                  **fields}
-    return MoEGPTConfig(**fields)
+    return _gpt.make_config(model_config, hf_config, config_class=MoEGPTConfig)
 
 
 def build_model(config: MoEGPTConfig, parallel=None) -> MoEGPT:

@@ -22,6 +22,7 @@ import torch
 from ..comm import collectives as C, events
 from ..comm.context import get_context
 from ..zero.parameter import DistributedParameter
+from ..zero.placement import slice_kind
 from .adam import param_grad, clear_grad
 
 
@@ -132,7 +133,7 @@ class OptimManager:
                 continue  # (a tied parameter's copy on a later pipeline stage)
             if _is_sharded(p):
                 part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
-            elif getattr(p, "tp_slice_group", "tp") == "ep" and hasattr(p, "tp_split_dim"):
+            elif slice_kind(p) == "ep":
                 if edp_rank != 0:
                     continue  # experts: counted by the first rank holding them
                 part = 0

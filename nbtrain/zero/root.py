@@ -18,7 +18,7 @@ from .loose import LooseParams
 from .parameter import DistributedParameter
 from .reducer import GradReducer
 from ..comm.topology import ALONE
-from .placement import is_stage
+from .placement import is_stage, slice_kind
 
 
 class ModelRoot:
@@ -65,8 +65,8 @@ class ModelRoot:
         # data-parallel group of their tp slot, and reduced there (none when alone).
         slices = [p for _, p in named
                   if getattr(p, "tp_split_dim", None) is not None and p.requires_grad]
-        experts = [n for n, p in named if getattr(p, "tp_slice_group", "tp") == "ep"]
-        if experts and get_context_topology().dp_size > 1:
+        experts = [n for n, p in named if slice_kind(p) == "ep"]
+        if experts and _topology().dp_size > 1:
             raise ValueError(f"{experts[0]!r}: expert parameters outside a Block have no "
                              "gradient reduction here; shard the model with nbtrain.wrap "
                              "(its experts shard and reduce over the ranks holding them)")
@@ -87,7 +87,7 @@ class ModelRoot:
                                                       group=dp_group)
 
 
-def get_context_topology():
+def _topology():
     from ..comm.context import get_context
 
     return get_context().topology
@@ -95,13 +95,9 @@ def get_context_topology():
 
 def _stage_group():
     """The ranks holding copies of this rank's replicated parameters: its stage."""
-    from ..comm.context import get_context
-
-    return get_context().topology.group("zero")
+    return _topology().group("zero")
 
 
 def _tp_slice_group():
     """The group holding copies of this rank's tensor-parallel slices (ALONE: none)."""
-    from ..comm.context import get_context
-
-    return get_context().topology.group("dp")
+    return _topology().group("dp")
