@@ -19,6 +19,7 @@ except ImportError:  # torch missing: every test module will say so itself
 # Fail a run over the whole tests/ folder that silently leaves a test file out
 # (a folder matching norecursedirs, a name not matching python_files): see
 # tests/collection_guard.py.
+import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -27,7 +28,32 @@ try:
 except ImportError:  # --import-mode=importlib leaves it off
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from collection_guard import CollectionGuard
+import module_order  # noqa: E402
+from state_guard import StateGuard  # noqa: E402
+
+# The tests stand in for a notebook kernel, where the stop button is SIGINT and a cell
+# runs with Python's default handler (ipykernel installs it around each cell). A run
+# started in the background by a non-interactive shell (`cmd &`, nohup, many CI
+# runners) inherits SIGINT *ignored*, and Python then never installs its handler:
+# the interrupt tests' SIGINT would be dropped and they would wait out their timeout.
+# Child processes (ranks, engines, kernels) inherit the disposition, so set it first.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def pytest_addoption(parser):
+    module_order.add_option(parser)
 
 
 def pytest_configure(config):
     CollectionGuard.install(config, tests_dir=Path(__file__).resolve().parent)
+    StateGuard.install(config)
+    module_order.configure(config)
+
+
+def pytest_report_header(config):
+    return module_order.header(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    module_order.reorder(config, items)

@@ -1,6 +1,6 @@
-"""Shared setup for the notebook tests: a private IPython/Jupyter home, one thread
-per rank, and a teardown that stops any cluster a failing test left behind, by its
-cluster id (never by process name)."""
+"""Shared setup for the notebook tests: a private IPython/Jupyter home and one thread
+per rank. A cluster that a test leaves running is reported and stopped, by its cluster
+id (never by process name), by the state guard (tests/state_guard.py)."""
 import os
 import tempfile
 
@@ -11,18 +11,6 @@ for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_C
 os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
-
-
-def _stop_leftover_clusters():
-    from nbtrain.notebook.cluster import stop_leftover_clusters
-
-    stop_leftover_clusters(os.environ["IPYTHONDIR"])
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _cleanup_clusters():
-    yield
-    _stop_leftover_clusters()
 
 
 @pytest.fixture(scope="module")

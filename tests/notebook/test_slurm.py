@@ -183,6 +183,8 @@ def test_interrupting_the_wait_in_the_queue_cancels_the_job(ipython, slurm):
         assert jobs == [blocker]  # ours was cancelled; the other job runs on
     finally:
         slurm.run("scancel", blocker)
+        if magics.current_cluster() is not None:  # the interrupt never arrived
+            stop_and_check_gone(ipython, slurm)
 
 
 # Slurm first says PartitionConfig for a request over the partition's limits, and the

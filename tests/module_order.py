@@ -1,0 +1,72 @@
+"""`--module-order`: run the test modules (files and notebooks) in another order.
+
+A suite that passes only in one order hides state that one module leaves for the
+next (see state_guard.py). This reorders whole modules and keeps the tests inside
+each module in their written order (module fixtures stay valid):
+
+    pytest --module-order=reverse ...
+    pytest --module-order=random ...        # a fresh seed, printed in the header
+    pytest --module-order=random:1234 ...   # that order again
+
+`NBTRAIN_TEST_ORDER` gives the default, so `NBTRAIN_TEST_ORDER=reverse bash tests/run.sh`
+runs the whole README command in reverse.
+"""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+
+ENV = "NBTRAIN_TEST_ORDER"
+
+
+def add_option(parser: pytest.Parser) -> None:
+    parser.addoption("--module-order", default=os.environ.get(ENV, "written"),
+                     metavar="written|reverse|random[:SEED]",
+                     help="the order of test modules (tests inside a module keep theirs); "
+                          f"default ${ENV} or 'written'")
+
+
+def parse(value: str) -> tuple[str, int | None]:
+    """'reverse' -> ('reverse', None); 'random:7' -> ('random', 7); 'random' picks a seed."""
+    kind, _, seed = value.partition(":")
+    if kind not in ("written", "reverse", "random") or (seed and kind != "random"):
+        raise pytest.UsageError(f"--module-order {value!r}: use written, reverse, random "
+                                "or random:SEED (e.g. random:1234)")
+    if kind != "random":
+        return kind, None
+    try:
+        return kind, int(seed) if seed else random.SystemRandom().randrange(10**6)
+    except ValueError:
+        raise pytest.UsageError(f"--module-order {value!r}: the seed must be an integer, "
+                                "e.g. random:1234") from None
+
+
+def configure(config: pytest.Config) -> None:
+    config._nbtrain_module_order = parse(config.getoption("module_order"))
+
+
+def header(config: pytest.Config) -> str | None:
+    kind, seed = config._nbtrain_module_order
+    if kind == "written":
+        return None
+    again = f"random:{seed}" if kind == "random" else kind
+    return f"module order: {kind} (again: --module-order={again})"
+
+
+def reorder(config: pytest.Config, items: list[pytest.Item]) -> None:
+    kind, seed = config._nbtrain_module_order
+    if kind == "written":
+        return
+    modules: list[str] = []
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        if module not in modules:
+            modules.append(module)
+    if kind == "reverse":
+        modules.reverse()
+    else:
+        random.Random(seed).shuffle(modules)
+    rank = {module: i for i, module in enumerate(modules)}
+    items.sort(key=lambda item: rank[item.nodeid.split("::")[0]])  # stable inside a module

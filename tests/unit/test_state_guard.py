@@ -1,0 +1,173 @@
+"""The state guard (tests/state_guard.py) fails a module that leaves process-wide state
+behind, names each thing, and puts it back so the next module starts clean; the
+module order option (tests/module_order.py) reorders whole modules.
+
+Each case runs pytest in a subprocess on a small project in tmp_path whose conftest
+installs the same plugins the real tests/conftest.py installs.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parents[1]  # holds state_guard.py, module_order.py
+
+CONFTEST = f"""\
+import sys
+
+sys.path.insert(0, {str(TESTS_DIR)!r})
+import module_order
+from state_guard import StateGuard
+
+
+def pytest_addoption(parser):
+    module_order.add_option(parser)
+
+
+def pytest_configure(config):
+    StateGuard.install(config)
+    module_order.configure(config)
+
+
+def pytest_report_header(config):
+    return module_order.header(config)
+
+
+def pytest_collection_modifyitems(config, items):
+    module_order.reorder(config, items)
+"""
+
+# Written to leak: every kind of state the guard watches.
+LEAKY = """\
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import torch.distributed as dist
+
+import nbtrain
+
+
+def test_leaks_everything():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ["NBTRAIN_LEAKED"] = "yes"
+    stop = threading.Event()
+    threading.Thread(target=stop.wait, name="leaky-thread", daemon=True).start()
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    nbtrain.init_distributed()  # a world of one: the default group and the context
+"""
+
+# Runs after the leaky module: sees what a fresh process would.
+CLEAN_AFTER = """\
+import os
+import signal
+
+import torch.distributed as dist
+
+
+def test_starts_clean():
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert "NBTRAIN_LEAKED" not in os.environ
+    assert not dist.is_initialized()
+"""
+
+TIDY = """\
+import os
+import threading
+import subprocess
+import sys
+
+import nbtrain
+
+
+def test_cleans_up_after_itself(monkeypatch):
+    monkeypatch.setenv("NBTRAIN_TIDY", "1")
+    thread = threading.Thread(target=lambda: None)
+    thread.start()
+    thread.join()
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+    nbtrain.init_distributed()
+    nbtrain.comm.shutdown()
+"""
+
+
+def make_project(root: Path, files: dict) -> Path:
+    (root / "pytest.ini").write_text("[pytest]\n")
+    for rel, text in {"tests/conftest.py": CONFTEST, **files}.items():
+        path = root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PYTEST_") and k != "NBTRAIN_TEST_ORDER"}
+    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=180)
+
+
+def test_a_leaking_module_fails_naming_each_leftover_and_the_next_starts_clean(tmp_path):
+    root = make_project(tmp_path, {"tests/test_a_leaky.py": LEAKY,
+                                   "tests/test_b_after.py": CLEAN_AFTER})
+    result = run_pytest(root, "-q", "tests")
+    out = result.stdout + result.stderr
+    assert result.returncode == pytest.ExitCode.TESTS_FAILED, out
+    # The leaky test itself passed, and so did the module after it: everything was put back.
+    assert re.search(r"\b2 passed, 1 error\b", out), out
+    assert "ERROR at teardown of test_leaks_everything" in out, out
+    assert "tests/test_a_leaky.py left process-wide state behind" in out
+    for leftover in ("the SIGINT handler is <Handlers.SIG_IGN",
+                     "environment variable NBTRAIN_LEAKED='yes' was set",
+                     "thread 'leaky-thread' still running",
+                     "child process", "time.sleep(600)",
+                     "torch.distributed's default group is still initialised (backend gloo",
+                     "nbtrain's context is still set"):
+        assert leftover in out, (leftover, out)
+
+
+def test_a_module_that_cleans_up_passes(tmp_path):
+    root = make_project(tmp_path, {"tests/test_tidy.py": TIDY})
+    result = run_pytest(root, "-q", "tests")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("order, expected", [
+    ("written", ["a", "b", "c"]),
+    ("reverse", ["c", "b", "a"]),
+])
+def test_module_order_moves_whole_modules(tmp_path, order, expected):
+    files = {f"tests/test_{m}.py": f"def test_{m}1():\n    pass\n\n\ndef test_{m}2():\n    pass\n"
+             for m in "abc"}
+    result = run_pytest(make_project(tmp_path, files), "-v", f"--module-order={order}", "tests")
+    ran = re.findall(r"test_([abc])\.py::test_\w(\d)", result.stdout)
+    assert ran == [(m, i) for m in expected for i in "12"], result.stdout
+
+
+def test_a_random_order_is_seeded_and_printed(tmp_path):
+    files = {f"tests/test_{m}.py": f"def test_{m}():\n    pass\n" for m in "abcdefgh"}
+    root = make_project(tmp_path, files)
+
+    def order(*args):
+        result = run_pytest(root, "-v", *args, "tests")
+        return result.stdout, re.findall(r"test_(\w)\.py::", result.stdout)
+
+    out, first = order("--module-order=random")
+    seed = re.search(r"module order: random \(again: --module-order=random:(\d+)\)", out).group(1)
+    _, again = order(f"--module-order=random:{seed}")
+    assert again == first and sorted(first) == list("abcdefgh")
+    shuffled = {tuple(order(f"--module-order=random:{s}")[1]) for s in (1, 2, 3)}
+    assert len(shuffled) > 1
+
+
+def test_a_bad_module_order_is_a_usage_error(tmp_path):
+    result = run_pytest(make_project(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"}),
+                        "--module-order=backwards", "tests")
+    assert result.returncode == pytest.ExitCode.USAGE_ERROR
+    assert "--module-order 'backwards': use written, reverse, random" in result.stderr
