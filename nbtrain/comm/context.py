@@ -7,6 +7,7 @@ functions (`rank()`, `world_size()`, ...) are thin readers of it.
 from __future__ import annotations
 
 import atexit
+import difflib
 import os
 import random
 from dataclasses import dataclass, replace
@@ -95,7 +96,7 @@ def _seed_everything(seed: int) -> None:
 def init_distributed(seed: int = 0, backend: str | None = None,
                      timeout: float | timedelta = 600.0, tp_size: int = 1,
                      pipe_size: int = 1, num_micro_batches: int | None = None,
-                     ep_size: int = 1, cp_size: int = 1, **_bmtrain_compat) -> DistContext:
+                     ep_size: int = 1, cp_size: int = 1, **bmtrain_options) -> DistContext:
     """Initialise torch.distributed for this process and return the context.
 
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -117,6 +118,13 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         cp_size: context-parallel ranks (ring attention) splitting each sequence,
             carved from the data-parallel ranks likewise.
         num_micro_batches: BMTrain's pipeline keyword, kept in the context.
+        **bmtrain_options: the other keywords of BMTrain's `init_distributed`, so its
+            scripts run unchanged: `init_method` ("env://", the only rendezvous BMTrain
+            scripts use; nbtrain reads the same variables), `zero_level` (2 or 3; in
+            nbtrain each Block chooses), `loss_scale_factor` and `loss_scale_steps`
+            (OptimManager's own arguments here). BMTrain's `pipe_size=-1` means no
+            pipeline. Any other keyword is a TypeError naming it and the accepted ones
+            (a misspelt `pipe_sise=2` must not run without a pipeline).
 
     Called again on an initialised process (a notebook cell on every rank, a script
     on a notebook engine) it seeds again, and with other sizes makes the
@@ -125,6 +133,9 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     Collective: every rank calls this.
     """
     global _CONTEXT
+    _check_bmtrain_options(bmtrain_options)
+    if pipe_size == -1:  # BMTrain's default: no pipeline
+        pipe_size = 1
     if _CONTEXT is not None and dist.is_initialized():
         topo = _CONTEXT.topology
         sizes = (tp_size, pipe_size, ep_size, cp_size)
@@ -182,6 +193,31 @@ def init_distributed(seed: int = 0, backend: str | None = None,
                            backend=backend, device=device, seed=seed, topology=topo,
                            num_micro_batches=num_micro_batches)
     return _CONTEXT
+
+
+_OWN_KEYWORDS = ("seed", "backend", "timeout", "tp_size", "pipe_size", "num_micro_batches",
+                 "ep_size", "cp_size")
+# BMTrain 1.x keywords that have no effect here, with what they must be (None: any).
+_BMTRAIN_KEYWORDS = {"init_method": ("env://",), "zero_level": (2, 3),
+                     "loss_scale_factor": None, "loss_scale_steps": None}
+
+
+def _check_bmtrain_options(options: dict) -> None:
+    """BMTrain's extra keywords pass; anything else is a misspelling, named."""
+    for key, value in options.items():
+        if key not in _BMTRAIN_KEYWORDS:
+            close = difflib.get_close_matches(key, _OWN_KEYWORDS + tuple(_BMTRAIN_KEYWORDS), 1)
+            hint = f" Did you mean {close[0]}=?" if close else ""
+            raise TypeError(f"init_distributed() got an unknown keyword {key}={value!r}.{hint} "
+                            f"It takes {', '.join(_OWN_KEYWORDS)}, and BMTrain's "
+                            f"{', '.join(_BMTRAIN_KEYWORDS)}.")
+        allowed = _BMTRAIN_KEYWORDS[key]
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"init_distributed({key}={value!r}): nbtrain accepts "
+                             f"{' or '.join(map(repr, allowed))} here"
+                             + (" (set MASTER_ADDR and MASTER_PORT, as torchrun does)"
+                                if key == "init_method" else
+                                " (each Block takes its own zero_level)"))
 
 
 def rebuild_topology() -> None:
