@@ -54,6 +54,10 @@ class _State:
         self.fastest_s: float | None = None
         self.phases: list[str] = []
         self.interrupted: str | None = None
+        # Held while a group is aborted and while `rebuild` moves to the next
+        # generation: a watcher that was late to stop (a loaded machine) then finds
+        # the generation changed and leaves the new group alone.
+        self.lock = threading.RLock()
 
 
 _S = _State()
@@ -147,8 +151,15 @@ def _watch(store, generation: int, stop: threading.Event) -> None:
             if _S.stop_at is None and store.check([stop_key]):
                 _S.stop_at = int(store.get(stop_key).decode())
             if store.check([abort_key]):
-                _S.aborted_by = store.get(abort_key).decode()
-                _abort_local_group()
+                aborted_by = store.get(abort_key).decode()
+                with _S.lock:
+                    # Stopped meanwhile (this rank's own `fail`), or already rebuilt:
+                    # aborting now would cut the next generation's group, perhaps
+                    # while its peers are still connecting to it.
+                    if stop.is_set() or generation != _S.generation:
+                        return
+                    _S.aborted_by = aborted_by
+                    _abort_local_group()
                 return
         except Exception:  # the store's host went away: nothing more to watch
             return
@@ -156,6 +167,11 @@ def _watch(store, generation: int, stop: threading.Event) -> None:
 
 def _abort_local_group() -> None:
     """Make every pending and future collective of this rank's groups fail now."""
+    with _S.lock:
+        _abort_groups()
+
+
+def _abort_groups() -> None:
     if not dist.is_initialized():
         return
     abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
@@ -207,15 +223,16 @@ def rebuild() -> None:
     if _S.store is None:
         raise RuntimeError("nbtrain recovery is not armed: nothing to rebuild")
     _stop_watcher()
-    if dist.is_initialized():
-        _abort_local_group()
+    with _S.lock:  # a watcher still running from the old generation aborts nothing after
         if dist.is_initialized():
-            teardown.destroy_group()
+            _abort_local_group()
+            if dist.is_initialized():
+                teardown.destroy_group()
+        _S.generation += 1
     collectives.IN_FLIGHT.clear()
     if (threading.current_thread() is threading.main_thread()
             and signal.getsignal(signal.SIGINT) is _on_interrupt):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a loop the failure left
-    _S.generation += 1
     _S.phases.clear()
     _S.interrupted = None
     teardown.import_group_functional()
