@@ -44,7 +44,7 @@ import pytest
 PLUGIN_NAME = "nbtrain-state-guard"
 # Session-long helpers started on first use, by name: IPython's history writer (the
 # shell singleton lives as long as the process) and tqdm's monitor.
-SESSION_THREADS = ("IPythonHistorySavingThread", "TMonitor")
+SESSION_THREADS = ("IPythonHistorySavingThread", "tqdm_monitor")
 SESSION_CHILDREN = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 # How long a thread or a child may take to end after the module's teardown (engine
 # nannies and gloo's threads take a few seconds).

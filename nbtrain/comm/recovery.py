@@ -240,6 +240,12 @@ def rebuild() -> None:
     with links.recording():
         dist.init_process_group(_S.backend, store=store, rank=_S.rank, world_size=_S.world,
                                 timeout=_S.timeout)
+        # init_process_group is no barrier: a rank whose side of gloo's mesh is done
+        # returns while a peer is still reading its handshake, and if it then closes
+        # the group (a test that ends, `%nbtrain stop`), the peer's init fails with
+        # "Connection closed by peer" (2 in 100 rebuilds on a loaded 2-core machine).
+        # The barrier completes only once every rank's mesh is up.
+        dist.barrier()
     teardown.unpin_group_defaults()
     from .context import rebuild_topology
 
