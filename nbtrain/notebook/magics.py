@@ -110,6 +110,20 @@ def _slurm_layout(args) -> tuple[int, dict]:
         raise UsageError(str(err)) from None
 
 
+def _start_differences(cluster, args) -> list[str]:
+    """The flags of a `%nbtrain start` that the running cluster does not match."""
+    asked = []
+    if args.n is not None and args.n != cluster.world_size:
+        asked.append(f"-n {args.n}")
+    if args.launcher != cluster.launcher:
+        asked.append(f"--launcher {args.launcher}")
+    if args.backend is not None and cluster.backend is not None and args.backend != cluster.backend:
+        asked.append(f"--backend {args.backend}")
+    if args.tp != cluster.tp_size:
+        asked.append(f"--tp {args.tp}")
+    return asked
+
+
 ACTIONS = ("start", "stop", "restart", "status", "pull", "push", "wait", "result", "dashboard")
 _START_TIMEOUT_S = 120.0
 
@@ -218,6 +232,15 @@ class NbtrainMagics(Magics):
         global _current
         cluster = current_cluster()
         if cluster is not None:
+            asked = _start_differences(cluster, args)
+            if asked:
+                # Keeping it would run the next cells somewhere the user did not ask for.
+                raise UsageError(
+                    f"a cluster is already running ({cluster.world_size} ranks, "
+                    f"{cluster.launcher} launcher, tp {cluster.tp_size}, id "
+                    f"{cluster.cluster_id}), and this start asks for {', '.join(asked)}: "
+                    "`%nbtrain stop` first, then start again (or `%nbtrain restart -n N` "
+                    "to change only the number of ranks)")
             print(f"a cluster is already running ({cluster.world_size} ranks, "
                   f"id {cluster.cluster_id}); keeping it. "
                   "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")

@@ -18,6 +18,7 @@ import pytest
 # running only `pytest -m gpu`: skip this module there rather than fail collection.
 for _needed in ('IPython', 'ipyparallel'):
     pytest.importorskip(_needed)
+from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 
 from nbtrain.notebook import magics
@@ -56,10 +57,28 @@ def test_start_gives_two_initialised_ranks(ipython, cluster):
 
 def test_start_again_keeps_the_running_cluster(ipython, cluster, capsys):
     before_id, before_pids = cluster.cluster_id, cluster.pids()
-    ipython.run_line_magic("nbtrain", "start -n 3")
-    assert "already running" in capsys.readouterr().out
+    for line in ("start -n 2", "start"):  # a notebook run again from the top
+        ipython.run_line_magic("nbtrain", line)
+        assert "already running" in capsys.readouterr().out
     assert magics.current_cluster() is cluster
     assert cluster.cluster_id == before_id and cluster.pids() == before_pids
+
+
+@pytest.mark.parametrize("line, asked", [
+    ("start -n 3", "-n 3"),
+    ("start -n 2 --launcher slurm", "--launcher slurm"),
+    ("start --tp 2", "--tp 2"),
+])
+def test_a_start_that_asks_for_another_cluster_is_refused_naming_the_difference(
+        ipython, cluster, line, asked):
+    # Keeping the running cluster silently would run the next cells on 2 local ranks.
+    before_pids = cluster.pids()
+    with pytest.raises(UsageError) as info:
+        ipython.run_line_magic("nbtrain", line)
+    message = str(info.value)
+    assert f"already running (2 ranks, local launcher, tp 1" in message
+    assert f"this start asks for {asked}:" in message and "`%nbtrain stop` first" in message
+    assert magics.current_cluster() is cluster and cluster.pids() == before_pids
 
 
 def test_all_reduce(ipython, cluster):
