@@ -49,7 +49,9 @@ SESSION_CHILDREN = ("multiprocessing.forkserver", "multiprocessing.resource_trac
 # How long a thread or a child may take to end after the module's teardown (engine
 # nannies and gloo's threads take a few seconds).
 GRACE_S = 10.0
-IGNORED_ENV = ("PYTEST_CURRENT_TEST",)
+# Set by pytest itself, or once per process by a library as its own cache setting
+# (torch's inductor exports its cache folder on first use, for its compile workers).
+IGNORED_ENV = ("PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def _module_of(item: pytest.Item) -> str:
