@@ -128,6 +128,7 @@ class Cluster:
         self._watchdog = Watchdog()
         try:
             self._ipp.start_controller_sync()
+            self._watchdog.watch_file(self._ipp.cluster_file)
             self._record_launcher_processes()
             self._start_engines(n)
             self._record_launcher_processes()

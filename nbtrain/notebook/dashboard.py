@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import copy
 import statistics
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 
 from ..telemetry.panels import MAX_RANKS_SHOWN, png_bytes, step_times
 
@@ -62,10 +63,11 @@ class Dashboard:
         self._last_redraw = 0.0
         self._dirty = False
         self._seen: dict[int, int] = {}
-        # Drawing takes 0.1-1 s (and importing matplotlib seconds): a worker thread
-        # draws so the numbers and the cell's output keep flowing meanwhile.
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbtrain-dashboard")
-        self._drawing = self._pool.submit(_warm_up)
+        # Drawing takes 0.1-1 s (and importing matplotlib seconds): a thread draws so
+        # the numbers and the cell's output keep flowing meanwhile. One short-lived
+        # thread per drawing (at most one a second), not a pool: a pool's idle worker
+        # outlived every dashboard of an hours-long session.
+        self._drawing = _in_thread(_warm_up)
 
     def _ipython_display_(self):
         from IPython.display import display
@@ -100,7 +102,7 @@ class Dashboard:
             self._drawing.result()
             self._draw(copy.deepcopy(self.summaries))
         elif self._drawing.done() and now - self._last_redraw >= self.redraw_s:
-            self._drawing = self._pool.submit(self._draw, copy.deepcopy(self.summaries))
+            self._drawing = _in_thread(self._draw, copy.deepcopy(self.summaries))
 
     def _draw(self, summaries: dict) -> None:
         self._dirty = False
@@ -144,6 +146,20 @@ class Dashboard:
                              "<th>step</th><th>loss</th><th>step time</th>"
                              "<th>hidden comm</th><th>memory</th>"
                              f"</tr>{cells}</table>")
+
+
+def _in_thread(fn, *args) -> Future:
+    """Runs fn(*args) in a thread of its own that ends with it; its Future."""
+    future: Future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as err:  # shown by whoever waits on the future
+            future.set_exception(err)
+
+    threading.Thread(target=run, name="nbtrain-dashboard-draw", daemon=True).start()
+    return future
 
 
 def _warm_up() -> None:

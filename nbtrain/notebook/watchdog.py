@@ -5,10 +5,12 @@ from the kernel on stdin. The kernel writes "PID CREATE_TIME" for each process
 the cluster starts, "group PGID CREATE_TIME" for each process group a launcher
 started (ipyparallel starts the controller and each local engine in a session of its
 own, and their children can outlive them), "job JOBID" for a Slurm job it submits,
-and "stop" when it stops the cluster itself. End of file means the kernel is gone,
-however it went (even SIGKILL): the listed processes that are still the same
-processes (same creation time) are killed, what remains of the listed groups too,
-and the listed jobs are cancelled by id (`scancel`).
+"file PATH" for the cluster's ipyparallel file, and "stop" when it stops the cluster
+itself. End of file means the kernel is gone, however it went (even SIGKILL): the
+listed processes that are still the same processes (same creation time) are killed,
+what remains of the listed groups too, the listed jobs are cancelled by id
+(`scancel`), and the cluster file is removed (else every killed kernel left one in
+the profile, naming a cluster that no longer exists).
 
 `Watchdog` is the kernel's end of the pipe and the cluster's list of what to end
 (used by `nbtrain.notebook.cluster`).
@@ -72,6 +74,10 @@ class Watchdog:
         """Cancel this Slurm job if this process dies first."""
         self._send(f"job {job_id}\n")
 
+    def watch_file(self, path: str) -> None:
+        """Remove this cluster file (an nbtrain cluster's) if this process dies first."""
+        self._send(f"file {path}\n")
+
     def reap(self, grace_s: float = _STOP_GRACE_S) -> None:
         """Wait up to `grace_s` for the watched processes to exit, then kill what remains
         of them and of the watched groups (engines blocked in a collective ignore SIGINT)."""
@@ -114,15 +120,17 @@ def kill_group(pgid: int, created: float) -> None:
 
 
 def main() -> None:
-    procs, groups, jobs = [], [], []
+    procs, groups, jobs, files = [], [], [], []
     for line in sys.stdin:
         line = line.strip()
         if line == "stop":
             return
         try:
-            words = line.split()
+            words = line.split(maxsplit=1 if line.startswith("file ") else -1)
             if words[0] == "job":
                 jobs.append(words[1])
+            elif words[0] == "file":
+                files.append(words[1])
             elif words[0] == "group":
                 groups.append((int(words[1]), float(words[2])))
             else:
@@ -143,6 +151,12 @@ def main() -> None:
             pass
     for pgid, created in groups:
         kill_group(pgid, created)
+    for path in files:
+        if os.path.basename(path).startswith("cluster-nbtrain-"):  # only ever ours
+            try:
+                os.remove(path)
+            except OSError:
+                pass
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The extension in a real Jupyter kernel driven by nbclient: live cells, a figure
 from a rank, an error naming its rank, Ctrl-C, and no orphan after the kernel goes
 (shut down, or killed outright)."""
+import glob
 import os
 import re
 import signal
@@ -95,10 +96,21 @@ def test_kernel_cells_errors_interrupt_and_shutdown():
     assert wait_gone(pids) == []
 
 
+def cluster_files() -> set:
+    return set(glob.glob(os.path.join(os.environ["IPYTHONDIR"], "profile_*", "security",
+                                      "cluster-nbtrain-*.json")))
+
+
 def test_killed_kernel_leaves_no_orphan():
     nb, client = new_client()
+    before = cluster_files()
     with client.setup_kernel():
         _, _, pids_cell = run_cells(client, nb, START)
         pids = pids_from(pids_cell)
+        assert len(cluster_files() - before) == 1
         os.kill(client.km.provisioner.process.pid, signal.SIGKILL)
         assert wait_gone(pids) == []
+        deadline = time.monotonic() + 10  # nor a cluster file naming the dead cluster
+        while cluster_files() - before and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert cluster_files() - before == set()

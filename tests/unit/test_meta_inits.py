@@ -30,8 +30,10 @@ def test_empty_parameters_keeps_buffers_and_restores_itself():
     assert not nn.Linear(2, 2).weight.is_meta  # outside the block: as before
 
 
-def test_torch_default_rule_draws_like_torch():
-    nbtrain.init_distributed(seed=1)
+SEED = 1  # world_of_one's seed
+
+
+def test_torch_default_rule_draws_like_torch(world_of_one):
     with nbtrain.empty_parameters():
         model = nn.Sequential(nn.Linear(400, 300), nn.LayerNorm(300), nn.Embedding(50, 300))
     assert nbtrain.assign_inits(model, torch_default_inits) == 5
