@@ -29,6 +29,8 @@ except ImportError:  # --import-mode=importlib leaves it off
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from collection_guard import CollectionGuard
 import module_order  # noqa: E402
+from module_order import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401
+                          pytest_report_header)
 from state_guard import StateGuard  # noqa: E402
 
 # The tests stand in for a notebook kernel, where the stop button is SIGINT and a cell
@@ -41,19 +43,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-def pytest_addoption(parser):
-    module_order.add_option(parser)
-
-
 def pytest_configure(config):
     CollectionGuard.install(config, tests_dir=Path(__file__).resolve().parent)
     StateGuard.install(config)
     module_order.configure(config)
-
-
-def pytest_report_header(config):
-    return module_order.header(config)
-
-
-def pytest_collection_modifyitems(config, items):
-    module_order.reorder(config, items)

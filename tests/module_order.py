@@ -10,6 +10,12 @@ each module in their written order (module fixtures stay valid):
 
 `NBTRAIN_TEST_ORDER` gives the default, so `NBTRAIN_TEST_ORDER=reverse bash tests/run.sh`
 runs the whole README command in reverse.
+
+Install it from a conftest: import the three hooks into it and call `configure` from
+its pytest_configure (which checks the value before anything runs).
+
+    from module_order import (pytest_addoption, pytest_collection_modifyitems,
+                              pytest_report_header)
 """
 from __future__ import annotations
 
@@ -21,7 +27,7 @@ import pytest
 ENV = "NBTRAIN_TEST_ORDER"
 
 
-def add_option(parser: pytest.Parser) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--module-order", default=os.environ.get(ENV, "written"),
                      metavar="written|reverse|random[:SEED]",
                      help="the order of test modules (tests inside a module keep theirs); "
@@ -47,7 +53,7 @@ def configure(config: pytest.Config) -> None:
     config._nbtrain_module_order = parse(config.getoption("module_order"))
 
 
-def header(config: pytest.Config) -> str | None:
+def pytest_report_header(config: pytest.Config) -> str | None:
     kind, seed = config._nbtrain_module_order
     if kind == "written":
         return None
@@ -55,7 +61,7 @@ def header(config: pytest.Config) -> str | None:
     return f"module order: {kind} (again: --module-order={again})"
 
 
-def reorder(config: pytest.Config, items: list[pytest.Item]) -> None:
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     kind, seed = config._nbtrain_module_order
     if kind == "written":
         return

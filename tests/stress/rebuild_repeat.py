@@ -16,10 +16,11 @@ the end of `rebuild`, 0 of 300 after, on 2 cores with one busy process).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+import load
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "multirank")]
@@ -35,20 +36,14 @@ def main(argv=None) -> int:
 
     from nbtrain.launch import run_ranks
 
-    busy = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
-            for _ in range(args.load)]
     failed, began = 0, time.monotonic()
-    try:
+    with load.busy(args.load):
         for run in range(args.runs):
             try:
                 run_ranks(_cut_optimizer_step, 2, timeout_s=120)
             except Exception as err:  # a rank's traceback
                 failed += 1
                 print(f"run {run} failed:\n{err}", flush=True)
-    finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()
     print(f"{failed} of {args.runs} failed in {time.monotonic() - began:.0f} s "
           f"({args.load} busy process(es) beside)")
     return 1 if failed else 0

@@ -26,9 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+import load
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = ["tests/notebook/test_recovery.py", "tests/multirank/test_recovery_ranks.py"]
-BUSY = "while True:\n    pass\n"
 
 
 def counts(output: str) -> dict[str, int]:
@@ -49,12 +50,11 @@ def main(argv=None) -> int:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     disposition = signal.SIG_IGN if args.sigint == "ignored" else signal.SIG_DFL
-    busy = [subprocess.Popen([sys.executable, "-c", BUSY]) for _ in range(args.load)]
     totals = {"passed": 0, "failed": 0, "errors": 0}
     bad_runs = 0
     print(f"{args.runs} runs of {' '.join(TESTS)}; {args.load} busy process(es) beside; "
           f"SIGINT {args.sigint} at start", flush=True)
-    try:
+    with load.busy(args.load):
         for run in range(1, args.runs + 1):
             began = time.monotonic()
             result = subprocess.run(
@@ -73,10 +73,6 @@ def main(argv=None) -> int:
                   + ("  <- exit code %d" % result.returncode if failed else ""), flush=True)
             if failed:
                 print(result.stdout[-4000:], result.stderr[-2000:], sep="\n", flush=True)
-    finally:
-        for proc in busy:
-            proc.kill()
-            proc.wait()
     print(f"total: {totals['passed']} passed, {totals['failed']} failed, {totals['errors']} "
           f"errors; runs with a failure: {bad_runs} of {args.runs}")
     return 1 if bad_runs else 0

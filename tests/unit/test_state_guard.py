@@ -20,24 +20,13 @@ import sys
 
 sys.path.insert(0, {str(TESTS_DIR)!r})
 import module_order
+from module_order import pytest_addoption, pytest_collection_modifyitems, pytest_report_header
 from state_guard import StateGuard
-
-
-def pytest_addoption(parser):
-    module_order.add_option(parser)
 
 
 def pytest_configure(config):
     StateGuard.install(config)
     module_order.configure(config)
-
-
-def pytest_report_header(config):
-    return module_order.header(config)
-
-
-def pytest_collection_modifyitems(config, items):
-    module_order.reorder(config, items)
 """
 
 # Written to leak: every kind of state the guard watches.
