@@ -1,4 +1,5 @@
-"""The consolidated checkpoint: one safetensors file with the plain model's names.
+"""The consolidated checkpoint: one safetensors file with the plain model's names (or,
+for a `.pt` path, BMTrain's torch.save format).
 
 `save(model, path)` writes the plain model's state dict (full tensors, plain names):
 a file `safetensors.torch.load_file` reads and a plain torch model loads. `load(model,
@@ -15,15 +16,23 @@ from __future__ import annotations
 
 import os
 
+import safetensors.torch
+import torch
 import torch.distributed as dist
 
 from ..comm.context import get_context
 from . import stream
 from .layout import _commit, agreed
+from .torch_file import SUFFIXES
 
 
 def save(model, path: str) -> None:
     """Writes the full model as one `.safetensors` file with the plain model's names.
+
+    A path ending in `.pt`, `.pth`, `.bin` or `.ckpt` gets BMTrain's format instead: a
+    `torch.save` of the full state dict (what `bmt.save` writes, so a BMTrain script
+    can load it). Building it holds the whole state dict in rank 0's memory, as
+    BMTrain does; the safetensors file never does.
 
     Collective: every rank calls this (each Block is gathered in turn); each pipeline
     stage's first rank writes a part beside `path`, rank 0 joins the parts into `path`
@@ -66,12 +75,18 @@ def save(model, path: str) -> None:
 
     def join():
         tmp = f"{path}.tmp-{os.getpid()}"
+        joined = f"{tmp}.safetensors" if path.endswith(SUFFIXES) else tmp
         try:
-            stream.join_parts(tmp, parts)
+            stream.join_parts(joined, parts)
+            if joined != tmp:
+                torch.save(safetensors.torch.load_file(joined), tmp)
             _commit(tmp, path)
         except BaseException:
             stream.remove_quietly(tmp)
             raise
+        finally:
+            if joined != tmp:
+                stream.remove_quietly(joined)
 
     try:
         agreed(f"nbtrain.save({path!r})", join, run_here=ctx.rank == 0)
@@ -81,7 +96,9 @@ def save(model, path: str) -> None:
 
 
 def load(model, path: str, strict: bool = True):
-    """Loads a file written by `save` (or any safetensors state dict of the plain model).
+    """Loads a file written by `save`: any safetensors state dict of the plain model, or
+    a `torch.save` file of one (BMTrain's `bmt.save` checkpoints; loaded with
+    weights_only=True and memory-mapped, see torch_file.py).
 
     Returns torch's (missing_keys, unexpected_keys). Each tensor is read on its own
     and the model keeps its slices (with pipeline stages, of its own stage's tensors:
@@ -93,7 +110,8 @@ def load(model, path: str, strict: bool = True):
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"nbtrain.load: no file {path!r}")
-    in_file = stream.file_keys(path)
+    source = stream.open_weights(path)
+    in_file = stream.file_keys(source)
     wanted = stream.expected_keys(model)
     present = set(in_file)
     owners = stream.slice_owners(model)
@@ -101,9 +119,9 @@ def load(model, path: str, strict: bool = True):
         if key not in present:
             continue
         if key in owners:  # only this rank's rows of it
-            stream.load_slice(path, key, owners[key])
+            stream.load_slice(source, key, owners[key])
         else:
-            model.load_state_dict({key: stream.read_one(path, key)}, strict=False)
+            model.load_state_dict({key: stream.read_one(source, key)}, strict=False)
     missing = [k for k in wanted if k not in present]
     expected = set(wanted)
     unexpected = [] if get_context().topology.pipe_size > 1 else \

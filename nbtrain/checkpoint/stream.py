@@ -25,6 +25,7 @@ from safetensors import safe_open
 from torch import nn
 
 from ..zero.block import Block
+from .torch_file import TorchFile, is_torch_file
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
@@ -169,17 +170,32 @@ def _copy(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
         nbytes -= len(data)
 
 
-def file_keys(path: str) -> list[str]:
-    """The tensor names in a safetensors file (its header only). Raises ValueError naming
-    the file when it is not a readable safetensors file."""
+def open_weights(path: str):
+    """The file to read tensors from: its path for a safetensors file, a TorchFile for a
+    `torch.save` state dict (BMTrain's checkpoints). Either is what `source` means in
+    the functions below. Raises ValueError naming the file when it is neither."""
+    if not path.endswith(".safetensors") and is_torch_file(path):
+        return TorchFile(path)
+    file_keys(path)  # a readable safetensors header, or a ValueError naming the file
+    return path
+
+
+def _open(source):
+    return safe_open(source, framework="pt") if isinstance(source, str) else source
+
+
+def file_keys(source) -> list[str]:
+    """The tensor names in a weights file (a safetensors file: its header only). Raises
+    ValueError naming the file when it is not a readable safetensors file."""
     try:
-        with safe_open(path, framework="pt") as f:
+        with _open(source) as f:
             return list(f.keys())
     except FileNotFoundError:
         raise
     except Exception as err:  # safetensors' own errors say little about which file
-        raise ValueError(f"{path!r} is not a readable safetensors file ({err}); was it "
-                         "truncated, or written by something else?") from err
+        raise ValueError(f"{source!r} is not a readable safetensors file, nor a "
+                         f"torch.save state dict ({err}); was it truncated, or written by "
+                         "something else?") from err
 
 
 def slice_owners(model: nn.Module) -> dict:
@@ -204,11 +220,11 @@ def slice_owners(model: nn.Module) -> dict:
     return owners
 
 
-def read_range(path: str, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
+def read_range(path, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
     """Elements [start, stop) of the flattened tensor `key`, reading only the rows that
     hold them (safetensors slicing); None when start == stop. Raises ValueError when
-    the file's shape is not `shape`. Local."""
-    with safe_open(path, framework="pt") as f:
+    the file's shape is not `shape`. `path`: a weights source (see open_weights). Local."""
+    with _open(path) as f:
         piece = f.get_slice(key)
         saved = tuple(piece.get_shape())
         if saved != tuple(shape):
@@ -226,7 +242,7 @@ def read_range(path: str, key: str, start: int, stop: int, shape) -> torch.Tenso
         return rows[start - first * row:stop - first * row]
 
 
-def load_slice(path: str, key: str, owner) -> None:
+def load_slice(path, key: str, owner) -> None:
     """Reads only this rank's part of `key` into its owner (see slice_owners)."""
     if owner[0] == "flat":
         _, group, index = owner
@@ -252,9 +268,9 @@ def load_slice(path: str, key: str, owner) -> None:
             param.data[:stop - begin].copy_(values)
 
 
-def read_one(path: str, key: str) -> torch.Tensor:
+def read_one(path, key: str) -> torch.Tensor:
     """One tensor of the file, the file opened and closed around it."""
-    with safe_open(path, framework="pt") as f:
+    with _open(path) as f:
         return f.get_tensor(key)
 
 
