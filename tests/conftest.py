@@ -30,7 +30,7 @@ except ImportError:  # --import-mode=importlib leaves it off
     from collection_guard import CollectionGuard
 import module_order  # noqa: E402
 from module_order import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401
-                          pytest_report_header)
+                          pytest_report_header, pytest_terminal_summary)
 from state_guard import StateGuard  # noqa: E402
 
 # The tests stand in for a notebook kernel, where the stop button is SIGINT and a cell

@@ -11,11 +11,11 @@ each module in their written order (module fixtures stay valid):
 `NBTRAIN_TEST_ORDER` gives the default, so `NBTRAIN_TEST_ORDER=reverse bash tests/run.sh`
 runs the whole README command in reverse.
 
-Install it from a conftest: import the three hooks into it and call `configure` from
-its pytest_configure (which checks the value before anything runs).
+Install it from a conftest: import its hooks into it and call `configure` from its
+pytest_configure (which checks the value before anything runs).
 
     from module_order import (pytest_addoption, pytest_collection_modifyitems,
-                              pytest_report_header)
+                              pytest_report_header, pytest_terminal_summary)
 """
 from __future__ import annotations
 
@@ -59,6 +59,13 @@ def pytest_report_header(config: pytest.Config) -> str | None:
         return None
     again = f"random:{seed}" if kind == "random" else kind
     return f"module order: {kind} (again: --module-order={again})"
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config: pytest.Config) -> None:
+    """The order again at the end: `-q` (as tests/run.sh runs) hides the header."""
+    line = pytest_report_header(config)
+    if line:
+        terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

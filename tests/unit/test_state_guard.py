@@ -20,7 +20,8 @@ import sys
 
 sys.path.insert(0, {str(TESTS_DIR)!r})
 import module_order
-from module_order import pytest_addoption, pytest_collection_modifyitems, pytest_report_header
+from module_order import (pytest_addoption, pytest_collection_modifyitems, pytest_report_header,
+                          pytest_terminal_summary)
 from state_guard import StateGuard
 
 
@@ -149,6 +150,9 @@ def test_a_random_order_is_seeded_and_printed(tmp_path):
 
     out, first = order("--module-order=random")
     seed = re.search(r"module order: random \(again: --module-order=random:(\d+)\)", out).group(1)
+    quiet = run_pytest(root, "-q", f"--module-order=random:{seed}", "tests").stdout
+    assert quiet.strip().splitlines()[-2] == (  # -q hides the header: it ends the run too
+        f"module order: random (again: --module-order=random:{seed})"), quiet
     _, again = order(f"--module-order=random:{seed}")
     assert again == first and sorted(first) == list("abcdefgh")
     shuffled = {tuple(order(f"--module-order=random:{s}")[1]) for s in (1, 2, 3)}
