@@ -189,9 +189,11 @@ class StateGuard:
             role = " (the current cluster of %nbtrain)" if cluster is current else ""
             left.append(f"nbtrain cluster {cluster.cluster_id} still running{role}")
             cluster.stop()
-        for path in sorted(_cluster_files() - before.cluster_files):
+        files = sorted(_cluster_files() - before.cluster_files)
+        for path in files:
             left.append(f"a cluster file under $IPYTHONDIR: {os.path.basename(path)} "
                         "(a cluster a notebook kernel started and never stopped)")
+        if files:
             from nbtrain.notebook.cluster import stop_leftover_clusters
 
             stop_leftover_clusters(os.environ["IPYTHONDIR"])
@@ -203,15 +205,14 @@ class StateGuard:
         if _recovery_armed() and not before.recovery_armed:
             left.append("nbtrain's recovery watcher is still armed (recovery.disarm())")
             sys.modules["nbtrain.comm.recovery"].disarm()
-        group = _dist_group()
-        if group is not None and before.dist_group is None:
+        group = _dist_group() if before.dist_group is None else None
+        if group is not None:
             left.append(f"torch.distributed's default group is still initialised ({group})")
-        context = _nbtrain_context()
-        if context is not None and context is not before.context and before.context is None:
+        context = _nbtrain_context() if before.context is None else None
+        if context is not None:
             left.append(f"nbtrain's context is still set (rank {context.rank} of "
                         f"{context.world_size}; nbtrain.comm.shutdown())")
-        if (group is not None and before.dist_group is None) or (
-                context is not None and before.context is None):
+        if group is not None or context is not None:
             import nbtrain.comm
 
             nbtrain.comm.shutdown(barrier=False)

@@ -171,12 +171,11 @@ def _copy(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
 
 
 def open_weights(path: str):
-    """The file to read tensors from: its path for a safetensors file, a TorchFile for a
-    `torch.save` state dict (BMTrain's checkpoints). Either is what `source` means in
-    the functions below. Raises ValueError naming the file when it is neither."""
+    """The file to read tensors from: a TorchFile for a `torch.save` state dict
+    (BMTrain's checkpoints), else the path (read as safetensors; `file_keys` says
+    when it is neither). Either is what `source` means in the functions below."""
     if not path.endswith(".safetensors") and is_torch_file(path):
         return TorchFile(path)
-    file_keys(path)  # a readable safetensors header, or a ValueError naming the file
     return path
 
 
@@ -220,11 +219,11 @@ def slice_owners(model: nn.Module) -> dict:
     return owners
 
 
-def read_range(path, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
+def read_range(source, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
     """Elements [start, stop) of the flattened tensor `key`, reading only the rows that
     hold them (safetensors slicing); None when start == stop. Raises ValueError when
-    the file's shape is not `shape`. `path`: a weights source (see open_weights). Local."""
-    with _open(path) as f:
+    the file's shape is not `shape`. `source`: see open_weights. Local."""
+    with _open(source) as f:
         piece = f.get_slice(key)
         saved = tuple(piece.get_shape())
         if saved != tuple(shape):
@@ -242,7 +241,7 @@ def read_range(path, key: str, start: int, stop: int, shape) -> torch.Tensor | N
         return rows[start - first * row:stop - first * row]
 
 
-def load_slice(path, key: str, owner) -> None:
+def load_slice(source, key: str, owner) -> None:
     """Reads only this rank's part of `key` into its owner (see slice_owners)."""
     if owner[0] == "flat":
         _, group, index = owner
@@ -250,7 +249,7 @@ def load_slice(path, key: str, owner) -> None:
         begin, end = group.layout.shard_range(group.rank)
         part = slot.local_part(begin, end)
         lo, hi = part if part is not None else (slot.offset, slot.offset)
-        values = read_range(path, key, lo - slot.offset, hi - slot.offset, slot.shape)
+        values = read_range(source, key, lo - slot.offset, hi - slot.offset, slot.shape)
         if values is not None:
             with torch.no_grad():
                 group.shard[lo - begin:hi - begin].copy_(values)
@@ -262,15 +261,15 @@ def load_slice(path, key: str, owner) -> None:
     ranks = group_of(param)
     begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
     stop = min(end, param.full_numel)
-    values = read_range(path, key, begin, max(begin, stop), param.full_shape)
+    values = read_range(source, key, begin, max(begin, stop), param.full_shape)
     if values is not None:
         with torch.no_grad():
             param.data[:stop - begin].copy_(values)
 
 
-def read_one(path, key: str) -> torch.Tensor:
+def read_one(source, key: str) -> torch.Tensor:
     """One tensor of the file, the file opened and closed around it."""
-    with _open(path) as f:
+    with _open(source) as f:
         return f.get_tensor(key)
 
 
