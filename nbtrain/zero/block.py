@@ -116,8 +116,12 @@ class Block(nn.Module):
 
     def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
                  label: str | None = None, reduce_dtype: torch.dtype | None = None,
-                 offload: bool = False):
+                 offload: bool = False, mode: str = "BLOCK"):
         super().__init__()
+        if mode not in ("BLOCK", "PIPE"):
+            raise ValueError(f"Block(mode={mode!r}): use \"BLOCK\" (the default) or \"PIPE\" "
+                             "(a block of a PipelineTransformerBlockList)")
+        self.mode = mode
         self.offload = bool(offload)
         level = ZeroLevel.parse(zero_level)
         entries = _collect(module)
