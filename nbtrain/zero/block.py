@@ -68,6 +68,11 @@ class _ParamEntry:
         self.names = [name]
         self.owners = []  # (module, attribute name)
         self.param = param
+        # A DistributedParameter stays the user's object after the block takes its
+        # values: its `.data` becomes this rank's part of it in the block's shard,
+        # `.grad` the same part of the shard's gradient (BMTrain's layout).
+        self.member = param if isinstance(param, DistributedParameter) else None
+        self.rest = None  # what the owners' attribute shows outside forward
         self.tp = None  # a tensor-parallel slice's split dimension and full shape
         if is_tp_slice(param):
             self.tp = SimpleNamespace()
@@ -91,11 +96,34 @@ def _collect(module: nn.Module) -> list[_ParamEntry]:
     return list(entries.values())
 
 
+def _become_part(param: DistributedParameter, group: FlatGroup, part, offset: int,
+                 begin: int) -> None:
+    """Makes `param` show this rank's part of it in `group`'s shard: its `.data` a view
+    of the shard (empty where this rank holds none of it), `.grad` the same part of the
+    shard's gradient (DistributedParameter.grad), `_start_partition`/`_end_partition`
+    the part's bounds in the flattened parameter (BMTrain's attributes; None and 0 for
+    none)."""
+    with torch.no_grad():
+        if part is None:
+            param.data = group.shard.detach()[:0]
+            param._start_partition, param._end_partition = None, 0
+            span = None
+        else:
+            lo, hi = part
+            param.data = group.shard.detach()[lo - begin:hi - begin]
+            param._start_partition, param._end_partition = lo - offset, hi - offset
+            span = (lo - begin, hi - begin)
+    param.requires_grad_(group.shard.requires_grad)
+    param._in_block = True
+    param._block_part = (group, span)
+
+
 class Block(nn.Module):
     """Shards `module`'s parameters ZeRO-style; `Block(m)(x)` equals `m(x)`.
 
     Args:
-        module: any nn.Module with at least one parameter.
+        module: any nn.Module. One without parameters (dropout, an activation, a
+            residual wrapper) makes a block that gathers nothing and only runs it.
         zero_level: 2 or 3 (see ZeroLevel).
         use_checkpoint: recompute the module's activations in backward.
         label: name used in telemetry. By default the module's class name until
@@ -124,10 +152,7 @@ class Block(nn.Module):
         self.mode = mode
         self.offload = bool(offload)
         level = ZeroLevel.parse(zero_level)
-        entries = _collect(module)
-        if not entries:
-            raise ValueError(f"Block needs a module with parameters; {type(module).__name__} "
-                             "has none. Call it directly, outside a Block.")
+        entries = _collect(module)  # none (dropout, an activation): a block that only runs
         ctx = get_context()
         for sub in module.modules():
             # A DistributedModule inside gave its plain parameters data-parallel
@@ -184,13 +209,19 @@ class Block(nn.Module):
             self.register_parameter(f"flat_param_{i}", group.shard)
             self._groups.append(group)
             self._init_methods.append(inits)
-            for entry in group_entries:
+            begin, end = group.layout.shard_range(group.rank)
+            for slot, entry in zip(layout.slots, group_entries):
+                if entry.member is not None:
+                    _become_part(entry.member, group, slot.local_part(begin, end), slot.offset,
+                                 begin)
+                    entry.rest = entry.member
+                else:
+                    # Outside forward the module shows a placeholder with the right
+                    # shape and dtype; forward installs real views.
+                    entry.rest = torch.empty(entry.param.shape, dtype=dtype, device="meta")
                 for mod, pname in entry.owners:
                     del mod._parameters[pname]
-                    # Outside forward the module shows a placeholder with the
-                    # right shape and dtype; forward installs real views.
-                    mod.__dict__[pname] = torch.empty(entry.param.shape, dtype=dtype,
-                                                      device="meta")
+                    mod.__dict__[pname] = entry.rest
                 entry.param = None  # the full tensor must not outlive construction
 
     @staticmethod
@@ -249,6 +280,7 @@ class Block(nn.Module):
 
     # -- forward ----------------------------------------------------------------
     def forward(self, *args, **kwargs):
+        self._sync_requires_grad()
         self._gather(self._next_block)
         fulls = [g.full_tensor() for g in self._groups]
         with events.compute_span(self.label, "forward"):
@@ -269,10 +301,40 @@ class Block(nn.Module):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)
 
+    def _sync_requires_grad(self) -> None:
+        """Honours `requires_grad_` toggled since the last forward, on the block's
+        shards (`block.parameters()`) or on the DistributedParameters it holds: the
+        two always agree. A flat group trains or freezes as a whole."""
+        for group in self._groups:
+            members = [e.member for e in group.entries if e.member is not None]
+            seen = group.synced_requires_grad
+            if group.shard.requires_grad == seen:
+                wanted = {m.requires_grad for m in members} or {seen}
+                if len(wanted) > 1:
+                    frozen = [n for e in group.entries if e.member is not None
+                              and not e.member.requires_grad for n in e.names[:1]]
+                    raise ValueError(
+                        f"Block {self.label!r}: requires_grad_(False) on {frozen} but not on "
+                        "the other parameters of the same flat buffer; nbtrain trains or "
+                        "freezes a block's parameters of one dtype together. Toggle them "
+                        "all (for p in block.parameters(): p.requires_grad_(False)), or "
+                        "build the block with those parameters already frozen (they then "
+                        "get a buffer of their own).")
+                group.shard.requires_grad_(wanted.pop())
+            for m in members:
+                m.requires_grad_(group.shard.requires_grad)
+            group.synced_requires_grad = group.shard.requires_grad
+
     def _run(self, fulls, args, kwargs):
         for group, full in zip(self._groups, fulls):
             self._install_views(group, full)
-        return self._module(*args, **kwargs)
+        try:
+            return self._module(*args, **kwargs)
+        finally:  # autograd keeps the views it needs; the attributes go back to rest
+            for group in self._groups:
+                for entry in group.entries:
+                    for mod, pname in entry.owners:
+                        mod.__dict__[pname] = entry.rest
 
     # -- backward ---------------------------------------------------------------
     def _begin_backward(self) -> None:

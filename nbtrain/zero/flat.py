@@ -49,7 +49,7 @@ class FlatGroup:
         if layout.world_size != ranks.size:
             raise ValueError(f"layout for {layout.world_size} ranks, group of {ranks.size}")
         self.layout, self.label, self.reducer = layout, label, reducer
-        self.ranks, self.rank, self.requires_grad = ranks, ranks.rank, requires_grad
+        self.ranks, self.rank = ranks, ranks.rank
         self.grad_dtype = grad_dtype or dtype
         begin, end = layout.shard_range(ranks.rank)
         # Offloaded: the shard (and so its gradient and the optimizer's state) lives in
@@ -69,6 +69,7 @@ class FlatGroup:
                     value.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._nbtrain_flat = True  # each element on one rank: norms sum over ranks
+        self.synced_requires_grad = requires_grad  # the owning Block's (Block._sync_requires_grad)
         self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
@@ -78,6 +79,11 @@ class FlatGroup:
         # stay gathered, and add the full gradients up here, reduced once at the end.
         self.hold = False
         self.deferred: torch.Tensor | None = None
+
+    @property
+    def requires_grad(self) -> bool:
+        """Whether the shard trains: `requires_grad_` on it between steps is honoured."""
+        return self.shard.requires_grad
 
     # -- gather / release -------------------------------------------------
     def start_gather(self) -> None:

@@ -49,6 +49,9 @@ def _local_slice(full: torch.Tensor, rank: int, world: int, device=None) -> torc
     return out
 
 
+_TENSOR_GRAD = torch._C.TensorBase.__dict__["grad"]  # the plain tensor's `.grad`
+
+
 class DistributedParameter(nn.Parameter):
     """A parameter whose data is this rank's shard of the flattened full tensor.
 
@@ -84,6 +87,42 @@ class DistributedParameter(nn.Parameter):
             copy_tp_meta(tp_slice_of, param)
         return param
 
+    # In a Block, the parameter shows this rank's part of the block's shard (BMTrain's
+    # layout; zero/block.py `_become_part`): `.grad` reads the same part of the shard's
+    # gradient, live, so the optimizer's zero_grad and the next backward show through.
+    @property
+    def grad(self):
+        part = self.__dict__.get("_block_part")
+        if part is None:
+            return _TENSOR_GRAD.__get__(self)
+        group, span = part
+        shard = group.shard
+        grad = getattr(shard, "main_grad", None)
+        grad = shard.grad if grad is None else grad
+        if grad is None or not self.requires_grad:
+            return None
+        return grad[:0] if span is None else grad[span[0]:span[1]]
+
+    @grad.setter
+    def grad(self, value):
+        part = self.__dict__.get("_block_part")
+        if part is None:
+            _TENSOR_GRAD.__set__(self, value)
+            return
+        if value is None:  # the block's shard keeps its gradient: zero it through the
+            return         # optimizer (zero_grad), which owns the shard
+        group, span = part
+        if span is None:
+            return
+        shard = group.shard
+        with torch.no_grad():
+            if getattr(shard, "main_grad", None) is not None:
+                shard.main_grad[span[0]:span[1]].copy_(value.reshape(-1))
+                return
+            if shard.grad is None:
+                shard.grad = torch.zeros_like(shard)
+            shard.grad[span[0]:span[1]].copy_(value.reshape(-1))
+
     def __deepcopy__(self, memo):
         raise TypeError("a DistributedParameter holds one shard; copy the module with "
                         "nbtrain.save/load instead of copy.deepcopy")
@@ -98,12 +137,21 @@ class DistributedParameter(nn.Parameter):
 
     def gather(self) -> torch.Tensor:
         """The full tensor, autograd-aware. Collective: every rank calls this."""
+        self._not_in_block("gather")
         return _GatherParam.apply(self)
 
     def gather_copy(self) -> torch.Tensor:
         """The full tensor, detached. Collective."""
+        self._not_in_block("gather_copy")
         with torch.no_grad():
             return _gather_full(self)
+
+    def _not_in_block(self, what: str) -> None:
+        if self.__dict__.get("_block_part") is not None:
+            raise RuntimeError(
+                f"{what}() of a DistributedParameter held by a Block: its values live in "
+                "the block's flat shard. Read the full tensor inside the block's forward "
+                "(the module's attribute), or with block.state_dict().")
 
     def load_full_(self, value: torch.Tensor, name: str = "") -> None:
         """Keeps this rank's slice of a full tensor `value` (shape must match)."""

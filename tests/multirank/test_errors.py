@@ -24,9 +24,9 @@ def test_zero_level_must_be_2_or_3(level):
         nbt.wrap(nn.Sequential(nn.Linear(2, 2)), zero_level=level)
 
 
-def test_block_needs_parameters():
-    with pytest.raises(ValueError, match="ReLU has none"):
-        nbt.Block(nn.ReLU())
+def test_block_mode_is_bmtrains():
+    with pytest.raises(ValueError, match=r"Block\(mode='pipe'\): use \"BLOCK\""):
+        nbt.Block(nn.Linear(3, 3), mode="pipe")
 
 
 def _sharded_linear():
