@@ -133,6 +133,10 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     Collective: every rank calls this.
     """
     global _CONTEXT
+    if isinstance(seed, str):  # BMTrain's first positional argument is init_method
+        raise TypeError(f"init_distributed({seed!r}, ...): nbtrain's first argument is the "
+                        "seed. Pass BMTrain's arguments by keyword: "
+                        f"init_distributed(init_method={seed!r}, seed=...)")
     _check_bmtrain_options(bmtrain_options)
     if pipe_size == -1:  # BMTrain's default: no pipeline
         pipe_size = 1

@@ -37,3 +37,9 @@ def test_a_bmtrain_keyword_nbtrain_cannot_honour_says_so(keyword, value, fix):
     with pytest.raises(ValueError, match=fix):
         nbt.init_distributed(**{keyword: value})
     assert not nbt.comm.is_initialized()
+
+
+def test_bmtrains_positional_init_method_is_refused_with_the_keyword_form():
+    with pytest.raises(TypeError, match=r"init_distributed\(init_method='env://', seed=\.\.\.\)"):
+        nbt.init_distributed("env://", 1)
+    assert not nbt.comm.is_initialized()
