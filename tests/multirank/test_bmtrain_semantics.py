@@ -7,7 +7,8 @@ ZeRO-2 and one recomputing its activations. The same classes built with
 `nn.Module`/`nn.Parameter` and no Blocks are the single-process reference, trained
 on the whole batch while each rank trains on its slice.
 
-Checked at every step, with SGD (momentum) and AdamW:
+Checked at every step, with SGD (momentum), AdamW, and BMTrain's AdamOffloadOptimizer
+in an OptimManager:
   * the losses, and at the end every weight, equal the reference's;
   * `.grad` of every DistributedParameter holds this rank's part of the reference's
     gradient: in a Block, the part `_start_partition:_end_partition` of the
@@ -95,9 +96,15 @@ def batches(world):
     return torch.randint(0, VOCAB, shape, generator=g), torch.randint(0, VOCAB, shape, generator=g)
 
 
-def make_optimizer(kind, params):
+def make_optimizer(kind, params, dist=False):
+    """"sgd", "adamw", or "bmt": BMTrain's AdamOffloadOptimizer in an OptimManager on
+    the sharded model (the plain model: torch's AdamW, the same update)."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.2, momentum=0.9)
+    if kind == "bmt" and dist:
+        manager = bmt.optim.OptimManager(loss_scale=None)
+        manager.add_optimizer(bmt.optim.AdamOffloadOptimizer(params, lr=0.02, weight_decay=0.1))
+        return manager
     return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
 
 
@@ -140,7 +147,7 @@ def train_bmtrain(kind):
     rank, world = bmt.rank(), bmt.world_size()
     model = build(dist=True)
     members = _distributed_parameters(model)
-    opt = make_optimizer(kind, model.parameters())
+    opt = make_optimizer(kind, model.parameters(), dist=True)
     xs, ys = batches(world)
     lo, hi = rank * BATCH_PER_RANK, (rank + 1) * BATCH_PER_RANK
     losses, grads = [], []
@@ -156,7 +163,7 @@ def train_bmtrain(kind):
                 p.requires_grad_(not frozen)
         opt.zero_grad()
         loss = F.cross_entropy(model(xs[step, lo:hi]).flatten(0, 1), ys[step, lo:hi].flatten())
-        loss.backward()
+        opt.backward(loss) if kind == "bmt" else loss.backward()
         grads.append({n: (None if p.grad is None else p.grad.clone(),
                           getattr(p, "_start_partition", False), getattr(p, "_end_partition", 0))
                       for n, p in members.items()})
@@ -171,7 +178,7 @@ def _expected_part(full_grad, start, end):
     return flat[:0] if start is None else flat[start:end]
 
 
-@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("kind", ["sgd", "adamw", "bmt"])
 def test_a_bmtrain_model_with_grads_and_freezing_matches_plain_pytorch(kind):
     world = 2
     want_losses, want_grads, want_state = train_plain(kind, world)
