@@ -4,9 +4,10 @@ ordinary data-parallel model.
     blocks = PipelineTransformerBlockList([Block(Layer()) for _ in range(8)])
     h = blocks(embed(ids))          # ids: this rank's slice of the batch, as without it
 
-Every rank builds the whole list; each pipeline stage keeps its contiguous share of
-the blocks (balanced by parameter count) under their own indices, so state_dict keys
-are the plain model's. Calling it: the ranks of one pipeline gather their batch
+Every rank builds the whole list (Blocks, as BMTrain's `Block(layer, mode="PIPE")`, or
+plain modules, each made a `Block(module, mode="PIPE")` here); each pipeline stage
+keeps its contiguous share of the blocks (balanced by parameter count) under their own
+indices. Calling it: the ranks of one pipeline gather their batch
 slices, the gathered batch runs through the stages as `num_micro_batches`
 micro-batches (GPipe order; `init_distributed(num_micro_batches=...)`, default the
 number of stages), the last stage's output is sent to every stage, and each rank gets
@@ -29,6 +30,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..zero.accumulate import micro_batches
+from ..zero.block import Block
 from .p2p import Link
 from .split import balanced_split
 
@@ -44,8 +46,12 @@ class PipelineTransformerBlockList(nn.Module):
     """A stack of blocks split into pipeline stages (BMTrain's signature).
 
     Args:
-        modules: the blocks, in order (every rank passes the same list).
+        modules: the blocks, in order (every rank passes the same list): Blocks (any
+            mode), or plain modules, made `Block(module, mode="PIPE")` here.
         num_hidden: hidden states passed between blocks; 1 (one tensor) is supported.
+
+    Construction is collective when a plain module holds DistributedParameters (every
+    rank wraps every module, in order).
     """
 
     def __init__(self, modules, num_hidden: int = 1):
@@ -57,8 +63,11 @@ class PipelineTransformerBlockList(nn.Module):
         topo = get_context().topology
         self.split = balanced_split([max(1, _numel(m)) for m in modules], topo.pipe_size)
         self.local = self.split[topo.pipe_rank]
-        for i in self.local:  # the plain model's indices: its state_dict keys
-            self.add_module(str(i), modules[i])
+        for i, m in enumerate(modules):
+            if not isinstance(m, Block):  # every rank wraps every one, in the same order
+                m = Block(m, mode="PIPE")  # its stage's ranks shard and reduce it
+            if i in self.local:  # the plain model's indices: its state_dict keys
+                self.add_module(str(i), m)
         self._nbtrain_pipeline_stage = True
         self.num_layers = len(modules)
 
@@ -73,6 +82,10 @@ class PipelineTransformerBlockList(nn.Module):
                                       "only; extra block arguments are not passed yet")
         if get_context().topology.pipe_size == 1:
             return self.run_stage(hidden)
+        if torch.is_grad_enabled() and hidden.is_floating_point() and not hidden.requires_grad:
+            # The blocks' parameters reach autograd through the input only: without a
+            # gradient to carry, backward would never run through the stages.
+            hidden = hidden.detach().requires_grad_()
         return _Pipelined.apply(self, hidden)
 
 
