@@ -10,6 +10,10 @@ parts p, p + P, ... of the model cut into P * V, and M a multiple of P:
     stages = nbtrain.pipeline.stages_of(layers, virtual=2)
     losses = nbtrain.pipeline.run(stages, inputs, targets, loss_fn, schedule="interleaved")
 
+BMTrain's `PipelineTransformerBlockList` (blocklist.py) pipelines a list of blocks
+inside an ordinary data-parallel model; its `state_dict()` holds every layer, on every
+rank, and `load_state_dict` takes the plain model's on every stage.
+
 SCHEDULES names the schedules: "gpipe", "1f1b", "interleaved". See schedule.py for the
 schedules, interleaved.py for the interleaved one and p2p.py for the transfers between
 stages.

@@ -21,10 +21,26 @@ the sum of P ranks' contributions where data parallelism averages. The gathered
 output gradient is divided by P before it runs back through the stages (the blocks'
 reduction over the stage's ranks then completes the average over every rank), and
 the input gradients handed back are multiplied by P again (each rank's own).
+
+State dicts hold every layer, as BMTrain's do (there on rank 0, here on every rank):
+`state_dict()` gives the plain model's keys ("layers.0.…" to "layers.7.…"). Each stage
+gathers its own layers over its ranks and broadcasts them along its pipeline, so the
+call is collective over every rank and each rank ends up holding the whole list's
+tensors (on its device); `stage_state_dict()` gives this stage's layers alone.
+`load_state_dict(full)` keeps this stage's layers' tensors and takes the other stages'
+keys as known, not unexpected. Every stage knows every layer's keys, so a missing key
+of any layer is missing, and a key that names no layer's tensor unexpected, on every
+rank alike: a strict load fails on every rank or on none (a wrong shape is found by
+the stage holding the layer). nbtrain's own checkpoints (`nbtrain.save`, stream.py)
+walk each stage's modules instead: each stage writes its own layers, nothing is sent
+between stages.
 """
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as C
@@ -42,6 +58,20 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _state_keys(module: nn.Module) -> list[str]:
+    """The keys `module.state_dict()` holds, found without gathering anything."""
+    keys = []
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        base = prefix + "." if prefix else ""
+        if isinstance(sub, Block):  # its flat groups hold the parameters below it
+            keys += [base + n for g in sub.groups for e in g.entries for n in e.names]
+        else:
+            keys += [base + n for n, p in sub._parameters.items() if p is not None]
+        keys += [base + n for n, b in sub._buffers.items()
+                 if b is not None and n not in sub._non_persistent_buffers_set]
+    return list(dict.fromkeys(keys))
+
+
 class PipelineTransformerBlockList(nn.Module):
     """A stack of blocks split into pipeline stages (BMTrain's signature).
 
@@ -51,7 +81,7 @@ class PipelineTransformerBlockList(nn.Module):
         num_hidden: hidden states passed between blocks; 1 (one tensor) is supported.
 
     Construction is collective when a plain module holds DistributedParameters (every
-    rank wraps every module, in order).
+    rank wraps every module, in order). `state_dict()` is collective over every rank.
     """
 
     def __init__(self, modules, num_hidden: int = 1):
@@ -63,11 +93,14 @@ class PipelineTransformerBlockList(nn.Module):
         topo = get_context().topology
         self.split = balanced_split([max(1, _numel(m)) for m in modules], topo.pipe_size)
         self.local = self.split[topo.pipe_rank]
+        self._other_keys = []  # the other stages' state-dict keys, for load_state_dict
         for i, m in enumerate(modules):
             if not isinstance(m, Block):  # every rank wraps every one, in the same order
                 m = Block(m, mode="PIPE")  # its stage's ranks shard and reduce it
             if i in self.local:  # the plain model's indices: its state_dict keys
                 self.add_module(str(i), m)
+            else:
+                self._other_keys += [f"{i}.{k}" for k in _state_keys(m)]
         self._nbtrain_pipeline_stage = True
         self.num_layers = len(modules)
 
@@ -87,6 +120,69 @@ class PipelineTransformerBlockList(nn.Module):
             # gradient to carry, backward would never run through the stages.
             hidden = hidden.detach().requires_grad_()
         return _Pipelined.apply(self, hidden)
+
+    # -- state dicts -----------------------------------------------------------------
+    def stage_state_dict(self, prefix: str = "", keep_vars: bool = False) -> dict:
+        """This stage's layers alone, under their plain keys: collective over this
+        stage's ranks only (nothing crosses the pipeline)."""
+        return super().state_dict(prefix=prefix, keep_vars=keep_vars)
+
+    def state_dict(self, *args, destination=None, prefix="", keep_vars=False):
+        """Every layer's tensors under the plain model's keys, on every rank: each stage
+        gathers its own layers over its ranks, then each stage in turn broadcasts them
+        along the pipeline. Collective over every rank."""
+        if args:  # torch's older positional form: state_dict(destination, prefix, keep_vars)
+            given = dict(zip(("destination", "prefix", "keep_vars"), args))
+            destination = given.get("destination", destination)
+            prefix = given.get("prefix", prefix)
+            keep_vars = given.get("keep_vars", keep_vars)
+        if get_context().topology.pipe_size == 1:
+            return super().state_dict(destination=destination, prefix=prefix,
+                                      keep_vars=keep_vars)
+        own = self.stage_state_dict(prefix=prefix, keep_vars=keep_vars)
+        if destination is None:
+            destination = OrderedDict()
+            destination._metadata = OrderedDict()
+        for part, metadata in _exchange(own):
+            destination.update(part)
+            if hasattr(destination, "_metadata"):
+                destination._metadata.update(metadata)
+        return destination
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
+                              missing_keys, unexpected_keys, error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
+                                      missing_keys, unexpected_keys, error_msgs)
+        # The other stages' layers: their keys are known, their tensors not kept here.
+        # Reported alike on every rank, so a strict load fails on all of them or none.
+        others = [prefix + k for k in self._other_keys]
+        known = set(others)
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in known]
+        missing_keys.extend(k for k in others if k not in state_dict)
+
+
+def _exchange(own: dict):
+    """(tensors, state-dict metadata) of every stage in order: this stage's `own`, the
+    others' received along this rank's pipeline (one object all-gather for the names,
+    shapes and dtypes, then one broadcast a tensor, each from its stage). Collective
+    over every rank of the pipeline."""
+    topo, group, ranks = _pipe()
+    device = get_context().device
+    described = ([(k, tuple(v.shape), v.dtype) for k, v in own.items()],
+                 dict(getattr(own, "_metadata", {})))
+    everyone = [None] * topo.pipe_size
+    dist.all_gather_object(everyone, described, group=group)
+    for stage, (entries, metadata) in enumerate(everyone):
+        mine = stage == topo.pipe_rank
+        part = own if mine else OrderedDict()
+        for key, shape, dtype in entries:
+            if mine:
+                out = own[key].detach().to(device).contiguous()
+            else:
+                out = part[key] = torch.empty(shape, dtype=dtype, device=device)
+            if out.numel():
+                C.broadcast(out, src=ranks[stage], group=group, label="pp state_dict")
+        yield part, metadata
 
 
 def _pipe():
