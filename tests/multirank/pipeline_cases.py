@@ -270,3 +270,195 @@ def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
     param_err = max((state[n] - ref_state[n]).abs().max().item() for n in names)
     return {"loss": loss_err, "params": param_err, "checked": len(names), "ties": ties,
             "norm": norm_err}
+
+
+# -- PipelineTransformerBlockList state dicts (test_pipeline_state_dict.py) ---------------
+
+SD_VOCAB, SD_WIDTH, SD_LAYERS, SD_STEPS = 16, 8, 4, 4
+
+
+class _SdLayer(nn.Module):
+    """A tiny residual layer with a persistent buffer (state dicts carry buffers too)."""
+
+    def __init__(self, index):
+        super().__init__()
+        self.norm = nn.LayerNorm(SD_WIDTH)
+        self.linear = nn.Linear(SD_WIDTH, SD_WIDTH)
+        self.register_buffer("gain", torch.full((SD_WIDTH,), 0.5 + 0.1 * index))
+
+    def forward(self, x):
+        return x + self.gain * torch.tanh(self.linear(self.norm(x)))
+
+
+class _SdPlain(nn.Module):
+    """Embedding, SD_LAYERS layers, head: the plain model the pipelined ones match."""
+
+    def __init__(self, seed, frozen_embed=False):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(SD_VOCAB, SD_WIDTH)
+        self.embed.weight.requires_grad_(not frozen_embed)
+        self.layers = nn.ModuleList(_SdLayer(i) for i in range(SD_LAYERS))
+        self.head = nn.Linear(SD_WIDTH, SD_VOCAB)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def _sd_model(plain, make):
+    """The pipelined copy of `plain`: its layers made blocks by `make` ("pipe":
+    Block(layer, mode="PIPE"), "block": Block(layer), "plain": the layer itself)."""
+    import nbtrain as bmt
+
+    wrap = {"pipe": lambda m: bmt.Block(m, mode="PIPE"), "block": bmt.Block,
+            "plain": lambda m: m}[make]
+
+    class Model(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.head = copy.deepcopy(plain.embed), copy.deepcopy(plain.head)
+            self.layers = bmt.PipelineTransformerBlockList(
+                [wrap(copy.deepcopy(m)) for m in plain.layers])
+
+        def forward(self, ids):
+            return self.head(self.layers(self.embed(ids)))
+
+    return Model()
+
+
+def _sd_batch(gen, rows):
+    ids = torch.randint(0, SD_VOCAB, (rows, 3), generator=gen)
+    return ids, torch.randint(0, SD_VOCAB, (rows, 3), generator=gen)
+
+
+def _sd_loss(logits, target):
+    return F.cross_entropy(logits.reshape(-1, SD_VOCAB), target.reshape(-1))
+
+
+def _sd_compare(state, ref, what):
+    """Same keys, values within assert_close's float32 tolerance; the largest error."""
+    assert sorted(state) == sorted(ref), (what, sorted(set(state) ^ set(ref)))
+    for k in ref:
+        torch.testing.assert_close(state[k].cpu(), ref[k], msg=lambda m, k=k: f"{what} {k}: {m}")
+    return max((state[k].cpu() - ref[k]).abs().max().item() for k in ref)
+
+
+def state_dict_after_training(pipe, optimizer):
+    """Pipelined models (layers as Block(mode="PIPE"), Block, plain modules; and one with
+    a frozen embedding, so the list's input needs no gradient) trained SD_STEPS steps
+    with every rank's slice, against the plain model on this process with the whole
+    batch. Every rank's state_dict() must be the plain model's: every key, equal
+    values. Returns per variant the keys, the largest error and this rank's layers."""
+    import nbtrain as bmt
+
+    bmt.init_distributed(pipe_size=pipe, num_micro_batches=2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    variants = [("pipe", False), ("block", False), ("plain", False), ("pipe", True)]
+    runs = []
+    for make, frozen in variants:
+        plain = _SdPlain(0, frozen_embed=frozen)
+        model = _sd_model(plain, make)
+        opts = [_optimizer([p for p in m.parameters() if p.requires_grad], optimizer)
+                for m in (plain, model)]
+        runs.append((plain, model, opts))
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(SD_STEPS):
+        ids, target = _sd_batch(gen, 2 * world)
+        for plain, model, opts in runs:
+            _sd_loss(plain(ids), target).backward()
+            _sd_loss(model(ids.chunk(world)[rank]), target.chunk(world)[rank]).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+    out = {}
+    for (make, frozen), (plain, model, _) in zip(variants, runs):
+        what = f"{make}{' frozen embed' if frozen else ''}"
+        state = model.state_dict()
+        out[what] = {"keys": list(state), "plain_keys": list(plain.state_dict()),
+                     "err": _sd_compare(state, plain.state_dict(), what),
+                     "local": list(model.layers.local),
+                     "stage_keys": sorted(model.layers.stage_state_dict())}
+    return out
+
+
+def state_dict_loading(pipe):
+    """A pipelined model (Block(mode="PIPE")) loads a plain model's state dict, strict,
+    on every stage; its logits and loss are then the plain model's. Loads lacking a key
+    or with bogus keys: what each raises or reports (collected, every rank)."""
+    import nbtrain as bmt
+
+    bmt.init_distributed(pipe_size=pipe, num_micro_batches=2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    model = _sd_model(_SdPlain(0), "pipe")
+    plain = _SdPlain(7)  # other values everywhere, buffers included
+    for i, layer in enumerate(plain.layers):
+        layer.gain.fill_(2.0 + i)
+    full = plain.state_dict()
+    result = model.load_state_dict(full, strict=True)
+    out = {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
+           "local": list(model.layers.local)}
+    ids, target = _sd_batch(torch.Generator().manual_seed(4), 2 * world)
+    with torch.no_grad():
+        ref_logits = plain(ids)
+    logits = model(ids.chunk(world)[rank])
+    torch.testing.assert_close(logits.detach(), ref_logits.chunk(world)[rank])
+    loss = _sd_loss(logits, target.chunk(world)[rank])
+    torch.testing.assert_close(bmt.sum_loss(loss), _sd_loss(ref_logits, target))
+    out["after"] = _sd_compare(model.state_dict(), full, "after load")
+    for key in ("layers.0.linear.weight", f"layers.{SD_LAYERS - 1}.gain", "head.bias"):
+        lacking = {k: v for k, v in full.items() if k != key}
+        out[f"non-strict without {key}"] = list(
+            model.load_state_dict(lacking, strict=False).missing_keys)
+        try:
+            model.load_state_dict(lacking, strict=True)
+            out[f"strict without {key}"] = "loaded"
+        except RuntimeError as err:
+            out[f"strict without {key}"] = str(err)
+    bogus = {**full, "layers.1.bogus": full["head.bias"],
+             f"layers.{SD_LAYERS}.linear.weight": full["layers.0.linear.weight"],
+             "layers.extra": full["head.bias"]}
+    out["non-strict bogus"] = list(model.load_state_dict(bogus, strict=False).unexpected_keys)
+    try:
+        model.load_state_dict(bogus, strict=True)
+        out["strict bogus"] = "loaded"
+    except RuntimeError as err:
+        out["strict bogus"] = str(err)
+    out["still"] = _sd_compare(model.state_dict(), full, "after the failed loads")
+    return out
+
+
+def state_dict_checkpoint(pipe, folder):
+    """nbtrain.save / nbtrain.load of a model holding a PipelineTransformerBlockList (each
+    stage writes its own layers), safetensors and BMTrain's .pt, after SD_STEPS of SGD:
+    a fresh model loads the files and its state dict is the trained one. Returns rank 0's
+    plain reference state dict."""
+    import nbtrain as bmt
+
+    bmt.init_distributed(pipe_size=pipe, num_micro_batches=2)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    plain = _SdPlain(0)
+    model = _sd_model(plain, "pipe")
+    opts = [_optimizer(m.parameters(), "sgd") for m in (plain, model)]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(SD_STEPS):
+        ids, target = _sd_batch(gen, 2 * world)
+        _sd_loss(plain(ids), target).backward()
+        _sd_loss(model(ids.chunk(world)[rank]), target.chunk(world)[rank]).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    ref = plain.state_dict()
+    out = {}
+    for name in ("model.safetensors", "model.pt"):
+        path = f"{folder}/{name}"
+        bmt.save(model, path)
+        fresh = _sd_model(_SdPlain(9), "pipe")
+        result = bmt.load(fresh, path)
+        out[name] = {"missing": list(result.missing_keys),
+                     "unexpected": list(result.unexpected_keys),
+                     "err": _sd_compare(fresh.state_dict(), ref, f"loaded {name}")}
+    out["ref"] = ref if rank == 0 else None
+    return out
