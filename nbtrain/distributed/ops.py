@@ -1,0 +1,283 @@
+"""Whole-tensor collectives with BMTrain's shapes and gradients (`bmt.distributed`).
+
+Every function takes `comm`, the ranks it runs over:
+
+- None (the default): every rank (torch's default group);
+- a torch process group, or the name of one of the topology's groups ("tp", "dp",
+  "zero", "pipe", ...; see nbtrain.comm.topology) for BMTrain's `config["tp_comm"]`
+  and the like;
+- `nbtrain.comm.topology.ALONE`: this rank alone (nothing travels).
+
+Ranks given to `broadcast`, `send_activations` and `recv_activations` count within
+`comm`, as BMTrain's do. A tensor on another device than the context's (a CPU tensor
+in a CUDA run) is moved there for the collective and the result moved back; BMTrain
+accepts CUDA tensors only. Everything travels through nbtrain's counted collectives
+(nbtrain.comm.collectives), labelled "distributed ...".
+
+Gradients are BMTrain's. Two conventions meet here, as in BMTrain:
+
+- `all_gather` and `all_reduce` give every rank the same result and expect every
+  rank to compute the same loss from it, counted once: the gradient of this rank's
+  input is its part of the output's gradient (`grad[rank]` for all_gather, `grad`
+  for a sum, `grad / world` for an average, `grad` where this rank held the max/min
+  and 0 elsewhere, `grad * result / input` for a product).
+- `reduce_scatter` and `broadcast` give each rank its own result, and each rank's
+  loss counts: the gradient of the input is the all-gather of the output gradients
+  (divided by the world for "avg"; max/min/prod have none, as in BMTrain), and a
+  broadcast's gradient is the sum of every rank's output gradient, on every rank
+  (the root's is the true one; BMTrain gives the others the same sum).
+
+Collective: every rank of `comm` calls each function (but the point-to-point pair)
+in the same order. Before `init_distributed` they raise a RuntimeError.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..comm import collectives as C
+from ..comm.context import get_context
+from ..comm.topology import ALONE
+
+OPS = ("sum", "avg", "max", "min", "prod")
+# dtype codes of the header `send_activations` sends first: BMTrain's order, then more.
+DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
+          torch.int16, torch.int8, torch.bfloat16, torch.bool, torch.uint8)
+HEADER_LEN = 50  # ndim, dtype code, then up to 48 sizes
+
+
+def _resolve(comm):
+    """(group, size, rank within it) for `comm`."""
+    ctx = get_context()  # a clear error before init_distributed
+    if isinstance(comm, str):
+        comm = ctx.topology.group(comm)
+    if comm is ALONE:
+        return ALONE, 1, 0
+    if comm is None:
+        return None, ctx.world_size, ctx.rank
+    return comm, dist.get_world_size(comm), dist.get_rank(comm)
+
+
+def _global_rank(group, size: int, group_rank: int) -> int:
+    if not 0 <= group_rank < size:
+        raise ValueError(f"rank {group_rank} is outside the group of {size} ranks")
+    if group is ALONE:
+        return get_context().rank
+    if group is None:
+        return group_rank
+    return dist.get_global_rank(group, group_rank)
+
+
+def _check_op(op: str) -> str:
+    if op not in OPS:
+        raise ValueError(f"op={op!r}: use one of {', '.join(map(repr, OPS))}")
+    return op
+
+
+def _on_context_device(x: torch.Tensor, fn):
+    """fn(x) computed on the context's device, returned on x's device."""
+    device = get_context().device
+    if x.device == device:
+        return fn(x)
+    return fn(x.to(device)).to(x.device)
+
+
+# -- the collectives, without autograd ------------------------------------------------
+
+def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    x = x.detach().contiguous()
+    out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
+    C.all_gather(out.view(-1), x.reshape(-1), group=group, label="distributed all_gather")
+    return out
+
+
+def _reduce(x: torch.Tensor, op: str, group, size: int) -> torch.Tensor:
+    if op == "prod":  # gathered and multiplied here: the collectives reduce sum/max/min
+        return _gather(x, group, size).prod(0, dtype=x.dtype)
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    C.all_reduce(out, op="sum" if op == "avg" else op, group=group,
+                 label="distributed all_reduce")
+    if op == "avg":
+        if out.is_floating_point() or out.is_complex():
+            out.div_(size)
+        else:
+            out.div_(size, rounding_mode="trunc")
+    return out
+
+
+def _scatter(x: torch.Tensor, op: str, group, size: int, rank: int) -> torch.Tensor:
+    if x.dim() == 0 or x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: the first dimension of shape {tuple(x.shape)} "
+                         f"must divide by the {size} ranks")
+    rows = x.shape[0] // size
+    if op not in ("sum", "avg"):
+        return _reduce(x, op, group, size)[rank * rows:(rank + 1) * rows].clone()
+    x = x.detach().contiguous()
+    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
+    C.reduce_scatter(out.view(-1), x.view(-1), op=op, group=group,
+                     label="distributed reduce_scatter")
+    return out
+
+
+def _broadcast(x: torch.Tensor, root: int, group, size: int) -> torch.Tensor:
+    src = _global_rank(group, size, root)
+    out = x.detach().clone(memory_format=torch.contiguous_format)
+    if group is not ALONE and size > 1:
+        C.broadcast(out, src=src, group=group, label="distributed broadcast")
+    return out
+
+
+# -- autograd -----------------------------------------------------------------------------
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, size, rank):
+        ctx.rank = rank
+        return _gather(x, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[ctx.rank], None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, op, group, size):
+        out = _reduce(x, op, group, size)
+        ctx.op, ctx.size = op, size
+        if op in ("max", "min"):
+            ctx.save_for_backward(x != out)  # where this rank did not hold the result
+        elif op == "prod":
+            ctx.save_for_backward(out / x)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.op == "sum":
+            return grad, None, None, None
+        if ctx.op == "avg":
+            return grad / ctx.size, None, None, None
+        saved, = ctx.saved_tensors
+        if ctx.op in ("max", "min"):
+            return grad.masked_fill(saved, 0), None, None, None
+        return grad * saved, None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, op, group, size, rank):
+        ctx.op, ctx.group, ctx.size = op, group, size
+        return _scatter(x, op, group, size, rank)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.op not in ("sum", "avg"):
+            raise NotImplementedError(f"reduce_scatter(op={ctx.op!r}) has no gradient (nor "
+                                      "in BMTrain); use op='sum' or 'avg'")
+        full = _gather(grad, ctx.group, ctx.size).flatten(0, 1)
+        if ctx.op == "avg":
+            full = full / ctx.size
+        return full, None, None, None, None
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, root, group, size):
+        ctx.group, ctx.size = group, size
+        return _broadcast(x, root, group, size)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce(grad, "sum", ctx.group, ctx.size), None, None, None
+
+
+# -- BMTrain's functions ----------------------------------------------------------------
+
+def all_gather(x: torch.Tensor, comm=None) -> torch.Tensor:
+    """Every rank's `x`, stacked: shape (ranks of comm, *x.shape), in rank order.
+
+    Gradient: this rank's slice of the output's gradient (see the module's notes).
+    Collective.
+    """
+    group, size, rank = _resolve(comm)
+    return _on_context_device(x, lambda t: _AllGather.apply(t, group, size, rank))
+
+
+def all_reduce(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
+    """`x` reduced over the ranks of `comm` (a new tensor; `x` is left as it is).
+
+    Args:
+        op: "sum", "avg", "max", "min" or "prod" (an integer average truncates).
+
+    Gradient: see the module's notes. Collective.
+    """
+    group, size, _ = _resolve(comm)
+    _check_op(op)
+    return _on_context_device(x, lambda t: _AllReduce.apply(t, op, group, size))
+
+
+def reduce_scatter(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
+    """`x` reduced over the ranks of `comm`, of which this rank keeps its rows: shape
+    (x.shape[0] // ranks, *x.shape[1:]), rank r holding rows r*n:(r+1)*n.
+
+    Args:
+        op: as for `all_reduce`; only "sum" and "avg" have a gradient.
+
+    Gradient: the all-gather of the output gradients. Collective.
+    """
+    group, size, rank = _resolve(comm)
+    _check_op(op)
+    return _on_context_device(x, lambda t: _ReduceScatter.apply(t, op, group, size, rank))
+
+
+def broadcast(src: torch.Tensor, root: int, comm=None) -> torch.Tensor:
+    """A copy of rank `root`'s `src` on every rank (every rank passes a tensor of that
+    shape and dtype). `root` counts within `comm`.
+
+    Gradient: the sum over the ranks of the output's gradient, on every rank.
+    Collective.
+    """
+    group, size, _ = _resolve(comm)
+    return _on_context_device(src, lambda t: _Broadcast.apply(t, root, group, size))
+
+
+def send_activations(hidden_state: torch.Tensor, next_rank: int, comm=None) -> None:
+    """Sends `hidden_state` (any shape and dtype of DTYPES) to `next_rank` of `comm`,
+    which receives it with `recv_activations`. Not differentiable.
+
+    The tensor's shape and dtype travel first, in a header of HEADER_LEN int64s. The
+    send does not wait for the receiver (a copy is sent: `hidden_state` may change at
+    once). BMTrain's `comm` is required; here None means every rank.
+    """
+    group, size, _ = _resolve(comm)
+    dst = _global_rank(group, size, next_rank)
+    device = get_context().device
+    if hidden_state.dim() > HEADER_LEN - 2:
+        raise ValueError(f"send_activations: {hidden_state.dim()} dimensions; at most "
+                         f"{HEADER_LEN - 2} fit in the header")
+    if hidden_state.dtype not in DTYPES:
+        raise ValueError(f"send_activations: dtype {hidden_state.dtype} is not one of "
+                         f"{', '.join(map(str, DTYPES))}")
+    header = torch.zeros(HEADER_LEN, dtype=torch.int64)
+    header[0] = hidden_state.dim()
+    header[1] = DTYPES.index(hidden_state.dtype)
+    header[2:2 + hidden_state.dim()] = torch.tensor(hidden_state.shape, dtype=torch.int64)
+    payload = hidden_state.detach().to(device=device, memory_format=torch.contiguous_format,
+                                       copy=True)
+    C.send(header.to(device), dst, label="distributed send_activations header")
+    C.send(payload, dst, label="distributed send_activations")
+
+
+def recv_activations(prev_rank: int, comm=None) -> torch.Tensor:
+    """Receives the tensor that `prev_rank` of `comm` sent with `send_activations`, on
+    the context's device (blocks until it arrives). Not differentiable."""
+    group, size, _ = _resolve(comm)
+    src = _global_rank(group, size, prev_rank)
+    device = get_context().device
+    header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
+    C.recv(header, src, label="distributed recv_activations header")
+    ndim, code = int(header[0]), int(header[1])
+    shape = header[2:2 + ndim].tolist()
+    out = torch.empty(shape, dtype=DTYPES[code], device=device)
+    C.recv(out, src, label="distributed recv_activations")
+    return out
