@@ -1,25 +1,80 @@
 """nbtrain: train models that do not fit on one device, from Jupyter or torchrun.
 
-BMTrain-compatible names: change `import bmtrain as bmt` to `import nbtrain as bmt`.
+BMTrain-compatible names: change `import bmtrain as bmt` to `import nbtrain as bmt`
+(docs/bmtrain.md lists every BMTrain name and where nbtrain behaves differently).
 Importing nbtrain imports neither triton, ipywidgets nor ipyparallel; the notebook
 layer (`Cluster`, the magics, the dashboard) loads on first use.
 """
 from . import telemetry
-from .comm import (get_context, init_distributed, print_rank, rank, sum_loss, synchronize,
-                   world_size)
+from .comm import (
+    get_context,
+    init_distributed,
+    print_rank,
+    rank,
+    sum_loss,
+    synchronize,
+    world_size,
+)
 from .comm.config import config
-from .zero import (Block, DistributedModule, DistributedParameter, ParameterInitializer,
-                   TransformerBlockList, assign_inits, empty_parameters, init_parameters, wrap)
+from .zero import (
+    Block,
+    DistributedModule,
+    DistributedParameter,
+    ParameterInitializer,
+    TransformerBlockList,
+    assign_inits,
+    empty_parameters,
+    init_parameters,
+    wrap,
+)
+
+CheckpointBlock = Block  # BMTrain's older name for Block
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "init_distributed", "get_context", "rank", "world_size", "synchronize", "print_rank",
-    "sum_loss", "config", "DistributedParameter", "DistributedModule", "ParameterInitializer",
-    "init_parameters", "empty_parameters", "assign_inits", "Block", "TransformerBlockList", "wrap", "telemetry", "progress",
-    "optim", "lr_scheduler", "loss", "save", "load", "save_checkpoint", "load_checkpoint",
-    "inspect", "graceful_stop", "stop_requested", "parallelize", "pipeline",
+    "BMTrainModelWrapper",
+    "Block",
+    "CheckpointBlock",
+    "DistributedModule",
+    "DistributedParameter",
+    "ParameterInitializer",
     "PipelineTransformerBlockList",
+    "TransformerBlockList",
+    "assign_inits",
+    "config",
+    "debug",
+    "distributed",
+    "empty_parameters",
+    "gather_result",
+    "get_context",
+    "graceful_stop",
+    "grouped_parameters",
+    "init_distributed",
+    "init_parameters",
+    "inspect",
+    "load",
+    "load_checkpoint",
+    "loss",
+    "lr_scheduler",
+    "optim",
+    "parallelize",
+    "pipeline",
+    "print_block",
+    "print_dict",
+    "print_rank",
+    "progress",
+    "rank",
+    "save",
+    "save_checkpoint",
+    "see_memory",
+    "stop_requested",
+    "sum_loss",
+    "synchronize",
+    "telemetry",
+    "wait_loader",
+    "world_size",
+    "wrap",
 ]  # the notebook layer's names (Cluster, the errors) load lazily and stay out of `import *`
 
 _LAZY = {
@@ -28,8 +83,8 @@ _LAZY = {
     "save_checkpoint": ("nbtrain.checkpoint", "save_checkpoint"),
     "load_checkpoint": ("nbtrain.checkpoint", "load_checkpoint"),
     "optim": ("nbtrain.optim", None),
-    "lr_scheduler": ("nbtrain.optim.lr_scheduler", None),
-    "loss": ("nbtrain.nn.loss", None),
+    "lr_scheduler": ("nbtrain.lr_scheduler", None),
+    "loss": ("nbtrain.loss", None),
     "nn": ("nbtrain.nn", None),
     "moe": ("nbtrain.moe", None),
     "inspect": ("nbtrain.inspect", None),
@@ -39,6 +94,19 @@ _LAZY = {
     "pipeline": ("nbtrain.pipeline", None),
     "PipelineTransformerBlockList": ("nbtrain.pipeline", "PipelineTransformerBlockList"),
     "stop_requested": ("nbtrain.comm.recovery", "stop_requested"),
+    # BMTrain's modules and the rest of its top-level names.
+    "distributed": ("nbtrain.distributed", None),
+    "debug": ("nbtrain.debug", None),
+    "utils": ("nbtrain.utils", None),
+    "global_var": ("nbtrain.global_var", None),
+    "print_block": ("nbtrain.utils", "print_block"),
+    "print_dict": ("nbtrain.utils", "print_dict"),
+    "see_memory": ("nbtrain.utils", "see_memory"),
+    "load_nccl_pypi": ("nbtrain.utils", "load_nccl_pypi"),
+    "wait_loader": ("nbtrain.utils", "wait_loader"),
+    "gather_result": ("nbtrain.utils", "gather_result"),
+    "grouped_parameters": ("nbtrain.zero.bmtrain_wrapper", "grouped_parameters"),
+    "BMTrainModelWrapper": ("nbtrain.zero.bmtrain_wrapper", "BMTrainModelWrapper"),
     # The notebook layer imports ipyparallel: loaded when first used.
     "Cluster": ("nbtrain.notebook", "Cluster"),
     "DistributedError": ("nbtrain.notebook.errors", "DistributedError"),
