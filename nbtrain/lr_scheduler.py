@@ -1,3 +1,12 @@
-"""`nbtrain.lr_scheduler` (BMTrain's module name): the schedules live in nbtrain.optim."""
-from .optim.lr_scheduler import *  # noqa: F401,F403
-from .optim.lr_scheduler import __all__  # noqa: F401
+"""`nbtrain.lr_scheduler` (BMTrain's module name): the schedules live in
+nbtrain.optim.lr_scheduler; these are the same classes."""
+from .optim.lr_scheduler import (
+    Cosine,
+    Exponential,
+    Linear,
+    Noam,
+    NoDecay,
+    WarmupLRScheduler,
+)
+
+__all__ = ["Cosine", "Exponential", "Linear", "NoDecay", "Noam", "WarmupLRScheduler"]

@@ -3,10 +3,15 @@
     sched = Cosine(optimizer, start_lr=1e-3, warmup_iter=100, end_iter=10_000)
     manager.add_optimizer(optimizer, sched)      # the manager steps it
 
-`num_iter` counts applied optimizer steps. For `num_iter <= warmup_iter` the rate
+`num_iter` counts applied optimizer steps. For `num_iter < warmup_iter` the rate
 rises linearly from 0 to `start_lr` (Noam: to `start_lr / sqrt(warmup_iter)`);
-after that each class decays it its own way. Construction sets the rate for
+from there on each class decays it its own way. Construction sets the rate for
 `num_iter` at once. Every rank holds the same schedule: no communication.
+
+As in BMTrain, a subclass may define `get_lr_warmup(num_iter)` and
+`get_lr_decay(num_iter)`; nbtrain's classes define `warmup_lr` / `decay_lr`, which
+those call. Unlike BMTrain's, Linear and Cosine stay at 0 after `end_iter` (BMTrain's
+cosine rises again) and a zero-length decay divides by 1, not 0.
 """
 from __future__ import annotations
 
@@ -41,10 +46,18 @@ class WarmupLRScheduler:
     def decay_lr(self, num_iter: int) -> float:
         raise NotImplementedError
 
+    def get_lr_warmup(self, num_iter: int) -> float:
+        """BMTrain's name for the rate during warmup."""
+        return self.warmup_lr(num_iter)
+
+    def get_lr_decay(self, num_iter: int) -> float:
+        """BMTrain's name for the rate after warmup."""
+        return self.decay_lr(num_iter)
+
     def get_lr(self) -> float:
-        if self.num_iter <= self.warmup_iter and self.warmup_iter > 0:
-            return self.warmup_lr(self.num_iter)
-        return self.decay_lr(self.num_iter)
+        if self.num_iter < self.warmup_iter:
+            return self.get_lr_warmup(self.num_iter)
+        return self.get_lr_decay(self.num_iter)
 
     @property
     def current_lr(self) -> float:
@@ -125,4 +138,4 @@ class Exponential(WarmupLRScheduler):
         super().load_state_dict(state)
 
 
-__all__ = ["WarmupLRScheduler", "NoDecay", "Noam", "Linear", "Cosine", "Exponential"]
+__all__ = ["Cosine", "Exponential", "Linear", "NoDecay", "Noam", "WarmupLRScheduler"]
