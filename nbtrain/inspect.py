@@ -35,15 +35,25 @@ import threading
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
-from .comm import collectives as C, events
+from .comm import collectives as C
+from .comm import events
 from .comm.context import get_context
 from .zero.block import Block
 from .zero.parameter import DistributedParameter, group_of
 from .zero.partition import shard_range
 
-__all__ = ["inspect_model", "inspect_tensor", "record_tensor", "format_summary",
-           "parameter_bytes", "track_gathered", "GatherTracker", "last_step"]
+__all__ = [
+    "GatherTracker",
+    "format_summary",
+    "inspect_model",
+    "inspect_tensor",
+    "last_step",
+    "parameter_bytes",
+    "record_tensor",
+    "track_gathered",
+]
 
 _STATS = ("mean", "std", "max", "min")
 
@@ -141,22 +151,27 @@ def _model_params(model: nn.Module) -> list[list]:
     return params
 
 
-def inspect_model(model: nn.Module, param_name: str = "*") -> list[dict]:
+def inspect_model(model: nn.Module, param_name: str = "*", prefix: str = "") -> list[dict]:
     """Statistics of every parameter whose name matches `param_name`. Collective.
 
     Args:
         model: a plain or sharded model (Blocks, DistributedParameters, wrap()).
         param_name: an fnmatch pattern over the plain model's names, as in
             `model.state_dict()`, e.g. "layers.0.*".
+        prefix: put before every name, both to match and in the result (BMTrain's
+            argument: inspecting a submodule under its name in the whole model).
 
     Returns:
         One dict per distinct parameter, in the model's order: name (its first
         name matching the pattern; a tied parameter appears once), shape (full),
         mean, std, max, min of the full tensor and, when it has a gradient,
-        grad_mean, grad_std, grad_max, grad_min of the full gradient.
+        grad_mean, grad_std, grad_max, grad_min of the full gradient. BMTrain's
+        dicts have grad_mean and grad_std 0.0 for a parameter without gradient, and
+        no grad_max/grad_min; the values are the same otherwise.
     """
     items = []
     for names, shape, values, grad in _model_params(model):
+        names = [prefix + n for n in names]
         name = next((n for n in names if fnmatch.fnmatchcase(n, param_name)), None)
         if name is not None:
             items.append((name, shape, values, grad))
@@ -175,7 +190,7 @@ class TensorInspector:
     def __init__(self):
         self._records, self._summary, self._stale = [], [], False  # lists of dicts
 
-    def __enter__(self) -> "TensorInspector":
+    def __enter__(self) -> Self:
         _ACTIVE.append(self)
         return self
 
@@ -219,6 +234,16 @@ class TensorInspector:
 
     get_summary = summary  # BMTrain's name
 
+    def get_tensor(self, name: str, group: str | None = None,
+                   index: int | None = None) -> torch.Tensor | None:
+        """A recorded tensor (detached) by the name and group it was recorded with:
+        the first so recorded, or with `index` the index-th (from 0). None if there
+        is none. Local."""
+        full = f"{group}.{name}" if group is not None else name
+        found = [r["value"] for r in self._records if r["name"] == full]
+        position = 0 if index is None else index
+        return found[position] if position < len(found) else None
+
     def __iter__(self):
         return iter(self.summary())
 
@@ -231,13 +256,20 @@ def inspect_tensor() -> TensorInspector:
     return TensorInspector()
 
 
-def record_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
+def record_tensor(x: torch.Tensor, name: str, group: str | None = None) -> torch.Tensor:
     """Records `x` (any tensor in forward) in every open `inspect_tensor` block. Local.
 
     Outside a block, and while backward recomputes a checkpointed forward, it
     records nothing. The tensor is read when the summary is made, not copied now.
-    Returns `x` unchanged.
+    Returns `x` unchanged. With `group` the summary names it "group.name".
+    BMTrain numbers the records of each name ("0.name", "1.name", ...); here each
+    record keeps its name, one summary row per record in recording order.
     """
+    if isinstance(x, nn.Parameter):
+        raise TypeError("record_tensor: a Parameter cannot be recorded; use "
+                        "inspect_model for parameters")
+    if group is not None:
+        name = f"{group}.{name}"
     task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
     if _ACTIVE and task() == -1:  # -1: not inside a backward pass
         for inspector in _ACTIVE:
@@ -245,18 +277,30 @@ def record_tensor(x: torch.Tensor, name: str) -> torch.Tensor:
     return x
 
 
+def _cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:>10.3e}"
+    return f"{'' if value is None else value!s:>10}"
+
+
 def format_summary(summary: list[dict]) -> str:
-    """A fixed-width table of summary dicts; grad columns appear when any has them."""
-    columns = list(_STATS)
-    if any("grad_mean" in s for s in summary):
-        columns += ["grad_" + k for k in _STATS]
+    """A fixed-width table of summary dicts, one row each.
+
+    Columns in BMTrain's order: name, shape, max, min, std, mean, then grad_std and
+    grad_mean when any row has them, then nbtrain's grad_max and grad_min when any
+    row has them. Numbers are printed as 1.234e-05 (BMTrain: 0.0000); a missing or
+    None value leaves its cell empty. Local.
+    """
+    columns = ["max", "min", "std", "mean"]
+    columns += [c for c in ("grad_std", "grad_mean", "grad_max", "grad_min")
+                if any(s.get(c) is not None for s in summary)]
     shapes = [str(tuple(s["shape"])) for s in summary]
     name_w = max([len("name")] + [len(s["name"]) for s in summary])
     shape_w = max([len("shape")] + [len(s) for s in shapes])
     header = f"{'name':<{name_w}}  {'shape':<{shape_w}}" + "".join(f"  {c:>10}" for c in columns)
     lines = [header, "-" * len(header)]
     for s, shape in zip(summary, shapes):
-        cells = "".join(f"  {s[c]:>10.3e}" if c in s else f"  {'':>10}" for c in columns)
+        cells = "".join("  " + _cell(s.get(c)) for c in columns)
         lines.append(f"{s['name']:<{name_w}}  {shape:<{shape_w}}{cells}")
     return "\n".join(lines)
 
@@ -350,7 +394,7 @@ class GatherTracker:
             self.peak_blocks = max(self.peak_blocks, len(self._live))
             self.peak_bytes = max(self.peak_bytes, self._bytes)
 
-    def __enter__(self) -> "GatherTracker":
+    def __enter__(self) -> Self:
         events.subscribe(self)
         if not events.active():
             events.unsubscribe(self)
