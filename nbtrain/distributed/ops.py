@@ -113,9 +113,12 @@ def _scatter(x: torch.Tensor, op: str, group, size: int, rank: int) -> torch.Ten
     if op not in ("sum", "avg"):
         return _reduce(x, op, group, size)[rank * rows:(rank + 1) * rows].clone()
     x = x.detach().contiguous()
+    exact = x.is_floating_point() or x.is_complex()
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.reduce_scatter(out.view(-1), x.view(-1), op=op, group=group,
+    C.reduce_scatter(out.view(-1), x.view(-1), op=op if exact else "sum", group=group,
                      label="distributed reduce_scatter")
+    if op == "avg" and not exact:  # an integer average truncates, as in all_reduce
+        out.div_(size, rounding_mode="trunc")
     return out
 
 

@@ -120,6 +120,9 @@ def _on_ranks() -> dict:
     except NotImplementedError as err:
         out["reduce_scatter_max_grad"] = str(err)
 
+    ints = torch.tensor([[3], [4]]) + 3 * rank  # sums 9 and 11: the average truncates
+    out["int_avg"] = (D.all_reduce(ints, "avg"), D.reduce_scatter(ints, "avg"))
+
     xb = _leaf(x)
     y = D.broadcast(xb, 1)
     (y * _rank_weights(rank, y.shape)).sum().backward()
@@ -197,6 +200,13 @@ def test_reduce_scatter_max_has_values_but_no_gradient(ranks):
     for rank, got in enumerate(ranks):
         torch.testing.assert_close(got["reduce_scatter_max"], X[2 * rank:2 * rank + 2])
         assert "reduce_scatter(op='max') has no gradient" in got["reduce_scatter_max_grad"]
+
+
+def test_an_integer_average_truncates(ranks):
+    for rank, got in enumerate(ranks):
+        reduced, scattered = got["int_avg"]
+        assert reduced.dtype == scattered.dtype == torch.int64
+        assert reduced.tolist() == [[4], [5]] and scattered.tolist() == [[4 + rank]]
 
 
 def test_broadcast_values_and_gradients(ranks):
