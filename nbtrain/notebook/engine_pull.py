@@ -47,8 +47,8 @@ def pull_kind(name: str) -> str:
     import torch
     from nbtrain.zero import DistributedParameter
 
-    if isinstance(value, DistributedParameter):
-        return "param"
+    if isinstance(value, DistributedParameter) and not getattr(value, "_in_block", False):
+        return "param"  # (one a Block holds shows only its part: the block's state dict)
     model = _user_ns()[root]
     if (rest and isinstance(model, torch.nn.Module) and _is_sharded(model)
             and (value is None or isinstance(value, torch.Tensor))):
