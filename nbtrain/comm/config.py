@@ -8,22 +8,30 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from .context import get_context
+from .context import get_context, is_initialized
 
 
 class Config(Mapping):
     """Read-only mapping: rank, world_size, local_rank, local_size, zero_rank, tp_size, ...
 
-    Every lookup reads the current context (a clear error before init_distributed).
+    Every lookup reads the current context. Before init_distributed it holds BMTrain's
+    answers for one process: rank 0, local_rank 0, world_size 1, initialized False.
     The topology keys follow BMTrain: tp_zero_* is the data-parallel group of this
     tensor-parallel slot, zero_* the ranks of this pipeline stage, and `topology`
     has BMTrain's `tp_id` and `pipe_idx` (see nbtrain.comm.topology).
     """
 
     def _values(self) -> dict:
+        if not is_initialized():  # BMTrain's answers before init_distributed: one rank
+            return {"rank": 0, "local_rank": 0, "world_size": 1, "initialized": False}
         ctx = get_context()
         topo = ctx.topology
         return {
+            "initialized": True,
+            # BMTrain's communicators are its NCCL ones; here the torch process groups,
+            # which nbtrain.distributed's collectives take (None: every rank).
+            "comm": None, "tp_comm": topo.group("tp"), "zero_comm": topo.group("zero"),
+            "tp_zero_comm": topo.group("dp"), "pipe_comm": topo.group("pipe"),
             "rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
             "local_size": int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)),
             "seed": ctx.seed, "backend": ctx.backend, "device": ctx.device,

@@ -136,6 +136,22 @@ class Block(nn.Module):
         offload: keep the shards (and so their gradients and the optimizer's state)
             in host memory, copied to the device for each gather (ZeRO-Offload). The
             same code runs on a CPU-only machine, where host and device coincide.
+        mode: BMTrain's "BLOCK" (default) or "PIPE" (a block of a
+            PipelineTransformerBlockList). nbtrain shards every block over the ranks
+            of its pipeline stage either way, so both build the same block.
+        initialized: BMTrain's flag, accepted; nbtrain takes the module's values as
+            they are (and `init_parameters` runs the deferred initialisers) either way.
+
+    BMTrain's positional order, `Block(module, use_checkpoint, zero_level)`, works too:
+    a bool in second place is `use_checkpoint` (no zero level is a bool). BMTrain's
+    default is use_checkpoint=True; nbtrain's is False (the same results, more memory
+    and less compute).
+
+    A DistributedParameter of the module stays the user's object: outside forward its
+    `.data` is this rank's part of it in the block's shard (1-D, maybe empty) and its
+    `.grad` the same part of the shard's gradient, as in BMTrain; `block.parameters()`
+    are the flat shards themselves. A plain parameter shows as a placeholder on the
+    meta device outside forward.
 
     Construction is collective when the module holds DistributedParameters.
     Forward and backward are collective: every rank runs the same blocks in the
@@ -144,8 +160,11 @@ class Block(nn.Module):
 
     def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
                  label: str | None = None, reduce_dtype: torch.dtype | None = None,
-                 offload: bool = False, mode: str = "BLOCK"):
+                 offload: bool = False, mode: str = "BLOCK", initialized: bool = False):
         super().__init__()
+        if isinstance(zero_level, bool):  # BMTrain's order: (module, use_checkpoint, zero_level)
+            zero_level, use_checkpoint = (3 if isinstance(use_checkpoint, bool)
+                                          else use_checkpoint), zero_level
         if mode not in ("BLOCK", "PIPE"):
             raise ValueError(f"Block(mode={mode!r}): use \"BLOCK\" (the default) or \"PIPE\" "
                              "(a block of a PipelineTransformerBlockList)")

@@ -24,6 +24,15 @@ def test_zero_level_must_be_2_or_3(level):
         nbt.wrap(nn.Sequential(nn.Linear(2, 2)), zero_level=level)
 
 
+def test_bmtrains_positional_order_is_understood():
+    block = nbt.Block(nn.Linear(3, 3), True, 2)  # BMTrain: (module, use_checkpoint, zero_level)
+    assert block.use_checkpoint is True and int(block.zero_level) == 2
+    block = nbt.Block(nn.Linear(3, 3), False, initialized=True)
+    assert block.use_checkpoint is False and int(block.zero_level) == 3
+    block = nbt.Block(nn.Linear(3, 3), 2, True)  # nbtrain: (module, zero_level, use_checkpoint)
+    assert block.use_checkpoint is True and int(block.zero_level) == 2
+
+
 def test_block_mode_is_bmtrains():
     with pytest.raises(ValueError, match=r"Block\(mode='pipe'\): use \"BLOCK\""):
         nbt.Block(nn.Linear(3, 3), mode="pipe")

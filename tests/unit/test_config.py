@@ -24,3 +24,16 @@ def test_unknown_key_and_assignment_are_clear_errors():
         nbt.config["tp_rnak"]
     with pytest.raises(TypeError, match="read-only.*init_distributed"):
         nbt.config["rank"] = 3
+
+
+def test_bmtrains_extra_keys_name_the_groups():
+    assert nbt.config["initialized"] is True
+    topo = nbt.get_context().topology
+    assert nbt.config["comm"] is None  # every rank
+    assert nbt.config["tp_comm"] is topo.group("tp") and nbt.config["zero_comm"] is topo.group("zero")
+
+
+def test_print_rank_takes_prints_keywords(capsys):
+    nbt.print_rank("a", "b", sep="-", flush=True)
+    nbt.print_rank("not here", rank=1)
+    assert capsys.readouterr().out == "a-b\n"
