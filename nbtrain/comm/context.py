@@ -333,16 +333,19 @@ def synchronize() -> None:
 def print_rank(*args, rank: int = 0, **kwargs) -> None:
     """`print` on one rank only (rank 0 by default)."""
     if get_context().rank == rank:
-        print(*args, **kwargs, flush=True)
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
 
 
-def sum_loss(loss: torch.Tensor) -> torch.Tensor:
-    """Mean of `loss` over ranks (BMTrain's name), detached.
+def sum_loss(loss: torch.Tensor, comm=None) -> torch.Tensor:
+    """Mean of `loss` over the ranks of `comm` (None: every rank), BMTrain's name.
 
-    Collective: every rank calls this.
+    As BMTrain's, it is `nbtrain.distributed.all_reduce(loss, "avg", comm)`:
+    differentiable, and a new tensor (`loss` itself is left alone). BMTrain warns that
+    the name is deprecated; nbtrain keeps it without a warning.
+
+    Collective: every rank of `comm` calls this.
     """
-    from .collectives import all_reduce
+    from ..distributed import all_reduce
 
-    out = loss.detach().clone()
-    all_reduce(out, op="sum", label="sum_loss")
-    return out / get_context().world_size
+    return all_reduce(loss, "avg", comm)
