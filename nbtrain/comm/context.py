@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import collectives, links, teardown
 from . import topology as _topology
+from .store import rendezvous_store
 from .topology import Topology
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -175,7 +176,10 @@ def init_distributed(seed: int = 0, backend: str | None = None,
                 raise ValueError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set; "
                                  "launch with torchrun or set the rendezvous address")
             with links.recording():  # the group's connections, closed on a failure
-                dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+                # The store listens on MASTER_ADDR only, not on every interface (store.py).
+                store = rendezvous_store(rank, world, timeout)
+                dist.init_process_group(backend, store=store, rank=rank, world_size=world,
+                                        timeout=timeout)
         else:
             # A world of one: an in-memory store, so nothing listens on a port.
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,

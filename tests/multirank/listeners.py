@@ -1,0 +1,43 @@
+"""The listening TCP sockets of a process, read from /proc (Linux), for the tests that
+check nbtrain opens no listener on a wildcard address."""
+from __future__ import annotations
+
+import os
+import socket
+import struct
+
+WILDCARDS = {"0.0.0.0", "::"}
+
+
+def _address(hex_addr: str) -> str:
+    if len(hex_addr) == 8:  # IPv4, little-endian
+        return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hex_addr, 16)))
+    words = [struct.pack("<I", int(hex_addr[i:i + 8], 16)) for i in range(0, 32, 8)]
+    return socket.inet_ntop(socket.AF_INET6, b"".join(words))
+
+
+def listening(pid: int) -> list[tuple[str, int]]:
+    """(address, port) of every TCP socket `pid` listens on."""
+    inodes = set()
+    fd_dir = f"/proc/{pid}/fd"
+    for name in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, name))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            local, state, inode = cols[1], cols[3], cols[9]
+            if state == "0A" and inode in inodes:  # 0A: LISTEN
+                addr, port = local.split(":")
+                found.append((_address(addr), int(port, 16)))
+    return found

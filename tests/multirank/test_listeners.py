@@ -1,0 +1,53 @@
+"""No listener on a wildcard address: ranks started as a notebook cluster starts them
+(the torchrun variables, MASTER_ADDR on loopback) listen on loopback only; the
+rendezvous store, which torch's env:// rendezvous binds to every interface, included."""
+import os
+import subprocess
+import sys
+import textwrap
+
+from listeners import WILDCARDS
+from nbtrain.notebook.engine_boot import free_port
+
+RANK_SCRIPT = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {here!r})
+    import torch
+    import nbtrain as nbt
+    from listeners import listening
+    nbt.init_distributed()
+    x = torch.ones(1)
+    nbt.comm.collectives.all_reduce(x, label="probe")  # the group's connections are up
+    print("LISTENING", sorted(listening(os.getpid())), flush=True)
+    nbt.synchronize()
+    nbt.comm.shutdown()
+""")
+
+
+def test_ranks_listen_on_loopback_only(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(here=os.path.dirname(__file__)))
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "CUDA_VISIBLE_DEVICES": ""}
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=120)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), outputs
+    seen = [eval(line.split(" ", 1)[1]) for out in outputs for line in out.splitlines()
+            if line.startswith("LISTENING ")]
+    assert len(seen) == 2, outputs
+    assert ("127.0.0.1", port) in seen[0], seen  # rank 0 serves the store, on loopback
+    wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
+    assert not wild, f"listening on a wildcard address: {wild}"
