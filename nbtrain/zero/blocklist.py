@@ -8,6 +8,7 @@ The links live in the blocks, so a model's own loop over the list
 """
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from .block import Block
@@ -19,15 +20,23 @@ class TransformerBlockList(nn.ModuleList):
 
     Args:
         modules: Blocks, or plain modules (wrapped as `Block(m)` at ZeRO-3).
+        num_hidden: how many leading arguments are hidden states (BMTrain's).
 
-    `blocks(x, *args, **kwargs)` feeds x through every block; extra arguments go
-    to every block. A block that returns a tuple passes its first element on;
-    the last block's whole output is returned.
+    `blocks(*args, **kwargs)` calls the blocks in turn as BMTrain's list does: each
+    block's output (a tuple, or one tensor) replaces the first `num_hidden` arguments
+    of the next call, and the other arguments (and keyword arguments) go to every
+    block. Returns the last block's first output (its first `num_hidden` outputs, a
+    tuple, when num_hidden > 1); with `return_hidden_states=True`, all of the last
+    block's outputs followed by each hidden state's inputs to the blocks, stacked
+    along a new first dimension.
     """
 
-    def __init__(self, modules=None):
+    def __init__(self, modules=None, num_hidden: int = 1):
         blocks = [m if isinstance(m, Block) else Block(m) for m in (modules or [])]
         super().__init__(blocks)
+        if num_hidden < 1:
+            raise ValueError(f"num_hidden={num_hidden}: at least one argument is a hidden state")
+        self.num_hidden = num_hidden
         reducer = GradReducer()  # one queue for the list; its model's replaces it
         for i, block in enumerate(blocks):
             block.join(reducer, label=f"block{i}")
@@ -35,9 +44,17 @@ class TransformerBlockList(nn.ModuleList):
             object.__setattr__(prev, "_next_block", nxt)
             object.__setattr__(nxt, "_prev_block", prev)
 
-    def forward(self, hidden, *args, **kwargs):
-        out = hidden
+    def forward(self, *args, return_hidden_states: bool = False, **kwargs):
+        hidden_states, outputs = [], args
         for block in self:
-            out = block(hidden, *args, **kwargs)
-            hidden = out[0] if isinstance(out, tuple) else out
-        return out
+            if return_hidden_states:
+                hidden_states.extend(args[:self.num_hidden])
+            outputs = block(*args, **kwargs)
+            if not isinstance(outputs, tuple):
+                outputs = (outputs,)
+            args = outputs + args[self.num_hidden:]
+        if return_hidden_states:
+            stacked = [torch.stack(hidden_states[i::self.num_hidden])
+                       for i in range(self.num_hidden)]
+            return outputs + tuple(stacked)
+        return tuple(outputs[:self.num_hidden]) if self.num_hidden > 1 else outputs[0]

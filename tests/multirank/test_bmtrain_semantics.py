@@ -289,3 +289,40 @@ def test_blocks_around_modules_without_parameters_run_them(tmp_path):
                                                    timeout_s=120)[0]
     assert same_out and same_grad
     assert keys == [] and nparams == 0
+
+
+class _TwoStates(nn.Module):
+    """Two hidden states in, two out, and an argument every block gets."""
+
+    def __init__(self, k):
+        super().__init__()
+        self.w = nn.Parameter(torch.full((4,), float(k)))
+
+    def forward(self, h, aux, mask):
+        return torch.tanh(h * self.w + mask), aux + h.sum(-1)
+
+
+def _blocklist_hidden_states():
+    torch.manual_seed(0)
+    plain = [_TwoStates(k) for k in (1, 2, 3)]
+    blocks = bmt.TransformerBlockList([bmt.Block(_TwoStates(k)) for k in (1, 2, 3)],
+                                      num_hidden=2)
+    h, aux, mask = torch.randn(2, 4), torch.zeros(2), torch.ones(4) * 0.1
+    want_in, (x, a) = [], (h, aux)
+    for layer in plain:
+        want_in.append((x, a))
+        x, a = layer(x, a, mask)
+    out = blocks(h, aux, mask)
+    full = blocks(h, aux, mask, return_hidden_states=True)
+    single = bmt.TransformerBlockList([bmt.Block(nn.Linear(4, 4)), bmt.Block(nn.Tanh())])
+    return (len(out) == 2 and torch.allclose(out[0], x) and torch.allclose(out[1], a),
+            len(full) == 4 and torch.allclose(full[2], torch.stack([w[0] for w in want_in]))
+            and torch.allclose(full[3], torch.stack([w[1] for w in want_in])),
+            isinstance(single(h), torch.Tensor))
+
+
+def test_transformer_block_list_passes_hidden_states_as_bmtrains():
+    outputs, hidden_states, single = run_ranks(_blocklist_hidden_states, 1, timeout_s=120)[0]
+    assert outputs, "the last block's num_hidden outputs"
+    assert hidden_states, "each hidden state's inputs to the blocks, stacked"
+    assert single, "one hidden state: a tensor, not a tuple"
