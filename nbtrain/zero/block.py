@@ -42,6 +42,7 @@ from .init import init_range
 from .parameter import DistributedParameter
 from .partition import FlatLayout
 from .placement import copy_tp_meta, is_tp_slice, shard_group, slice_kind
+from .tp_partial import TpLayout
 from .tp_slices import full_from_slice, slice_from_full
 from .reducer import GradReducer
 
@@ -225,6 +226,8 @@ class Block(nn.Module):
                               offload=self.offload)
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
+            if kind is None and ctx.topology.tp_size > 1:
+                group.tp_layout = TpLayout(len(group_entries), ranks.group)
             self.register_parameter(f"flat_param_{i}", group.shard)
             self._groups.append(group)
             self._init_methods.append(inits)

@@ -30,7 +30,9 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
+from .placement import is_tp_slice
 from .reducer import GradReducer, current_backward
+from .tp_partial import TpLayout
 
 BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
 _CHECK_CHUNK_NUMEL = 1 << 20  # the replica check's fp64 temporaries: 16 MiB at most
@@ -56,12 +58,20 @@ class DataParallelGrads:
         bucket_numel: most elements per bucket.
         group: the ranks holding copies (None: every rank; a tensor-parallel slice is
             held by its data-parallel group).
+        replicated: the parameters are held whole by the tp ranks too (False for
+            tensor-parallel slices): a gradient partial over tp is summed there.
     """
 
     def __init__(self, params: list[nn.Parameter], reducer: GradReducer,
-                 bucket_numel: int = BUCKET_NUMEL, group=None):
+                 bucket_numel: int = BUCKET_NUMEL, group=None, replicated: bool = True):
         self.reducer, self.group = reducer, group
         self.buckets = _make_buckets(params, bucket_numel)
+        # Held whole by the tp ranks too: which gradients are partial over tp, per bucket
+        # (tp_partial.py). Slices of a tp layer are never partial.
+        for bucket in self.buckets:
+            bucket.tp_layout = (TpLayout(len(bucket.params), group)
+                                if replicated and get_context().topology.tp_size > 1
+                                and not any(is_tp_slice(p) for p in bucket.params) else None)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._backward_id: int | None = None  # the pass these buckets are filling for
@@ -113,6 +123,12 @@ class DataParallelGrads:
                 flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
                 flat[bucket.numel + i] = 1
             offset += p.numel()
+        if bucket.tp_layout is not None:  # sequence parallel: a sum over tp
+            views, offset = [], 0
+            for p in bucket.params:
+                views.append(flat[offset:offset + p.numel()] if p.grad is not None else None)
+                offset += p.numel()
+            bucket.tp_layout.apply(views, [p.requires_grad for p in bucket.params])
         handle = C.all_reduce(flat, op="sum", group=self.group, async_op=True,
                               label=f"dp.bucket{bucket.index}")
         world = (get_context().world_size if self.group is None

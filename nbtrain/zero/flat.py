@@ -79,6 +79,9 @@ class FlatGroup:
         # stay gathered, and add the full gradients up here, reduced once at the end.
         self.hold = False
         self.deferred: torch.Tensor | None = None
+        # Replicated parameters of a tensor-parallel model: which gradients are partial
+        # over tp (summed there, tp_partial.py). Set by the owning Block; None: no tp.
+        self.tp_layout = None
 
     @property
     def requires_grad(self) -> bool:
@@ -157,6 +160,9 @@ class FlatGroup:
         grad_full = grad_full.to(self.grad_dtype).contiguous()
         if self.ranks.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
             grad_full = grad_full * self.ranks.grad_scale
+        if self.tp_layout is not None and self.tp_layout.any_partial_possible():
+            grad_full = grad_full.clone()  # autograd's tensor is not ours to scale
+            self.tp_layout.apply([v.view(-1) for v in self.param_views(grad_full)])
         if self.hold:  # a later micro-batch adds to it; reduced once by flush_deferred
             if self.deferred is None:
                 self.deferred = grad_full.clone()

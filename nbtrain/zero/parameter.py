@@ -20,6 +20,7 @@ from ..comm import collectives as C
 from ..comm.context import get_context
 from .partition import shard_range
 from .placement import ShardGroup, copy_tp_meta, is_tp_slice, shard_group, slice_kind
+from .tp_partial import TpLayout
 
 
 class ParameterInitializer:
@@ -177,10 +178,19 @@ def _gather_full(param: DistributedParameter) -> torch.Tensor:
     return flat[: param.full_numel].view(param.full_shape)
 
 
+def _tp_layout(param: DistributedParameter):
+    """A replicated parameter's TpLayout in a tensor-parallel model (else None)."""
+    layout = param.__dict__.get("_nbtrain_tp_layout")
+    if layout is None and not is_tp_slice(param) and get_context().topology.tp_size > 1:
+        layout = param._nbtrain_tp_layout = TpLayout(1, group_of(param).group)
+    return layout
+
+
 class _GatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param):
         ctx.numel, ctx.group = param.numel(), group_of(param)
+        ctx.tp_layout = _tp_layout(param)
         return _gather_full(param)
 
     @staticmethod
@@ -190,6 +200,8 @@ class _GatherParam(torch.autograd.Function):
         flat[: grad.numel()].copy_(grad.reshape(-1))
         if group.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
             flat.mul_(group.grad_scale)
+        if ctx.tp_layout is not None:  # sequence parallel: a sum over tp (tp_partial.py)
+            ctx.tp_layout.apply([flat])
         out = torch.empty(ctx.numel, dtype=grad.dtype, device=grad.device)
         C.reduce_scatter(out, flat, op="avg", group=group.group, label="param.grad")
         return out

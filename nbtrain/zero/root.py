@@ -84,7 +84,7 @@ class ModelRoot:
         dp_group = _tp_slice_group() if slices else ALONE
         if dp_group is not ALONE:
             self.tp_data_parallel = DataParallelGrads(slices, self.reducer, bucket_numel,
-                                                      group=dp_group)
+                                                      group=dp_group, replicated=False)
 
 
 def _topology():

@@ -4,9 +4,9 @@
    checkpoint format: the full state dict, torch.load-able with weights_only=True.
 2. Its steps match a plain-PyTorch GPT on one process: the script's own main()
    (AdamOffloadOptimizer, Noam, loss scale 2**20, clipping) against torch AdamW, and
-   the same model with torch.optim.SGD(momentum=0.9) against plain SGD. With SGD the
-   tensor-parallel layers' gradients are exact; the replicated Layernorm and position
-   embedding get half theirs (a strict xfail until nbtrain sums them over tp).
+   the same model with torch.optim.SGD(momentum=0.9) against plain SGD: every gradient
+   exact, the tensor-parallel layers' and the replicated Layernorm's and position
+   embedding's (partial on each tp rank, summed over tp: nbtrain.zero.tp_partial).
 3. Its only nbtrain-specific line is the import.
 """
 import math
@@ -269,11 +269,6 @@ def test_with_sgd_the_loss_scale_is_undone_and_the_tp_layers_get_exact_gradients
         assert not bad, f"rank {rank}: {bad}"
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "nbtrain averages the gradient of a replicated DistributedParameter (the example's "
-    "Layernorm weights and biases, its position embedding) over the tensor-parallel ranks, "
-    "but in BMTrain's layout each tp rank sees only its slice of the batch, so the "
-    "gradient is the sum: these get half of plain PyTorch's gradient at tp 2"))
 def test_the_example_model_trains_as_plain_pytorch_with_sgd_momentum(sgd_runs):
     for rank, run in enumerate(sgd_runs):
         ratios = {k: round(v, 4) for k, v in run["grad_ratio"].items() if _replicated(k)}
