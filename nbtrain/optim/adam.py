@@ -100,13 +100,16 @@ class AdamOptimizer(torch.optim.Optimizer):
         betas: (beta1, beta2).
         eps: added to the denominator.
         weight_decay: decoupled decay, applied as `p *= 1 - lr * weight_decay`.
+        hold_steps: BMTrain's: for a parameter's first `hold_steps` steps the moments
+            are updated but the weights are not (lr 0), warming the moments up.
 
     `step()` is local to this rank. Use it through `OptimManager` for loss
     scaling, the cross-rank overflow check and clipping.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, hold_steps: int = 0):
+        self._hold_steps = int(hold_steps)
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas):
@@ -177,7 +180,7 @@ class AdamOptimizer(torch.optim.Optimizer):
         return loss
 
     def _step_group(self, group: dict) -> None:
-        lists = ([], [], [], [], [], [])
+        by_hold = {False: ([], [], [], [], [], []), True: ([], [], [], [], [], [])}
         write_back = []
         for p in group["params"]:
             grad = param_grad(p)
@@ -186,6 +189,7 @@ class AdamOptimizer(torch.optim.Optimizer):
             if grad.is_sparse:
                 raise RuntimeError("AdamOptimizer does not support sparse gradients")
             state = self.state[p] if self.state.get(p) else self._init_state(p)
+            holding = state["step"] < self._hold_steps
             state["step"] += 1
             master = state.get("master")
             target = p if master is None else master
@@ -195,11 +199,13 @@ class AdamOptimizer(torch.optim.Optimizer):
                 else None
             if master is not None and copy is None:
                 write_back.append((p, master))
-            for out, value in zip(lists, (target, grad, state["exp_avg"], state["exp_avg_sq"],
-                                          copy, state["step"])):
+            for out, value in zip(by_hold[holding], (target, grad, state["exp_avg"],
+                                                      state["exp_avg_sq"], copy, state["step"])):
                 out.append(value)
         beta1, beta2 = group["betas"]
-        adam_update(*lists, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                    weight_decay=group["weight_decay"])
+        for holding, lists in by_hold.items():
+            if lists[0]:  # held: the moments move, the weights do not (BMTrain's hold_steps)
+                adam_update(*lists, lr=0.0 if holding else group["lr"], beta1=beta1,
+                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
         for p, master in write_back:
             p.copy_(master, non_blocking=True)

@@ -23,8 +23,9 @@ class AdamOffloadOptimizer(AdamOptimizer):
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+                 weight_decay: float = 0.0, hold_steps: int = 0):
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                         hold_steps=hold_steps)
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu")

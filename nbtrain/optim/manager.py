@@ -40,6 +40,10 @@ class OptimManager:
             by it after `loss_scale_steps` clean steps.
         loss_scale_steps: clean steps before the scale grows.
         min_loss_scale, max_loss_scale: bounds of the scale.
+        grad_scale: BMTrain's divisor of the loss (its gradients are sums over the
+            ranks; None: the data-parallel size, which makes them means). nbtrain's
+            gradients are already means, so only another value changes anything: the
+            loss is multiplied by zero_size / grad_scale, as BMTrain's would be.
 
     Collective: `step`, `clip_grad_norm` and `backward` (through the model's
     backward) must be called by every rank, in the same order.
@@ -47,12 +51,15 @@ class OptimManager:
 
     def __init__(self, loss_scale: float | None = None, loss_scale_factor: float = 2,
                  loss_scale_steps: int = 1024, min_loss_scale: float = 1,
-                 max_loss_scale: float = 2**24):
+                 max_loss_scale: float = 2**24, grad_scale: float | None = None):
         if loss_scale is not None and loss_scale <= 0:
             raise ValueError(f"loss_scale={loss_scale} must be > 0 (or None for no scaling)")
         if loss_scale_factor <= 1 or loss_scale_steps < 1:
             raise ValueError(f"loss_scale_factor={loss_scale_factor} must be > 1 and "
                              f"loss_scale_steps={loss_scale_steps} >= 1")
+        if grad_scale is not None and grad_scale <= 0:
+            raise ValueError(f"grad_scale={grad_scale} must be > 0 (or None)")
+        self._grad_scale = grad_scale
         self.loss_scale_enabled = loss_scale is not None
         self.loss_scale = float(loss_scale) if loss_scale is not None else 1.0
         self.loss_scale_factor = float(loss_scale_factor)
@@ -68,6 +75,35 @@ class OptimManager:
         self._grad_norm: float | None = None
         self._loss_sum = 0.0
         self._step_start: float | None = None
+
+    @property
+    def steps_since_last_scale(self) -> int:
+        """BMTrain's name: steps since the loss scale last changed."""
+        return self.steps_since_rescale
+
+    @property
+    def grad_scale(self) -> float:
+        """BMTrain's divisor of the loss (default: the data-parallel size, zero_size)."""
+        if self._grad_scale is not None:
+            return self._grad_scale
+        from ..comm.config import config
+
+        return config["zero_size"] if config["initialized"] else 1
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """What `backward` differentiates: `loss` times the loss scale. BMTrain's also
+        divides by `grad_scale` because it sums gradients over ranks; nbtrain averages
+        them, which is the same for the default grad_scale."""
+        factor = self.loss_scale if self.loss_scale_enabled else 1.0
+        if self._grad_scale is not None:
+            factor = factor * self._grad_scale_relative()
+        return loss * factor if factor != 1.0 else loss
+
+    def _grad_scale_relative(self) -> float:
+        from ..comm.config import config
+
+        zero = config["zero_size"] if config["initialized"] else 1
+        return zero / self._grad_scale
 
     def add_optimizer(self, optimizer, lr_scheduler=None) -> None:
         """Registers an optimizer and (optionally) the scheduler `step()` advances."""
@@ -101,7 +137,7 @@ class OptimManager:
         if self._step_start is None:
             self._step_start = time.perf_counter()
         self._loss_sum = self._loss_sum + loss.detach().float()  # no host sync here
-        (loss * self.loss_scale).backward()
+        self.scale_loss(loss).backward()
 
     # -- unscaling, overflow and clipping -------------------------------------------
     def _unscale(self) -> None:

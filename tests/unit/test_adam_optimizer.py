@@ -69,3 +69,38 @@ def test_rejects_bad_hyperparameters():
         AdamOptimizer(_params(), betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr"):
         AdamOptimizer(_params(), lr=-1.0)
+
+
+@pytest.mark.parametrize("cls", [AdamOptimizer, AdamOffloadOptimizer])
+def test_hold_steps_warm_the_moments_without_moving_the_weights(cls):
+    """BMTrain's hold_steps: torch's AdamW with lr 0 for those steps, then the lr."""
+    ours, ref = _params(), _params()
+    start = [p.detach().clone() for p in ours]
+    opt, ref_opt = cls(ours, hold_steps=3, **HYPER), torch.optim.AdamW(ref, **HYPER)
+    for step in range(8):
+        for p, q, g in zip(ours, ref, _grads(step)):
+            p.grad, q.grad = g.clone(), g.clone()
+        ref_opt.param_groups[0]["lr"] = 0.0 if step < 3 else HYPER["lr"]
+        opt.step(), ref_opt.step()
+        if step == 2:
+            for p, s in zip(ours, start):
+                assert torch.equal(p.detach(), s)  # held
+    for p, q in zip(ours, ref):
+        torch.testing.assert_close(p, q, atol=1e-6, rtol=1e-6)
+
+
+def test_optim_manager_scale_loss_and_bmtrains_counter():
+    from nbtrain.optim import OptimManager
+
+    manager = OptimManager(loss_scale=1024)
+    assert manager.scale_loss(torch.tensor(2.0)).item() == 2048.0
+    assert manager.steps_since_last_scale == 0
+    assert OptimManager().scale_loss(torch.tensor(2.0)).item() == 2.0
+
+
+def test_optim_manager_grad_scale_is_bmtrains_divisor():
+    from nbtrain.optim import OptimManager
+
+    assert OptimManager().grad_scale == 1  # one process: the data-parallel size
+    halved = OptimManager(loss_scale=8, grad_scale=2)  # BMTrain: loss * 8 / 2 summed over 1 rank
+    assert halved.scale_loss(torch.tensor(1.0)).item() == 4.0
