@@ -37,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..comm import collectives as C, events
 from ..comm.context import get_context
+from .compile import CompiledModule, CompileStats, compile_options
 from .flat import FlatGroup
 from .init import init_range
 from .parameter import DistributedParameter
@@ -142,6 +143,8 @@ class Block(nn.Module):
             of its pipeline stage either way, so both build the same block.
         initialized: BMTrain's flag, accepted; nbtrain takes the module's values as
             they are (and `init_parameters` runs the deferred initialisers) either way.
+        compile: torch.compile the module (see `compile`): True, or a dict of
+            torch.compile's keywords (e.g. dict(backend="aot_eager")). False: eager.
 
     BMTrain's positional order, `Block(module, use_checkpoint, zero_level)`, works too:
     a bool in second place is `use_checkpoint` (no zero level is a bool). BMTrain's
@@ -161,8 +164,10 @@ class Block(nn.Module):
 
     def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
                  label: str | None = None, reduce_dtype: torch.dtype | None = None,
-                 offload: bool = False, mode: str = "BLOCK", initialized: bool = False):
+                 offload: bool = False, mode: str = "BLOCK", initialized: bool = False,
+                 compile: bool | dict = False):
         super().__init__()
+        options = compile_options(compile)
         if isinstance(zero_level, bool):  # BMTrain's order: (module, use_checkpoint, zero_level)
             zero_level, use_checkpoint = (3 if isinstance(use_checkpoint, bool)
                                           else use_checkpoint), zero_level
@@ -183,6 +188,7 @@ class Block(nn.Module):
         object.__setattr__(self, "_module", module)
         object.__setattr__(self, "_next_block", None)
         object.__setattr__(self, "_prev_block", None)
+        object.__setattr__(self, "_compiled", None)
         self.zero_level, self.use_checkpoint = level, bool(use_checkpoint)
         self.label = label or type(module).__name__
         self.auto_label = label is None
@@ -196,6 +202,8 @@ class Block(nn.Module):
         self.register_load_state_dict_post_hook(Block._drop_own_keys)
         self._bwd_start = 0.0
         self._grads_pending = 0
+        if options is not None:
+            self.compile(**options)
 
     # -- construction -------------------------------------------------------
     def _build_groups(self, entries: list[_ParamEntry], ctx, reduce_dtype=None) -> None:
@@ -276,7 +284,24 @@ class Block(nn.Module):
             return getattr(module, name)
 
     def extra_repr(self) -> str:
-        return f"zero_level={int(self.zero_level)}, use_checkpoint={self.use_checkpoint}"
+        return (f"zero_level={int(self.zero_level)}, use_checkpoint={self.use_checkpoint}"
+                + (", compiled" if self._compiled is not None else ""))
+
+    def compile(self, **options) -> None:
+        """torch.compile(module, **options) for the wrapped module only: the block's
+        gather, prefetch, release and gradient reduction stay eager around it, and
+        `state_dict()` names stay the module's own. Compiles at the first forward; blocks
+        of one module class share the code. `compile_stats` then holds the graph breaks
+        (a warning names the block when there are any). Raises a RuntimeError when
+        torch.compile cannot run here. Local."""
+        object.__setattr__(self, "_compiled",
+                           CompiledModule(self._module, options, get_context().device))
+
+    @property
+    def compile_stats(self) -> CompileStats | None:
+        """Graphs and graph breaks of the compiled module, known after the first
+        forward; None when the block is not compiled or has not run."""
+        return None if self._compiled is None else self._compiled.stats
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -351,6 +376,8 @@ class Block(nn.Module):
         for group, full in zip(self._groups, fulls):
             self._install_views(group, full)
         try:
+            if self._compiled is not None:
+                return self._compiled(self.label, *args, **kwargs)
             return self._module(*args, **kwargs)
         finally:  # autograd keeps the views it needs; the attributes go back to rest
             for group in self._groups:

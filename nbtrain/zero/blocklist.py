@@ -21,6 +21,8 @@ class TransformerBlockList(nn.ModuleList):
     Args:
         modules: Blocks, or plain modules (wrapped as `Block(m)` at ZeRO-3).
         num_hidden: how many leading arguments are hidden states (BMTrain's).
+        compile: for the plain modules it wraps: torch.compile them (Block's `compile`).
+            Blocks given keep their own setting.
 
     `blocks(*args, **kwargs)` calls the blocks in turn as BMTrain's list does: each
     block's output (a tuple, or one tensor) replaces the first `num_hidden` arguments
@@ -31,8 +33,9 @@ class TransformerBlockList(nn.ModuleList):
     along a new first dimension.
     """
 
-    def __init__(self, modules=None, num_hidden: int = 1):
-        blocks = [m if isinstance(m, Block) else Block(m) for m in (modules or [])]
+    def __init__(self, modules=None, num_hidden: int = 1, compile: bool | dict = False):
+        blocks = [m if isinstance(m, Block) else Block(m, compile=compile)
+                  for m in (modules or [])]
         super().__init__(blocks)
         if num_hidden < 1:
             raise ValueError(f"num_hidden={num_hidden}: at least one argument is a hidden state")

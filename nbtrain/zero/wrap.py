@@ -50,7 +50,7 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
 
 
 def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtype,
-                            offload=False) -> list:
+                            offload=False, compile=False) -> list:
     """Makes each layer of a pipeline Stage (with parameters) a Block in place, under its
     own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter,
     with each other or with another stage (`model.ties`, a tied embedding), stay outside
@@ -68,7 +68,8 @@ def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtyp
     for k, m in layers.items():
         if not isinstance(m, Block) and k not in shared and any(True for _ in m.parameters()):
             m = model._modules[k] = Block(m, level, use_checkpoint, label=k,
-                                          reduce_dtype=reduce_dtype, offload=offload)
+                                          reduce_dtype=reduce_dtype, offload=offload,
+                                          compile=compile)
             blocks.append(m)
         if isinstance(m, Block) and isinstance(prev, Block):  # neighbours prefetch
             object.__setattr__(prev, "_next_block", m)
@@ -110,7 +111,7 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[Distribut
 
 
 def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
-         reduce_dtype=None, offload: bool = False) -> nn.Module:
+         reduce_dtype=None, offload: bool = False, compile: bool | dict = False) -> nn.Module:
     """Shards `model` in place and returns it.
 
     Args:
@@ -121,6 +122,8 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
             with AdamOffloadOptimizer (or any optimizer: it steps on host shards).
         reduce_dtype: dtype the Blocks reduce gradients in (see Block); None
             keeps the parameters' dtype.
+        compile: torch.compile each Block's module (see Block.compile): True, or a dict
+            of torch.compile's keywords. Blocks already in the model are left as they are.
 
     Collective: every rank calls this on an identical model.
     """
@@ -132,13 +135,14 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     if is_stage(model) and hasattr(model, "layer_keys"):  # its layers are the list
         lists = []
         first_blocks += _stage_layers_to_blocks(model, level, use_checkpoint, reduce_dtype,
-                                                offload)[:1]
+                                                offload, compile)[:1]
     else:
         lists = _layer_lists(model)
     _check_no_ties_across(model, lists)
     for name, ml in lists:
         blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}",
-                                             reduce_dtype=reduce_dtype, offload=offload)
+                                             reduce_dtype=reduce_dtype, offload=offload,
+                                             compile=compile)
                                        for i, m in enumerate(ml)])
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
