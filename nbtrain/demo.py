@@ -25,22 +25,33 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default="nbtrain-out", help="output folder (default ./nbtrain-out)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                   help="fp32 (default), or bf16 weights and activations with fp32 "
+                        "gradient reduction and fp32 master weights in the optimizer")
     return p
 
 
 def _train(args: argparse.Namespace) -> None:
     """Runs on every rank (see nbtrain.launch.run_ranks)."""
+    import torch
+    import torch.nn.functional as F
+
     import nbtrain as nbt
-    from nbtrain import telemetry
-    from nbtrain.models.data import VOCAB_SIZE, BatchSampler, stdlib_corpus
+    from nbtrain import progress, telemetry
     from nbtrain.models import GPT, GPTConfig
-    from nbtrain import progress
+    from nbtrain.models.data import VOCAB_SIZE, BatchSampler, stdlib_corpus
 
     ctx = nbt.init_distributed(seed=args.seed)
     run_dir = os.path.join(args.out, "telemetry")
     telemetry.start(run_dir)
     cfg = GPTConfig.preset(args.model_size, vocab_size=VOCAB_SIZE, seq_len=args.seq_len)
-    model = nbt.wrap(GPT(cfg).to(ctx.device), zero_level=3)
+    if args.dtype == "bf16":
+        # bf16 Blocks reduce their gradients in fp32 (each shard's main_grad), and
+        # AdamOptimizer keeps fp32 master weights of bf16 parameters.
+        model = nbt.wrap(GPT(cfg).to(ctx.device, torch.bfloat16), zero_level=3,
+                         reduce_dtype=torch.float32)
+    else:
+        model = nbt.wrap(GPT(cfg).to(ctx.device), zero_level=3)
     optimizer = nbt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.01)
     scheduler = nbt.lr_scheduler.Cosine(optimizer, start_lr=args.lr,
                                         warmup_iter=max(1, args.steps // 20),
@@ -54,7 +65,9 @@ def _train(args: argparse.Namespace) -> None:
     for step in progress(range(args.steps), desc="nbtrain demo", unit="step"):
         x, y = sampler.local_batch(step)
         manager.zero_grad()
-        loss = model.loss(x, y)
+        logits = model(x).float()  # the loss in fp32 whatever the weights' dtype
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                               y.to(logits.device).reshape(-1))
         manager.backward(loss)
         manager.clip_grad_norm(optimizer.param_groups, max_norm=1.0)
         manager.step()
@@ -68,7 +81,8 @@ def _train(args: argparse.Namespace) -> None:
     if ctx.rank == 0:
         with open(os.path.join(args.out, "losses.json"), "w") as f:
             json.dump({"world_size": ctx.world_size, "backend": ctx.backend,
-                       "model_size": args.model_size, "losses": losses}, f)
+                       "model_size": args.model_size, "dtype": args.dtype,
+                       "losses": losses}, f)
 
 
 def summarise(losses: list[float]) -> tuple[float, float]:
@@ -86,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--ranks={ranks} and --steps={args.steps} must be positive")
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
-    print(f"nbtrain demo: {args.model_size} GPT, ZeRO-3, {ranks} rank(s), {args.steps} steps, "
-          f"output in {args.out}", flush=True)
+    print(f"nbtrain demo: {args.model_size} GPT, ZeRO-3, {args.dtype}, {ranks} rank(s), "
+          f"{args.steps} steps, output in {args.out}", flush=True)
     start = time.perf_counter()
     run_ranks(_train, ranks, args, seed=args.seed, timeout_s=24 * 3600)
     elapsed = time.perf_counter() - start

@@ -33,7 +33,7 @@ import time
 
 from . import report
 from . import pp as pp_bench, tp as tp_bench
-from .engines import ENGINES
+from .engines import ENGINES, RECIPES
 from .runs import write_json
 from ..launch import run_ranks
 from .worker import run_rank
@@ -75,6 +75,10 @@ def _parser() -> argparse.ArgumentParser:
                         "share, and its time against one rank's full-sequence SDPA")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="micro-batches per step with --pp (default 4)")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                   help="fp32 (default), or bf16: bf16 weights and activations, fp32 "
+                        "gradient reduction and fp32 master weights in AdamW, each engine "
+                        "by its own recipe (printed in the header)")
     return p
 
 
@@ -95,7 +99,7 @@ def _settings(args) -> dict:
         "warmup": args.warmup if args.warmup is not None else (2 if quick else 3),
         "rounds": args.rounds or (2 if quick else 3),
         "timeout_s": 300.0, "tp": args.tp, "pp": args.pp,
-        "micro_batches": args.micro_batches,
+        "micro_batches": args.micro_batches, "dtype": args.dtype,
     }
 
 
@@ -127,8 +131,9 @@ def run(ranks: int, settings: dict, log=print) -> dict:
         report.add_parity(runs, reference="dtensor_tp")
         return {"settings": {**settings, "ranks": ranks}, "runs": runs,
                 "ratios": report.tp_ratios(runs)}
-    runs = {e: report.summarize(e, rounds[e], ranks) for e in names}
-    report.add_parity(runs)
+    dtype = settings.get("dtype", "fp32")
+    runs = {e: report.summarize(e, rounds[e], ranks, dtype=dtype) for e in names}
+    report.add_parity(runs, dtype=dtype)
     return {"settings": {**settings, "ranks": ranks}, "runs": runs,
             "ratios": report.ratios(runs)}
 
@@ -172,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
     if sum((args.memory, args.moe, args.ring)) > 1:
         raise SystemExit("--memory, --moe and --ring are separate benchmarks: give one")
+    if args.dtype != "fp32" and (args.memory or args.moe or args.ring or args.tp > 1
+                                 or args.pp > 1):
+        raise SystemExit(f"--dtype {args.dtype} is for the ZeRO/FSDP2/DDP comparison (and "
+                         "--mfu); the --tp, --pp, --memory, --moe and --ring modes run fp32")
     if args.memory:
         from . import memory
 
@@ -192,7 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nbtrain bench: {s['ranks']} ranks{split}, "
           f"{s['device']}, GPT {s['model_size']}, "
           f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "
-          f"(+{s['warmup']} warm-up), fp32, AdamW")
+          f"(+{s['warmup']} warm-up), {s['dtype']}, AdamW")
+    if s["dtype"] == "bf16":
+        print("bf16 recipes (bf16 weights and activations, fp32 gradient reduction, AdamW "
+              "on fp32 masters; loss in fp32):")
+        for engine in result["runs"]:
+            print(f"  {engine:<6} {RECIPES[engine]}")
     print(report.table(result["runs"], result["ratios"]))
     write_json(args.json, result)
     return 0 if all(r["parity"] for r in result["runs"].values()) else 1

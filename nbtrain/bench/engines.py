@@ -1,7 +1,17 @@
 """The four engines the benchmark compares, built from one seeded GPT.
 
-Each builder returns the model to train; all four train with torch.optim.AdamW
-and the same fp32 dtype policy. Wire bytes are counted per rank as a ring moves
+Each builder returns the model to train, `optimizer` its AdamW. In fp32 all four
+train with torch.optim.AdamW. In bf16 (`DTYPES`) each runs its own mixed-precision
+recipe for one numerical policy: bf16 weights and activations in forward and
+backward, gradients reduced in fp32, AdamW on fp32 master weights:
+  zero3/zero2  bf16 parameters in the Blocks, `wrap(..., reduce_dtype=torch.float32)`
+               (each shard's fp32 `main_grad`), nbtrain's AdamOptimizer (fp32 master)
+  fsdp2        fp32 sharded parameters (the master) with MixedPrecisionPolicy(
+               param_dtype=bf16, reduce_dtype=fp32), torch AdamW on the fp32 shards
+  ddp          a bf16 replica whose gradient buckets are all-reduced in fp32 (a comm
+               hook; the average is rounded back into the bf16 bucket), torch AdamW on
+               fp32 master copies (`MasterAdamW`)
+Wire bytes are counted per rank as a ring moves
 them (a buffer of B bytes costs B x (N-1)/N for an all-gather or reduce-scatter,
 twice that for an all-reduce): nbtrain's own collectives count themselves
 (nbtrain.comm.COUNTERS); FSDP2's collectives are counted by wrapping the
@@ -22,6 +32,14 @@ from nbtrain.comm import COUNTERS
 from nbtrain.models import GPT, GPTConfig
 
 ENGINES = ("zero3", "zero2", "fsdp2", "ddp")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+RECIPES = {  # what each engine runs in bf16, for the printed header
+    "zero3": "bf16 Blocks, fp32 reduce-scatter (main_grad), AdamOptimizer fp32 master",
+    "zero2": "bf16 Blocks, fp32 reduce-scatter (main_grad), AdamOptimizer fp32 master",
+    "fsdp2": "fp32 shards, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), AdamW",
+    "ddp": "bf16 replica, fp32 all-reduce hook, AdamW on fp32 master copies",
+}
+ADAMW = {"lr": 1e-3, "eps": 1e-6, "weight_decay": 0.01}
 NBTRAIN_ENGINES = ("zero3", "zero2", "nbtrain_tp")  # their collectives count themselves
 
 
@@ -85,6 +103,44 @@ def _ddp_counting_hook(world: int):
     return hook
 
 
+def _ddp_fp32_hook(world: int):
+    """All-reduces a bf16 bucket in fp32 (the average rounded back into the bucket): the
+    same reduction precision and wire bytes as the other engines' fp32 reduce."""
+    ring = (world - 1) / world
+
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        wide = buffer.float().div_(world)
+        WIRE.add(2 * _nbytes(wide) * ring)
+        fut = dist.all_reduce(wide, group=state, async_op=True).get_future()
+        return fut.then(lambda f: buffer.copy_(f.value()[0]))
+    return hook
+
+
+class MasterAdamW(torch.optim.AdamW):
+    """torch AdamW on fp32 master copies of a bf16 model's parameters: each step reads
+    the model's gradients, updates the masters and writes them back rounded to bf16."""
+
+    def __init__(self, params, **kw):
+        self.model_params = [p for p in params if p.requires_grad]
+        self.masters = [p.detach().float().requires_grad_() for p in self.model_params]
+        super().__init__(self.masters, **kw)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for p, master in zip(self.model_params, self.masters):
+            master.grad = None if p.grad is None else p.grad.float()
+        loss = super().step(closure)
+        for p, master in zip(self.model_params, self.masters):
+            p.copy_(master)
+            master.grad = None  # at rest only the bf16 gradients remain
+        return loss
+
+
 def plain_gpt(cfg: GPTConfig, seed: int, device: torch.device) -> GPT:
     torch.manual_seed(seed)
     return GPT(cfg).to(device)
@@ -99,41 +155,64 @@ def fsdp2_mesh():
     return init_device_mesh(ctx.device.type, (ctx.world_size,))
 
 
-def fully_shard_gpt(model: GPT, mesh) -> nn.Module:
+def fully_shard_gpt(model: GPT, mesh, mp_policy=None) -> nn.Module:
     """FSDP2 over `mesh`: each transformer layer, then the root (embeddings, final norm,
     head). The model may be on the meta device (then `to_empty` and initialise it).
     Collective."""
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
     for layer in model.layers:  # one group per layer, as nbtrain's one Block per layer
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **policy)
+    return fully_shard(model, mesh=mesh, **policy)
 
 
-def build(engine: str, cfg: GPTConfig, seed: int) -> nn.Module:
-    """The model for `engine`, sharded or replicated over the default group.
+def build(engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32") -> nn.Module:
+    """The model for `engine`, sharded or replicated over the default group, in the
+    engine's recipe for `dtype` ("fp32" or "bf16", see the module docstring).
 
     Collective: every rank calls this with the same arguments.
     """
     ctx = nbt.get_context()
     model = plain_gpt(cfg, seed, ctx.device)
+    half = dtype == "bf16"
     if engine in ("zero3", "zero2"):
-        return nbt.wrap(model, zero_level=3 if engine == "zero3" else 2)
+        level = 3 if engine == "zero3" else 2
+        if half:
+            return nbt.wrap(model.to(torch.bfloat16), zero_level=level,
+                            reduce_dtype=torch.float32)
+        return nbt.wrap(model, zero_level=level)
     if engine == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
         _count_torch_collectives(ctx.world_size)
-        return fully_shard_gpt(model, fsdp2_mesh())
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                      reduce_dtype=torch.float32) if half else None
+        return fully_shard_gpt(model, fsdp2_mesh(), policy)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        ddp = DDP(model, device_ids=ids)
-        ddp.register_comm_hook(None, _ddp_counting_hook(ctx.world_size))
+        ddp = DDP(model.to(torch.bfloat16) if half else model, device_ids=ids)
+        hook = _ddp_fp32_hook if half else _ddp_counting_hook
+        ddp.register_comm_hook(None, hook(ctx.world_size))
         return ddp
     raise ValueError(f"engine {engine!r}: choose one of {ENGINES}")
 
 
+def optimizer(engine: str, model: nn.Module, dtype: str = "fp32") -> torch.optim.Optimizer:
+    """The engine's AdamW (same hyperparameters everywhere): torch's in fp32; in bf16
+    the engine's fp32-master recipe (see the module docstring). Local."""
+    if dtype == "bf16" and engine in NBTRAIN_ENGINES:
+        return nbt.optim.AdamOptimizer(model.parameters(), **ADAMW)
+    if dtype == "bf16" and engine == "ddp":
+        return MasterAdamW(model.parameters(), **ADAMW)
+    return torch.optim.AdamW(model.parameters(), **ADAMW)
+
+
 def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    logits = model(x)
+    """Mean cross-entropy, computed in fp32 whatever the logits' dtype."""
+    logits = model(x).float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
 
 
@@ -156,8 +235,9 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
 
     Counts what is resident at rest (after a step, before the next forward):
     nbtrain's flat shards and DistributedParameter shards, FSDP2's local DTensor
-    shards, DDP's full replicas; each with its gradient and AdamW's exp_avg and
-    exp_avg_sq.
+    shards, DDP's full replicas; each with its gradient (and fp32 `main_grad`) and
+    the optimizer's state: AdamW's exp_avg and exp_avg_sq, and fp32 master weights
+    where the optimizer keeps them (AdamOptimizer's "master", MasterAdamW's copies).
     """
     params = grads = optim = 0
     for p in {id(p): p for p in model.parameters()}.values():
@@ -165,7 +245,9 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
         for g in (p.grad, getattr(p, "main_grad", None)):
             if g is not None:
                 grads += _nbytes(_local(g))
-        for v in opt.state.get(p, {}).values():
+    for state in opt.state.values():
+        for v in state.values():
             if torch.is_tensor(v) and v.dim() > 0:
                 optim += _nbytes(_local(v))
+    optim += sum(_nbytes(m) for m in getattr(opt, "masters", ()))
     return {"param": params, "grad": grads, "optim": optim, "total": params + grads + optim}

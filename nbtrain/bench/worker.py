@@ -84,9 +84,12 @@ def _train(spec: dict, rank: int, world: int) -> dict:
     if tp > 1:
         nbt.init_distributed(seed=spec["seed"], tp_size=tp)
     dp, dp_rank = world // tp, rank // tp  # tp ranks of one replica share its batch
-    build = tp_bench.build if engine in tp_bench.TP_ENGINES else engines.build
-    model = build(engine, cfg, spec["seed"])
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
+    dtype = spec.get("dtype", "fp32")
+    if engine in tp_bench.TP_ENGINES:
+        model = tp_bench.build(engine, cfg, spec["seed"])
+    else:
+        model = engines.build(engine, cfg, spec["seed"], dtype)
+    opt = engines.optimizer(engine, model, dtype)
     total = spec["warmup"] + spec["steps"]
     xs, ys = batches(cfg, total, spec["batch_per_rank"], dp, spec["seed"])
     lo, hi = dp_rank * spec["batch_per_rank"], (dp_rank + 1) * spec["batch_per_rank"]
