@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 
-from .phase import MB, Phase, fix_mmap_threshold, peak_of  # noqa: F401 (public here too)
+from .phase import MB, Phase, fix_mmap_threshold, peak_of
 
 
 def _gpt(cfg, how: str):
@@ -182,11 +182,11 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
     theory = {"build": shard, "train": 3 * shard, "save": block, "load": shard}
     ratios = {}
     where = "GPU" if meta[0]["build"][1] is not None else "host"
-    lines = [f"GPT of {params / 1e6:.1f} M parameters ({4 * params / MB:.0f} MiB fp32) on "
-             f"{ranks} ranks, ZeRO-3; runtime baseline {baseline / MB:.1f} MiB",
+    lines = [(f"GPT of {params / 1e6:.1f} M parameters ({4 * params / MB:.0f} MiB fp32) on "
+             f"{ranks} ranks, ZeRO-3; runtime baseline {baseline / MB:.1f} MiB"),
              f"peaks per rank ({where} memory, the worst rank)",
-             f"{'path':<6} {'phase':<6} {'peak MiB':>9} {'theory MiB':>11} {'ratio':>6} "
-             f"{'seconds':>8}"]
+             (f"{'path':<6} {'phase':<6} {'peak MiB':>9} {'theory MiB':>11} {'ratio':>6} "
+             f"{'seconds':>8}")]
     paths = [("meta", meta, ("build", "train", "save", "load")),
              ("whole", whole, ("build", "train"))]
     if "offload" in result:  # on a GPU its device peaks are the point; on a CPU, equal
@@ -230,9 +230,9 @@ def _fsdp2_rows(result: dict, theory: dict, meta: list, ratios: dict) -> list:
     loaded = [r.get("load_matches_save") for r in fsdp2]
     load = ("no load" if None in loaded else "the load read the saved values" if all(loaded)
             else "the load did NOT read the saved values")
-    return [f"torch {fsdp2[0]['torch']} FSDP2 (meta device, fully_shard per layer and root, "
+    return [(f"torch {fsdp2[0]['torch']} FSDP2 (meta device, fully_shard per layer and root, "
             f"to_empty, DCP): baseline {base / MB:.1f} MiB, shard {shard / MB:.1f} MiB, "
-            f"{load}"] + rows
+            f"{load}")] + rows
 
 
 def main(args) -> int:

@@ -35,7 +35,7 @@ def _init_gpt(model, cfg) -> None:
                 m.reset_parameters()
         model.apply(GPT._init)
         for name, p in model.named_parameters():
-            if name.endswith("proj.weight") or name.endswith("mlp.2.weight"):
+            if name.endswith(("proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.layers))
 
 
@@ -67,8 +67,10 @@ def save_dcp(model, folder: str) -> None:
 def load_dcp(cfg, mesh, device, folder: str):
     """A fresh meta-built FSDP2 GPT with the checkpoint in `folder` read into its shards."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                         set_model_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        set_model_state_dict,
+    )
 
     model = build_fsdp2(cfg, mesh, device, init=False)
     state = get_model_state_dict(model)

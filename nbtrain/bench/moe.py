@@ -163,8 +163,8 @@ def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> di
 
 def table(result: dict) -> str:
     runs, params, MiB = result["runs"], result["params"], 2 ** 20
-    lines = [f"{'model':<6} {'step ms':>8} {'min-max ms':>13} {'tokens/s':>10} "
-             f"{'params M':>9} {'active M':>9} {'a2a MiB':>8} {'wire MiB':>9} {'loss':>12}"]
+    lines = [(f"{'model':<6} {'step ms':>8} {'min-max ms':>13} {'tokens/s':>10} "
+             f"{'params M':>9} {'active M':>9} {'a2a MiB':>8} {'wire MiB':>9} {'loss':>12}")]
     counts = {"moe": (params["moe_total"], params["moe_active"]),
               "dense": (params["dense"], params["dense"])}
     for name in MODELS:

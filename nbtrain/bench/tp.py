@@ -63,8 +63,11 @@ class _LocalHeads(nn.Module):
 def _dtensor(model: nn.Module, cfg: GPTConfig, tp: int, device: torch.device) -> nn.Module:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     if cfg.heads % tp:
         raise ValueError(f"heads={cfg.heads} must divide by tp_size {tp}")
