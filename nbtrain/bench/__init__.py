@@ -19,6 +19,10 @@ count, model state against 16 bytes x params / tp, and the loss difference. With
 (see pp.py): step time, the measured bubble against (P - 1) / (M + P - 1), and the
 point-to-point bytes against the activation count.
 
+With `--mfu` it trains a ~1B Llama at seq 2048 in bf16 on one device and reports
+tokens/s and model FLOPs utilisation, nbtrain beside plain torch and torch.compile
+(see mfu.py).
+
 With `--moe` it times the MoE GPT (nbtrain.models.gpt_moe, experts over the ranks)
 against the dense GPT of equal active parameters: tokens/s of both, parameters, the
 all-to-all bytes and the router's balance (see moe.py). With `--ring` it times ring
@@ -31,11 +35,12 @@ import argparse
 import sys
 import time
 
+from ..launch import run_ranks
+from . import pp as pp_bench
 from . import report
-from . import pp as pp_bench, tp as tp_bench
+from . import tp as tp_bench
 from .engines import ENGINES, RECIPES
 from .runs import write_json
-from ..launch import run_ranks
 from .worker import run_rank
 
 __all__ = ["main", "run"]
@@ -75,6 +80,20 @@ def _parser() -> argparse.ArgumentParser:
                         "share, and its time against one rank's full-sequence SDPA")
     p.add_argument("--micro-batches", type=int, default=4,
                    help="micro-batches per step with --pp (default 4)")
+    p.add_argument("--mfu", action="store_true",
+                   help="tokens/s and MFU of a ~1B Llama (seq 2048, bf16) at world 1 on one "
+                        "GPU: nbtrain beside plain torch and torch.compile (see mfu.py); on a "
+                        "CPU, or with --quick, a tiny Llama")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer, the same way for every engine "
+                        "(nbtrain: wrap(..., compile=); FSDP2 and DDP: each layer compiled "
+                        "before wrapping); the compile time is shown apart from step times")
+    p.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend of the compiled engines (default inductor; "
+                        "aot_eager checks the capture without generating code)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="with --mfu: the device's dense bf16 peak, where the built-in table "
+                        "does not know it")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="fp32 (default), or bf16: bf16 weights and activations, fp32 "
                         "gradient reduction and fp32 master weights in AdamW, each engine "
@@ -100,6 +119,7 @@ def _settings(args) -> dict:
         "rounds": args.rounds or (2 if quick else 3),
         "timeout_s": 300.0, "tp": args.tp, "pp": args.pp,
         "micro_batches": args.micro_batches, "dtype": args.dtype,
+        "compile": {"backend": args.compile_backend} if args.compile else None,
     }
 
 
@@ -175,12 +195,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.tp < 1 or (args.tp > 1 and args.ranks != args.tp):
         raise SystemExit(f"--tp {args.tp} with --ranks {args.ranks}: the tensor-parallel "
                          f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
-    if sum((args.memory, args.moe, args.ring)) > 1:
-        raise SystemExit("--memory, --moe and --ring are separate benchmarks: give one")
-    if args.dtype != "fp32" and (args.memory or args.moe or args.ring or args.tp > 1
-                                 or args.pp > 1):
-        raise SystemExit(f"--dtype {args.dtype} is for the ZeRO/FSDP2/DDP comparison (and "
-                         "--mfu); the --tp, --pp, --memory, --moe and --ring modes run fp32")
+    if sum((args.memory, args.moe, args.ring, args.mfu)) > 1:
+        raise SystemExit("--memory, --moe, --ring and --mfu are separate benchmarks: give one")
+    others = args.memory or args.moe or args.ring or args.tp > 1 or args.pp > 1
+    if args.dtype != "fp32" and (others or args.mfu):
+        raise SystemExit(f"--dtype {args.dtype} is for the ZeRO/FSDP2/DDP comparison; --mfu "
+                         "always runs bf16, and the --tp, --pp, --memory, --moe and --ring "
+                         "modes run fp32")
+    if args.compile and (others or args.mfu):
+        raise SystemExit("--compile is for the ZeRO/FSDP2/DDP comparison (--mfu always runs "
+                         "compiled engines beside eager ones)")
+    if args.mfu:
+        from . import mfu
+
+        return mfu.main(args)
     if args.memory:
         from . import memory
 
@@ -201,12 +229,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"nbtrain bench: {s['ranks']} ranks{split}, "
           f"{s['device']}, GPT {s['model_size']}, "
           f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "
-          f"(+{s['warmup']} warm-up), {s['dtype']}, AdamW")
+          f"(+{s['warmup']} warm-up), {s['dtype']}, AdamW"
+          + (f", each layer compiled (backend {s['compile']['backend']})" if s["compile"]
+             else ""))
     if s["dtype"] == "bf16":
         print("bf16 recipes (bf16 weights and activations, fp32 gradient reduction, AdamW "
               "on fp32 masters; loss in fp32):")
         for engine in result["runs"]:
             print(f"  {engine:<6} {RECIPES[engine]}")
-    print(report.table(result["runs"], result["ratios"]))
+    if s["compile"]:
+        print("compiled: nbtrain wrap(..., compile=) compiles each Block's module; FSDP2 and "
+              "DDP get each layer as torch.compile(layer) before wrapping; compile s = the "
+              "first warm-up step less the median step, lowest-highest over the launches "
+              "(inductor's cache serves later launches)")
+    print(report.table(result["runs"], result["ratios"], compile_column=bool(s["compile"])))
     write_json(args.json, result)
     return 0 if all(r["parity"] for r in result["runs"].values()) else 1

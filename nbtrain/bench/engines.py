@@ -75,11 +75,11 @@ def _count_torch_collectives(world: int) -> None:
                     else "reduce_scatter_tensor")
     gather, scatter, reduce = getattr(dist, gather_name), getattr(dist, scatter_name), dist.all_reduce
 
-    def all_gather_flat(output, input, *a, **kw):  # noqa: A002 (torch's name)
+    def all_gather_flat(output, input, *a, **kw):
         WIRE.add(_nbytes(output) * ring)
         return gather(output, input, *a, **kw)
 
-    def reduce_scatter_flat(output, input, *a, **kw):  # noqa: A002
+    def reduce_scatter_flat(output, input, *a, **kw):
         WIRE.add(_nbytes(input) * ring)
         return scatter(output, input, *a, **kw)
 
@@ -167,9 +167,22 @@ def fully_shard_gpt(model: GPT, mesh, mp_policy=None) -> nn.Module:
     return fully_shard(model, mesh=mesh, **policy)
 
 
-def build(engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32") -> nn.Module:
+def compile_layers(layers: nn.ModuleList, options: dict) -> None:
+    """Replaces each layer by `torch.compile(layer, **options)`, in place: the layer's
+    own forward is compiled, and what a wrapper hooks around the layer (FSDP2's gather
+    and reduce-scatter) stays eager outside it, as around a compiled nbtrain Block
+    (`wrap(..., compile=options)`). Layers of one class share the compiled code. Local."""
+    for i, layer in enumerate(layers):
+        layers[i] = torch.compile(layer, **options)
+
+
+def build(engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32",
+          compile: dict | None = None) -> nn.Module:
     """The model for `engine`, sharded or replicated over the default group, in the
-    engine's recipe for `dtype` ("fp32" or "bf16", see the module docstring).
+    engine's recipe for `dtype` ("fp32" or "bf16", see the module docstring). With
+    `compile` (torch.compile's keywords) each transformer layer is compiled, the same
+    way for every engine: nbtrain's Blocks compile their module, the peers' layers are
+    compiled before FSDP2 or DDP wraps them.
 
     Collective: every rank calls this with the same arguments.
     """
@@ -177,11 +190,14 @@ def build(engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32") -> nn.Mod
     model = plain_gpt(cfg, seed, ctx.device)
     half = dtype == "bf16"
     if engine in ("zero3", "zero2"):
-        level = 3 if engine == "zero3" else 2
+        kw = {"zero_level": 3 if engine == "zero3" else 2}
+        if compile is not None:
+            kw["compile"] = compile
         if half:
-            return nbt.wrap(model.to(torch.bfloat16), zero_level=level,
-                            reduce_dtype=torch.float32)
-        return nbt.wrap(model, zero_level=level)
+            return nbt.wrap(model.to(torch.bfloat16), reduce_dtype=torch.float32, **kw)
+        return nbt.wrap(model, **kw)
+    if compile is not None:
+        compile_layers(model.layers, compile)
     if engine == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -60,6 +60,10 @@ def summarize(engine: str, rounds: list[list[dict]], world: int, th: dict | None
         "hidden_comm_pct": 100 * statistics.median(hidden) if hidden else None,
         "losses": first[0]["loss"],
         "param_numel": numel,
+        # per round (a fresh launch): the first warm-up step less the timed median, which
+        # is the compile time where the model is compiled
+        "first_step_extra_s": [ranks[0]["warmup_s"][0] - statistics.median(ranks[0]["step_s"])
+                               for ranks in rounds if ranks[0].get("warmup_s")],
     }
 
 
@@ -104,22 +108,30 @@ def tp_ratios(runs: dict) -> dict:
     }
 
 
-def table(runs: dict, ratio: dict) -> str:
+def table(runs: dict, ratio: dict, compile_column: bool = False) -> str:
+    """The Markdown table and the ratio lines; `compile_column` adds "compile s": per
+    launch, the first warm-up step less the median step (lowest-highest over rounds)."""
     mib = 2 ** 20
     reference = next(iter(runs.values())).get("reference", "ddp").replace("_tp", "")
     head = ("engine", "step ms", "rounds ms", "peak MiB", "state MiB", "state/th",
             "wire MiB", "wire/th", "hidden %", f"loss |d| vs {reference}")
+    if compile_column:
+        head = head[:3] + ("compile s",) + head[3:]
     rows = [head]
     for name, r in runs.items():
         spread = "-".join(f"{1e3 * t:.0f}" for t in (min(r["step_time_round_medians_s"]),
                                                     max(r["step_time_round_medians_s"])))
         hidden = "n/a" if r["hidden_comm_pct"] is None else f"{r['hidden_comm_pct']:.0f}"
-        rows.append((name, f"{1e3 * r['step_time_s']:.1f}", spread,
-                     f"{r['peak_mem_bytes'] / mib:.0f}", f"{r['state_bytes'] / mib:.2f}",
-                     f"{r['state_bytes'] / r['state_theory_bytes']:.3f}",
-                     f"{r['wire_bytes_per_step'] / mib:.2f}",
-                     f"{_ratio(r['wire_bytes_per_step'], r['wire_theory_bytes']):.3f}", hidden,
-                     f"{r['loss_max_abs_diff_vs_ddp']:.1e} {'ok' if r['parity'] else 'DIFFER'}"))
+        row = (name, f"{1e3 * r['step_time_s']:.1f}", spread,
+               f"{r['peak_mem_bytes'] / mib:.0f}", f"{r['state_bytes'] / mib:.2f}",
+               f"{r['state_bytes'] / r['state_theory_bytes']:.3f}",
+               f"{r['wire_bytes_per_step'] / mib:.2f}",
+               f"{_ratio(r['wire_bytes_per_step'], r['wire_theory_bytes']):.3f}", hidden,
+               f"{r['loss_max_abs_diff_vs_ddp']:.1e} {'ok' if r['parity'] else 'DIFFER'}")
+        if compile_column:
+            extra = r.get("first_step_extra_s") or [float("nan")]
+            row = row[:3] + ("-".join(f"{t:.1f}" for t in (min(extra), max(extra))),) + row[3:]
+        rows.append(row)
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")

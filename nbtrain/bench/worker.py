@@ -17,7 +17,8 @@ from nbtrain import telemetry
 from nbtrain.models import GPTConfig
 from nbtrain.telemetry.overlap import comm_overlap
 
-from . import engines, tp as tp_bench
+from . import engines
+from . import tp as tp_bench
 
 
 def _rss_bytes(field: str) -> int:
@@ -88,14 +89,14 @@ def _train(spec: dict, rank: int, world: int) -> dict:
     if engine in tp_bench.TP_ENGINES:
         model = tp_bench.build(engine, cfg, spec["seed"])
     else:
-        model = engines.build(engine, cfg, spec["seed"], dtype)
+        model = engines.build(engine, cfg, spec["seed"], dtype, spec.get("compile"))
     opt = engines.optimizer(engine, model, dtype)
     total = spec["warmup"] + spec["steps"]
     xs, ys = batches(cfg, total, spec["batch_per_rank"], dp, spec["seed"])
     lo, hi = dp_rank * spec["batch_per_rank"], (dp_rank + 1) * spec["batch_per_rank"]
     telemetry.set_enabled(engine in engines.NBTRAIN_ENGINES)
     _reset_peak(device)
-    times, losses, wire, hidden = [], [], [], []
+    times, warmup, losses, wire, hidden = [], [], [], [], []
     functional = None  # DTensor's bytes, counted in the first (untimed) step
     for step in range(total):
         x, y = xs[step, lo:hi].to(device), ys[step, lo:hi].to(device)
@@ -120,13 +121,16 @@ def _train(spec: dict, rank: int, world: int) -> dict:
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
         losses.append(stats[1].item() / world)
-        if step >= spec["warmup"]:
+        if step < spec["warmup"]:  # untimed; the first absorbs compilation
+            warmup.append(slowest.item())
+        else:
             times.append(slowest.item())
             wire.append(moved)
             if telemetry.enabled():
                 hidden.append(hidden_fraction(telemetry.RECORDER.snapshot()))
     telemetry.set_enabled(True)
-    return {"step_s": times, "loss": losses, "wire_bytes": wire, "hidden": hidden,
+    return {"step_s": times, "warmup_s": warmup, "loss": losses, "wire_bytes": wire,
+            "hidden": hidden,
             "peak_mem": _peak(device), "baseline_mem": baseline,
             "state": engines.state_bytes(model, opt),
             "param_numel": sum(p.numel() for p in engines.plain_gpt(cfg, 0, "cpu").parameters())}
