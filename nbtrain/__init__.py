@@ -11,7 +11,6 @@ from .comm import (
     init_distributed,
     print_rank,
     rank,
-    sum_loss,
     synchronize,
     world_size,
 )
@@ -78,6 +77,7 @@ __all__ = [
 ]  # the notebook layer's names (Cluster, the errors) load lazily and stay out of `import *`
 
 _LAZY = {
+    "sum_loss": ("nbtrain.utils", "sum_loss"),
     "save": ("nbtrain.checkpoint", "save"),
     "load": ("nbtrain.checkpoint", "load"),
     "save_checkpoint": ("nbtrain.checkpoint", "save_checkpoint"),

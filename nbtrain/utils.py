@@ -222,3 +222,16 @@ def gather_result(result: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return all_gather(rows).flatten(0, 1)
 
+
+def sum_loss(loss: torch.Tensor, comm=None) -> torch.Tensor:
+    """Mean of `loss` over the ranks of `comm` (None: every rank), BMTrain's name.
+
+    As BMTrain's, it is `nbtrain.distributed.all_reduce(loss, "avg", comm)`:
+    differentiable, and a new tensor (`loss` itself is left alone). BMTrain warns that
+    the name is deprecated; nbtrain keeps it without a warning.
+
+    Collective: every rank of `comm` calls this.
+    """
+    from .distributed import all_reduce
+
+    return all_reduce(loss, "avg", comm)

@@ -2,9 +2,9 @@
 
 The only place nbtrain talks to other ranks. It imports nothing else of nbtrain."""
 from .context import (DistContext, get_context, init_distributed, is_initialized, print_rank,
-                      rank, shutdown, sum_loss, synchronize, world_size)
+                      rank, shutdown, synchronize, world_size)
 from .collectives import COUNTERS, CommHandle, CommKind, all_gather, all_reduce, broadcast, reduce_scatter
 
 __all__ = ["DistContext", "get_context", "init_distributed", "is_initialized", "print_rank",
-           "rank", "shutdown", "sum_loss", "synchronize", "world_size", "COUNTERS", "CommHandle",
+           "rank", "shutdown", "synchronize", "world_size", "COUNTERS", "CommHandle",
            "CommKind", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
