@@ -337,7 +337,8 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
             size = group.shard.element_size()
             full += group.layout.numel * size
             resident += group.shard.numel() * size
-            gathered += group.full.untyped_storage().nbytes()
+            if not group.alias:  # a group of one gathers nothing: `full` is its shard
+                gathered += group.full.untyped_storage().nbytes()
             seen.add(id(group.shard))
     for param in model.parameters():
         if id(param) in seen:

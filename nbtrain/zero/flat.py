@@ -70,10 +70,18 @@ class FlatGroup:
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._nbtrain_flat = True  # each element on one rank: norms sum over ranks
         self.synced_requires_grad = requires_grad  # the owning Block's (Block._sync_requires_grad)
-        self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
-        self._full_nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
+        # A group of one rank (world 1, or this rank alone) holds the whole buffer in
+        # its shard: `full` is the shard itself, and gathering, releasing and reducing
+        # copy nothing. Not when offloaded: then the shard lives on the host.
+        self.alias = ranks.size == 1 and not self.offload
+        if self.alias:
+            self.full = self.shard.detach()
+            self._full_nbytes = 0
+        else:
+            self.full = torch.empty(layout.padded_numel, dtype=dtype, device=device)
+            self._full_nbytes = self.full.untyped_storage().nbytes()
+            self.full.untyped_storage().resize_(0)
+        self.gathered = self.alias
         self._handle = self._staged = None
         # Across the micro-batches of a pipeline step (`zero.accumulate.micro_batches`):
         # stay gathered, and add the full gradients up here, reduced once at the end.
@@ -94,7 +102,7 @@ class FlatGroup:
 
         Collective: every rank calls this for the same group in the same order.
         """
-        if self._handle is not None or self._fresh():
+        if self.alias or self._handle is not None or self._fresh():
             return
         storage = self.full.untyped_storage()
         if storage.nbytes() != self._full_nbytes:
@@ -109,7 +117,7 @@ class FlatGroup:
 
     def wait_gather(self) -> None:
         """Blocks until `full` holds every rank's data (gathers now if needed)."""
-        if self._handle is None and self._fresh():
+        if self.alias or (self._handle is None and self._fresh()):
             return
         self.start_gather()
         self._handle.wait()
@@ -128,7 +136,7 @@ class FlatGroup:
     def release(self, force: bool = False) -> None:
         """Frees the gathered storage (views stay valid objects); kept while `hold`
         is set, unless `force`."""
-        if self.hold and not force:
+        if self.alias or (self.hold and not force):
             return
         if self._handle is not None:  # never free under a collective in flight
             self.wait_gather()
@@ -171,10 +179,13 @@ class FlatGroup:
             if on_done is not None:
                 on_done()
             return
-        out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
-                          device=grad_full.device)
-        handle = C.reduce_scatter(out, grad_full, op="avg", async_op=True,
-                                  group=self.ranks.group, label=self.label)
+        if self.ranks.size == 1:  # the whole gradient is this rank's: nothing to reduce
+            out, handle = grad_full, _DONE
+        else:
+            out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
+                              device=grad_full.device)
+            handle = C.reduce_scatter(out, grad_full, op="avg", async_op=True,
+                                      group=self.ranks.group, label=self.label)
 
         def finish(grad_full=grad_full):  # keeps the input alive until done
             self._add_to_grad(out)
@@ -236,6 +247,17 @@ class FlatGroup:
             with torch.no_grad():
                 self.shard[lo - begin:hi - begin].copy_(
                     value.reshape(-1)[lo - slot.offset:hi - slot.offset])
+
+
+class _Done:
+    """The handle of a reduction that needed no collective."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 class _GatherFlat(torch.autograd.Function):

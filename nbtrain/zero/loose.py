@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..comm import collectives as C
-from .parameter import DistributedParameter, group_of
+from .parameter import DistributedParameter, group_of, tp_layout
 
 
 class _GatherMany(torch.autograd.Function):
@@ -29,6 +29,10 @@ class _GatherMany(torch.autograd.Function):
     def forward(ctx, ranks, *params):
         world = ranks.size
         ctx.ranks, ctx.meta = ranks, [(p.numel(), p.full_shape) for p in params]
+        ctx.tp_layouts = [tp_layout(p) for p in params]
+        if world == 1:  # each shard is the whole tensor: views, no copy
+            return tuple(p.detach().view(-1)[:shape.numel()].view(shape)
+                         for p, (_, shape) in zip(params, ctx.meta))
         local = torch.cat([p.detach().reshape(-1) for p in params])  # copy-in: one buffer
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
         C.all_gather(out, local, group=ranks.group, label="loose")
@@ -42,6 +46,11 @@ class _GatherMany(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         world, total = ctx.ranks.size, sum(n for n, _ in ctx.meta)
+        if world == 1:
+            return (None, *(None if g is None or not ctx.needs_input_grad[i + 1]
+                            else g.reshape(-1).mul(ctx.ranks.grad_scale)
+                            if ctx.ranks.grad_scale != 1.0 else g.reshape(-1)
+                            for i, g in enumerate(grads)))
         ref = next(g for g in grads if g is not None)
         flat = torch.zeros(world, total, dtype=ref.dtype, device=ref.device)
         offset = 0
@@ -52,6 +61,11 @@ class _GatherMany(torch.autograd.Function):
             offset += numel
         if ctx.ranks.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
             flat.mul_(ctx.ranks.grad_scale)
+        offset = 0
+        for (numel, _), layout, grad in zip(ctx.meta, ctx.tp_layouts, grads):
+            if layout is not None:  # sequence parallel: a sum over tp (tp_partial.py)
+                layout.apply([None if grad is None else flat[:, offset:offset + numel]])
+            offset += numel
         out = torch.empty(total, dtype=ref.dtype, device=ref.device)
         C.reduce_scatter(out, flat.view(-1), op="avg", group=ctx.ranks.group,
                          label="loose.grad")

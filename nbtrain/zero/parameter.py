@@ -142,10 +142,11 @@ class DistributedParameter(nn.Parameter):
         return _GatherParam.apply(self)
 
     def gather_copy(self) -> torch.Tensor:
-        """The full tensor, detached. Collective."""
+        """The full tensor, detached: a new tensor. Collective."""
         self._not_in_block("gather_copy")
         with torch.no_grad():
-            return _gather_full(self)
+            full = _gather_full(self)
+            return full.clone() if group_of(self).size == 1 else full
 
     def _not_in_block(self, what: str) -> None:
         if self.__dict__.get("_block_part") is not None:
@@ -173,12 +174,14 @@ def group_of(param: DistributedParameter) -> ShardGroup:
 
 def _gather_full(param: DistributedParameter) -> torch.Tensor:
     group = group_of(param)
+    if group.size == 1:  # the shard is the whole tensor: a view, no copy
+        return param.detach().view(-1)[: param.full_numel].view(param.full_shape)
     flat = torch.empty(param.numel() * group.size, dtype=param.dtype, device=param.device)
     C.all_gather(flat, param.detach(), group=group.group, label="param")
     return flat[: param.full_numel].view(param.full_shape)
 
 
-def _tp_layout(param: DistributedParameter):
+def tp_layout(param: DistributedParameter):
     """A replicated parameter's TpLayout in a tensor-parallel model (else None)."""
     layout = param.__dict__.get("_nbtrain_tp_layout")
     if layout is None and not is_tp_slice(param) and get_context().topology.tp_size > 1:
@@ -190,12 +193,15 @@ class _GatherParam(torch.autograd.Function):
     @staticmethod
     def forward(ctx, param):
         ctx.numel, ctx.group = param.numel(), group_of(param)
-        ctx.tp_layout = _tp_layout(param)
+        ctx.tp_layout = tp_layout(param)
         return _gather_full(param)
 
     @staticmethod
     def backward(ctx, grad):
         group = ctx.group
+        if group.size == 1:  # nothing to reduce
+            grad = grad.reshape(-1)
+            return grad * group.grad_scale if group.grad_scale != 1.0 else grad
         flat = torch.zeros(ctx.numel * group.size, dtype=grad.dtype, device=grad.device)
         flat[: grad.numel()].copy_(grad.reshape(-1))
         if group.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens

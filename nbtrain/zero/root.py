@@ -77,7 +77,7 @@ class ModelRoot:
         trainable = [p for _, p in named if p.requires_grad]
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)
         self.data_parallel = None
-        if trainable and stage is not ALONE:
+        if trainable and stage is not ALONE and _holders(stage) > 1:
             self.data_parallel = DataParallelGrads(trainable, self.reducer, bucket_numel,
                                                    group=stage)
         self.tp_data_parallel = None
@@ -85,6 +85,16 @@ class ModelRoot:
         if dp_group is not ALONE:
             self.tp_data_parallel = DataParallelGrads(slices, self.reducer, bucket_numel,
                                                       group=dp_group, replicated=False)
+
+
+def _holders(group) -> int:
+    """How many ranks hold copies (the world's for group None): at one, nothing to
+    average, so no buckets, hooks or copies."""
+    import torch.distributed as dist
+
+    from ..comm.context import get_context
+
+    return get_context().world_size if group is None else dist.get_world_size(group)
 
 
 def _topology():
