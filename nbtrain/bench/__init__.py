@@ -94,10 +94,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="with --mfu: the device's dense bf16 peak, where the built-in table "
                         "does not know it")
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="fp32 (default), or bf16: bf16 weights and activations, fp32 "
                         "gradient reduction and fp32 master weights in AdamW, each engine "
-                        "by its own recipe (printed in the header)")
+                        "by its own recipe (printed in the header); --mfu is always bf16")
     return p
 
 
@@ -118,7 +118,7 @@ def _settings(args) -> dict:
         "warmup": args.warmup if args.warmup is not None else (2 if quick else 3),
         "rounds": args.rounds or (2 if quick else 3),
         "timeout_s": 300.0, "tp": args.tp, "pp": args.pp,
-        "micro_batches": args.micro_batches, "dtype": args.dtype,
+        "micro_batches": args.micro_batches, "dtype": args.dtype or "fp32",
         "compile": {"backend": args.compile_backend} if args.compile else None,
     }
 
@@ -198,10 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     if sum((args.memory, args.moe, args.ring, args.mfu)) > 1:
         raise SystemExit("--memory, --moe, --ring and --mfu are separate benchmarks: give one")
     others = args.memory or args.moe or args.ring or args.tp > 1 or args.pp > 1
-    if args.dtype != "fp32" and (others or args.mfu):
-        raise SystemExit(f"--dtype {args.dtype} is for the ZeRO/FSDP2/DDP comparison; --mfu "
-                         "always runs bf16, and the --tp, --pp, --memory, --moe and --ring "
-                         "modes run fp32")
+    if (args.dtype == "bf16" and others) or (args.dtype == "fp32" and args.mfu):
+        raise SystemExit(f"--dtype {args.dtype}: --mfu always runs bf16, and the --tp, --pp, "
+                         "--memory, --moe and --ring modes run fp32; the ZeRO/FSDP2/DDP "
+                         "comparison runs either")
     if args.compile and (others or args.mfu):
         raise SystemExit("--compile is for the ZeRO/FSDP2/DDP comparison (--mfu always runs "
                          "compiled engines beside eager ones)")
