@@ -166,6 +166,26 @@ class DistributedParameter(nn.Parameter):
                                          group.size))
 
 
+def _allow_foreach_kernels() -> None:
+    """torch's optimizers take their multi-tensor (foreach) path only for parameters
+    whose type is exactly Tensor or Parameter; one DistributedParameter in a group sent
+    the whole group down the per-tensor loop (a dozen small kernels per parameter per
+    step). A DistributedParameter is a plain Parameter to every kernel, so it joins."""
+    import importlib
+
+    # The optimizers' list, and the one clip_grad_norm_ and friends read.
+    for name in ("torch.optim.optimizer", "torch.utils._foreach_utils"):
+        try:
+            supported = importlib.import_module(name)._foreach_supported_types
+        except (ImportError, AttributeError):  # another torch: it decides as it did
+            continue
+        if isinstance(supported, list) and DistributedParameter not in supported:
+            supported.append(DistributedParameter)
+
+
+_allow_foreach_kernels()
+
+
 def group_of(param: DistributedParameter) -> ShardGroup:
     """The ranks sharing `param`'s shards (the world for one made before groups)."""
     group = getattr(param, "shard_group", None)
