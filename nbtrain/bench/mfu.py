@@ -171,8 +171,18 @@ def run_rank(spec: dict) -> dict:
             "device_name": name, "torch": torch.__version__}
 
 
+def _measure(r: dict, tokens: int, flops: float, peak: float | None) -> None:
+    r["step_time_s"] = statistics.median(r["step_s"])
+    r["tokens_per_s"] = tokens / r["step_time_s"]
+    r["tflops"] = r["tokens_per_s"] * flops / 1e12
+    r["mfu"] = r["tflops"] / peak if peak else None
+    r["first_step_minus_median_s"] = r["warmup_s"][0] - r["step_time_s"]
+
+
 def run(settings: dict, log=print) -> dict:
-    """Every engine in its own world-1 process, one after the other; the results."""
+    """Every engine in its own world-1 process, one after the other; the results. An
+    engine that fails is recorded with its error (the others still run), and each
+    engine's numbers are printed as it finishes (a time limit keeps what came before)."""
     from ..launch import run_ranks
 
     cfg = config(settings["size"])
@@ -180,39 +190,52 @@ def run(settings: dict, log=print) -> dict:
     flops, formula = flops_per_token(cfg, seq)
     params, _ = param_count(cfg)
     backend = "nccl" if settings["device"] == "cuda" else "gloo"
-    runs = {}
+    tokens = settings["batch"] * seq
+    runs, peak, device_name = {}, settings.get("peak_tflops"), None
     for engine in settings["engines"]:
         start = time.perf_counter()
         spec = {**settings, "engine": engine}
-        runs[engine] = run_ranks(run_rank, 1, spec, seed=settings["seed"], backend=backend,
-                                 timeout_s=settings["timeout_s"])[0]
-        log(f"{engine}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    device_name = next(iter(runs.values()))["device_name"]
-    peak = settings.get("peak_tflops") or peak_tflops(device_name)
-    tokens = settings["batch"] * seq
-    for r in runs.values():
-        r["step_time_s"] = statistics.median(r["step_s"])
-        r["tokens_per_s"] = tokens / r["step_time_s"]
-        r["tflops"] = r["tokens_per_s"] * flops / 1e12
-        r["mfu"] = r["tflops"] / peak if peak else None
-        r["first_step_minus_median_s"] = r["warmup_s"][0] - r["step_time_s"]
-    ratios = {f"{e}_mfu": r["mfu"] for e, r in runs.items() if r["mfu"] is not None}
+        try:
+            r = run_ranks(run_rank, 1, spec, seed=settings["seed"], backend=backend,
+                          timeout_s=settings["timeout_s"])[0]
+        except (AssertionError, RuntimeError, TimeoutError) as e:
+            lines = [line for line in str(e).splitlines() if line.strip()]
+            runs[engine] = {"error": lines[-1] if lines else type(e).__name__}
+            log(f"{engine}: FAILED after {time.perf_counter() - start:.1f} s: {e}",
+                file=sys.stderr)
+            continue
+        device_name = device_name or r["device_name"]
+        peak = peak or peak_tflops(device_name)
+        _measure(r, tokens, flops, peak)
+        runs[engine] = r
+        log(f"{engine}: {time.perf_counter() - start:.1f} s in all, step "
+            f"{1e3 * r['step_time_s']:.1f} ms, {r['tokens_per_s']:.0f} tokens/s, first step "
+            f"{r['warmup_s'][0]:.1f} s", flush=True)
+    done = {e: r for e, r in runs.items() if "error" not in r}
+    ratios = {f"{e}_mfu": r["mfu"] for e, r in done.items() if r["mfu"] is not None}
     for ours in ("nbtrain", "nbtrain_compile"):
         for peer in ("torch", "torch_compile"):
-            if ours in runs and peer in runs:
-                ratios[f"{ours}_tokens_per_s_vs_{peer}"] = (runs[ours]["tokens_per_s"]
-                                                            / runs[peer]["tokens_per_s"])
-    return {"settings": settings, "device_name": device_name, "peak_tflops": peak,
+            if ours in done and peer in done:
+                ratios[f"{ours}_tokens_per_s_vs_{peer}"] = (done[ours]["tokens_per_s"]
+                                                            / done[peer]["tokens_per_s"])
+    for e, r in done.items():
+        if e.endswith("_compile"):
+            ratios[f"{e}_compile_s"] = r["first_step_minus_median_s"]
+    return {"settings": settings, "device_name": device_name or "?", "peak_tflops": peak,
             "params": params, "flops_per_token": flops, "formula": formula,
             "tokens_per_step": tokens, "runs": runs, "ratios": ratios}
 
 
 def table(result: dict) -> str:
+    """The Markdown table, the peak (or that none is known) and the ratio lines."""
     mib = 2 ** 20
     head = ("engine", "step ms", "tokens/s", "TFLOPS", "MFU", "first step s", "compile s",
             "peak MiB", "loss first", "loss last")
     rows = [head]
     for name, r in result["runs"].items():
+        if "error" in r:
+            rows.append((name, f"FAILED: {r['error'][:80]}") + ("",) * (len(head) - 2))
+            continue
         compiled = name.endswith("_compile")
         rows.append((name, f"{1e3 * r['step_time_s']:.1f}", f"{r['tokens_per_s']:.0f}",
                      f"{r['tflops']:.2f}", "n/a" if r["mfu"] is None else f"{r['mfu']:.3f}",
@@ -266,11 +289,14 @@ def main(args) -> int:
     print(formula)
     print("engines: nbtrain = wrap(zero_level=3, reduce_dtype=fp32) + AdamOptimizer; torch "
           "= plain model + AdamW on fp32 masters; *_compile = each decoder layer compiled "
-          f"(torch.compile, backend {args.compile_backend})", flush=True)
+          f"(torch.compile, backend {args.compile_backend}); compile s = the first step "
+          "less the median step (a later compiled engine may find inductor's on-disk cache "
+          "warm)", flush=True)
     if not nbtrain_compiles():
         print("nbtrain_compile: not run (this nbtrain's wrap takes no compile=)")
     result = run(settings)
     print(table(result))
     write_json(args.json, result)
-    finite = all(math.isfinite(x) for r in result["runs"].values() for x in r["loss"])
-    return 0 if finite else 1
+    runs = result["runs"].values()
+    ok = all("error" not in r and all(map(math.isfinite, r["loss"])) for r in runs)
+    return 0 if ok else 1

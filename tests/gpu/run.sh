@@ -3,7 +3,7 @@
 #
 # Usage:  bash tests/gpu/run.sh          (from any folder; no arguments)
 #
-# Runs three parts, each under `timeout`, carrying on after a failure:
+# Runs four parts, each under `timeout`, carrying on after a failure:
 #   tests    python3 -m pytest -q -ra -m gpu tests     every gpu-marked test (tests/gpu,
 #                                                      tests/kernels)
 #   kernels  python3 -m nbtrain.kernels.bench          fused kernels vs torch, defaults
@@ -13,21 +13,31 @@
 #            (world size 1: ZeRO-3, ZeRO-2, FSDP2 and DDP on one GPU, so the step-time
 #            ratios measure each engine's own overhead; without a GPU it refuses and
 #            the table says so)
+#   mfu      nbtrain bench --mfu --device cuda
+#            (a 1.06 B Llama, seq 2048, 4 sequences a step, bf16 with fp32 masters:
+#            nbtrain, torch, torch.compile and nbtrain compiled, each 3 warm-up + 10
+#            timed steps; tokens/s and MFU against the GPU's bf16 peak; ~20 GB of
+#            training state and ~25 GB of activations, one engine at a time)
 # then prints one Markdown table (part, command, status with exit code, seconds, key
 # numbers: pytest's counts, the benches' ratio lines), ready to paste into a note; it
 # is also saved as summary.md next to the logs.
 #
 # Without a CUDA GPU it says so first and still runs: the gpu tests skip and the benches
 # refuse, which checks the script itself. Exit status: 1 when a part failed, timed out,
-# or refused for a reason other than too few GPUs; 0 otherwise.
-# Whole run: under 8 minutes (timeouts 210 + 120 + 120 s, plus start-up).
+# could not start within the budget, or refused for a reason other than too few GPUs;
+# 0 otherwise.
+# Whole run: under 8 minutes. The parts share one budget of GPU_RUN_BUDGET seconds (420):
+# each runs under its own timeout (210, 120, 120, 150 s) or what is left of the budget,
+# whichever is less; a part with under 20 s left is not started (the table says so).
 #
 # Environment (all optional):
 #   GPU_RUN_LOGS=DIR                  logs and summary.md (default: out/gpu-run)
-#   GPU_RUN_T_TESTS/_KERNELS/_BENCH   per-part timeouts in seconds (210/120/120)
+#   GPU_RUN_BUDGET                    seconds for all parts together (420)
+#   GPU_RUN_T_TESTS/_KERNELS/_BENCH/_MFU  per-part timeouts in seconds (210/120/120/150)
 #   KERNEL_BENCH_ARGS="..."           e.g. "--adam-numel 100000000 --iters 3" (quicker)
 #   NBTRAIN_BENCH_ARGS="..."          replaces "--ranks 1 --device cuda --model-size
 #                                     small --steps 10 --rounds 1"
+#   NBTRAIN_MFU_ARGS="..."            replaces "--device cuda" after "bench --mfu"
 set -u
 cd "$(dirname "$0")/../.." || exit 2
 ROOT=$PWD
@@ -67,19 +77,30 @@ else
         echo "note: unsetting TRITON_INTERPRET so the kernels compile for the GPU"
         unset TRITON_INTERPRET
     fi
-    [ "$GPUS" -lt 2 ] && echo "note: nbtrain bench needs 2 GPUs (one per rank); with $GPUS it will refuse"
 fi
 
 # -- the parts -------------------------------------------------------------------------
 TIMEOUT=(timeout --kill-after=15)
 command -v timeout >/dev/null 2>&1 || { echo "note: no \`timeout\` command; parts run unbounded"; TIMEOUT=(); }
 
+BUDGET=${GPU_RUN_BUDGET:-420}
+BUDGET_START=$(date +%s)
+
 run_part() {  # run_part NAME SECONDS COMMAND...
-    local name=$1 limit=$2 start end rc
+    local name=$1 limit=$2 start end rc left
     shift 2
+    left=$((BUDGET - ($(date +%s) - BUDGET_START)))
+    [ "$left" -lt "$limit" ] && limit=$left
     echo
-    echo "== $name: $* (timeout ${limit}s)"
     start=$(date +%s.%N)
+    if [ "$limit" -lt 20 ]; then
+        echo "== $name: not started: ${left}s left of the run's ${BUDGET}s budget" \
+            | tee "$LOGS/$name.log"
+        printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$name" 125 "$limit" "$start" "$start" "$*" \
+            >> "$LOGS/parts.tsv"
+        return
+    fi
+    echo "== $name: $* (timeout ${limit}s)"
     if [ "${#TIMEOUT[@]}" -gt 0 ]; then
         "${TIMEOUT[@]}" "$limit" "$@" 2>&1 | tee "$LOGS/$name.log"
     else
@@ -99,6 +120,7 @@ run_part tests "${GPU_RUN_T_TESTS:-210}" python3 -m pytest -q -ra -m gpu --conti
 run_part kernels "${GPU_RUN_T_KERNELS:-120}" python3 -m nbtrain.kernels.bench ${KERNEL_BENCH_ARGS:-}
 run_part bench "${GPU_RUN_T_BENCH:-120}" "${NBTRAIN[@]}" bench \
     ${NBTRAIN_BENCH_ARGS:---ranks 1 --device cuda --model-size small --steps 10 --rounds 1}
+run_part mfu "${GPU_RUN_T_MFU:-150}" "${NBTRAIN[@]}" bench --mfu ${NBTRAIN_MFU_ARGS:---device cuda}
 }
 
 # -- the table -------------------------------------------------------------------------

@@ -6,8 +6,9 @@ LOG_DIR holds parts.tsv (one line per part, tab-separated: name, exit code, time
 in seconds, start and end epoch seconds, command) and <name>.log (the part's captured output). Prints one table, part
 by part: status with the exit code, seconds, and the key numbers grepped from the log
 (pytest's counts, the kernel bench's speed-up and memory ratios and goals, nbtrain
-bench's ratio lines and loss parity). Exits 1 when a part failed or timed out, or
-refused for a reason other than missing GPUs; 0 otherwise.
+bench's ratio lines and loss parity, nbtrain bench --mfu's peak, MFU and ratio lines).
+Exits 1 when a part failed, timed out or was not started (exit code 125: the run's
+budget was spent), or refused for a reason other than missing GPUs; 0 otherwise.
 """
 from __future__ import annotations
 
@@ -83,7 +84,20 @@ def bench_numbers(text: str) -> list[str]:
     return out
 
 
-NUMBERS = {"tests": pytest_numbers, "kernels": kernel_numbers, "bench": bench_numbers}
+def mfu_numbers(text: str) -> list[str]:
+    """`nbtrain bench --mfu`: the peak used (or that none is known), each engine's MFU,
+    the tokens/s ratios and compile times, and any engine that failed."""
+    lines = [line.strip() for line in text.splitlines()]
+    out = [line for line in lines if line.startswith(("peak: ", "no peak known"))]
+    out += [line for line in lines if RATIO.match(line)]
+    out += [" ".join(c.strip() for c in line.split("|")[1:3]) for line in lines
+            if line.startswith("| ") and "FAILED" in line]
+    return out
+
+
+NUMBERS = {"tests": pytest_numbers, "kernels": kernel_numbers, "bench": bench_numbers,
+           "mfu": mfu_numbers}
+NOT_STARTED = 125  # run.sh: the run's time budget was spent before the part began
 
 
 def judge(name: str, rc: int, text: str, gpus: int,
@@ -92,6 +106,8 @@ def judge(name: str, rc: int, text: str, gpus: int,
     numbers = NUMBERS.get(name, lambda _: [])(text)
     if rc == 0:
         return "pass", False, numbers
+    if rc == NOT_STARTED and "not started" in text:
+        return "NOT STARTED", True, last_lines(text, 1)
     if rc in TIMEOUT_CODES:
         return "TIMEOUT", True, [f"killed after the {limit} s timeout"] + (
             numbers or last_lines(text, 2))
