@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.context import get_context
+from ..zero.views import state_keys
 from . import stream
 from .layout import _commit, agreed
 from .torch_file import SUFFIXES
@@ -112,7 +113,7 @@ def load(model, path: str, strict: bool = True):
         raise FileNotFoundError(f"nbtrain.load: no file {path!r}")
     source = stream.open_weights(path)
     in_file = stream.file_keys(source)
-    wanted = stream.expected_keys(model)
+    wanted = state_keys(model)
     present = set(in_file)
     owners = stream.slice_owners(model)
     for key in wanted:

@@ -100,18 +100,6 @@ def block_items(block: Block, prefix: str = ""):
             del out, value
 
 
-def expected_keys(model: nn.Module) -> list[str]:
-    """The keys `model.state_dict()` would have, without gathering anything. Local."""
-    keys = []
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        base = prefix + "." if prefix else ""
-        if isinstance(module, Block):  # its flat buffers stand for the names below
-            keys += [base + n for g in module.groups for e in g.entries for n in e.names]
-        else:
-            keys += [base + n for n, p in module._parameters.items() if p is not None]
-        keys += [base + n for n, b in module._buffers.items()
-                 if b is not None and n not in module._non_persistent_buffers_set]
-    return list(dict.fromkeys(keys))
 
 
 class PartWriter:

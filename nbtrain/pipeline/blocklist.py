@@ -47,6 +47,7 @@ from ..comm import collectives as C
 from ..comm.context import get_context
 from ..zero.accumulate import micro_batches
 from ..zero.block import Block
+from ..zero.views import state_keys
 from .p2p import Link
 from .split import balanced_split
 
@@ -56,20 +57,6 @@ def _numel(module: nn.Module) -> int:
     if groups is not None:
         return sum(g.layout.numel for g in groups)
     return sum(p.numel() for p in module.parameters())
-
-
-def _state_keys(module: nn.Module) -> list[str]:
-    """The keys `module.state_dict()` holds, found without gathering anything."""
-    keys = []
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        base = prefix + "." if prefix else ""
-        if isinstance(sub, Block):  # its flat groups hold the parameters below it
-            keys += [base + n for g in sub.groups for e in g.entries for n in e.names]
-        else:
-            keys += [base + n for n, p in sub._parameters.items() if p is not None]
-        keys += [base + n for n, b in sub._buffers.items()
-                 if b is not None and n not in sub._non_persistent_buffers_set]
-    return list(dict.fromkeys(keys))
 
 
 class PipelineTransformerBlockList(nn.Module):
@@ -100,7 +87,7 @@ class PipelineTransformerBlockList(nn.Module):
             if i in self.local:  # the plain model's indices: its state_dict keys
                 self.add_module(str(i), m)
             else:
-                self._other_keys += [f"{i}.{k}" for k in _state_keys(m)]
+                self._other_keys += [f"{i}.{k}" for k in state_keys(m)]
         self._nbtrain_pipeline_stage = True
         self.num_layers = len(modules)
 

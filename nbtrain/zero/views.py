@@ -69,3 +69,17 @@ def init_parameters(model: nn.Module) -> None:
                                         param.device, param.init_method, begin, stop)
                     with torch.no_grad():
                         param.data[: stop - begin].copy_(values)
+
+
+def state_keys(model: nn.Module) -> list[str]:
+    """The keys `model.state_dict()` would have, without gathering anything. Local."""
+    keys = []
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        base = prefix + "." if prefix else ""
+        if isinstance(module, Block):  # its flat buffers stand for the names below
+            keys += [base + n for g in module.groups for e in g.entries for n in e.names]
+        else:
+            keys += [base + n for n, p in module._parameters.items() if p is not None]
+        keys += [base + n for n, b in module._buffers.items()
+                 if b is not None and n not in module._non_persistent_buffers_set]
+    return list(dict.fromkeys(keys))
