@@ -195,7 +195,12 @@ def test_compiled_blocks_match_eager_on_gpu(nccl_world):
     inductor fuses the norms and activations into kernels of its own), no recompile
     after the first step, no graph break in the GPT layer, plain state_dict names."""
     pytest.importorskip("triton", reason="inductor's CUDA backend needs triton")
-    out, plain_keys = compiled_vs_eager(nccl_world.device)
+    from torch._inductor.async_compile import shutdown_compile_workers
+
+    try:
+        out, plain_keys = compiled_vs_eager(nccl_world.device)
+    finally:  # inductor's pool of compile processes would outlive the module
+        shutdown_compile_workers()
     check_compiled_vs_eager(out, plain_keys, 1e-4)
 
 
