@@ -30,6 +30,11 @@ class _GatherMany(torch.autograd.Function):
         world = ranks.size
         ctx.ranks, ctx.meta = ranks, [(p.numel(), p.full_shape) for p in params]
         ctx.tp_layouts = [tp_layout(p) for p in params]
+        # A wider reduce dtype (wrap's reduce_dtype: fp32 for bf16 parameters): the
+        # gradients are reduced in it and kept as each shard's `main_grad`, as a Block's.
+        wide = getattr(params[0], "reduce_dtype", None)
+        ctx.wide = wide if wide is not None and wide != params[0].dtype else None
+        ctx.params = params if ctx.wide is not None else None
         if world == 1:  # each shard is the whole tensor: views, no copy
             return tuple(p.detach().view(-1)[:shape.numel()].view(shape)
                          for p, (_, shape) in zip(params, ctx.meta))
@@ -46,11 +51,14 @@ class _GatherMany(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         world, total = ctx.ranks.size, sum(n for n, _ in ctx.meta)
+        if ctx.wide is not None:
+            grads = [None if g is None else g.to(ctx.wide) for g in grads]
         if world == 1:
-            return (None, *(None if g is None or not ctx.needs_input_grad[i + 1]
-                            else g.reshape(-1).mul(ctx.ranks.grad_scale)
-                            if ctx.ranks.grad_scale != 1.0 else g.reshape(-1)
-                            for i, g in enumerate(grads)))
+            shard_grads = [None if g is None or not ctx.needs_input_grad[i + 1]
+                           else g.reshape(-1).mul(ctx.ranks.grad_scale)
+                           if ctx.ranks.grad_scale != 1.0 else g.reshape(-1)
+                           for i, g in enumerate(grads)]
+            return (None, *_to_main_grad(ctx, shard_grads))
         ref = next(g for g in grads if g is not None)
         flat = torch.zeros(world, total, dtype=ref.dtype, device=ref.device)
         offset = 0
@@ -74,7 +82,23 @@ class _GatherMany(torch.autograd.Function):
             wanted = ctx.needs_input_grad[i + 1]
             shard_grads.append(out[offset:offset + numel].clone() if wanted else None)
             offset += numel
-        return (None, *shard_grads)
+        return (None, *_to_main_grad(ctx, shard_grads))
+
+
+def _to_main_grad(ctx, shard_grads: list) -> list:
+    """Reduced in a wider dtype: each gradient joins its shard's `main_grad` (what
+    nbtrain's optimizers read for fp32 master weights) and autograd gets None."""
+    if ctx.wide is None:
+        return shard_grads
+    for param, grad in zip(ctx.params, shard_grads):
+        if grad is None:
+            continue
+        main = getattr(param, "main_grad", None)
+        if main is None:
+            param.main_grad = grad
+        else:
+            main.add_(grad)
+    return [None] * len(shard_grads)
 
 
 def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
@@ -83,7 +107,8 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
     by_key: dict = {}
     for p in params:
         ranks = group_of(p)
-        key = (p.dtype, p.device, id(ranks.group), ranks.grad_scale)
+        key = (p.dtype, p.device, id(ranks.group), ranks.grad_scale,
+               getattr(p, "reduce_dtype", None))
         by_key.setdefault(key, (ranks, []))[1].append(p)
     out = {}
     for ranks, group in by_key.values():

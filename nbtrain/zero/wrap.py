@@ -78,7 +78,8 @@ def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtyp
     return blocks
 
 
-def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[DistributedParameter]:
+def _shard_loose_parameters(model: nn.Module, root: ModelRoot,
+                            reduce_dtype=None) -> list[DistributedParameter]:
     """Converts parameters outside Blocks; returns those the hooks gather (unique)."""
     stage = is_stage(model)  # a pipeline stage's parameters shard over its ranks only
     converted: dict[int, DistributedParameter] = {}
@@ -97,6 +98,8 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot) -> list[Distribut
                     param.detach(), param.requires_grad,
                     init_method=getattr(param, "init_method", None), tp_slice_of=param,
                     stage=stage)
+                if reduce_dtype is not None and reduce_dtype != dp.dtype:
+                    dp.reduce_dtype = reduce_dtype  # gradients reduced in it (loose.py)
             module._parameters[name] = dp
             changed = True
         if changed and not getattr(module, "_nbtrain_gather_hooks", False):
@@ -120,8 +123,10 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
         use_checkpoint: recompute activations of every Block in backward.
         offload: the Blocks keep their shards in host memory (see Block); pair it
             with AdamOffloadOptimizer (or any optimizer: it steps on host shards).
-        reduce_dtype: dtype the Blocks reduce gradients in (see Block); None
-            keeps the parameters' dtype.
+        reduce_dtype: dtype gradients are reduced in (see Block), for the Blocks and
+            the parameters outside them alike: torch.float32 for bf16 parameters keeps
+            each shard's averaged gradient in fp32 as its `main_grad`. None keeps the
+            parameters' dtype.
         compile: torch.compile each Block's module (see Block.compile): True, or a dict
             of torch.compile's keywords. Blocks already in the model are left as they are.
 
@@ -151,7 +156,7 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     root = ModelRoot.of(model)
     root.release()  # a DistributedModule's plain parameters become DistributedParameters
     root.adopt_blocks(model)
-    root.loose = LooseParams(_shard_loose_parameters(model, root), first_blocks)
+    root.loose = LooseParams(_shard_loose_parameters(model, root, reduce_dtype), first_blocks)
     if root.loose.params and not getattr(model, "_nbtrain_root_hooks", False):
         # Before the root's own gather hook: one collective for all of them.
         model.register_forward_pre_hook(partial(_root_pre_forward, root), prepend=True)

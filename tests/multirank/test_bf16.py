@@ -13,9 +13,9 @@ so both sides run torch.optim.SGD on fp32 masters of their parameters (`MasterSG
 over nbtrain's shards: what a user writes), the nbtrain side reading the Blocks' fp32
 `main_grad`.
 
-reduce_dtype applies to the Blocks: the parameters outside them (the embeddings and
-the final norm here, DistributedParameters) reduce their bf16 gradients in bf16; their
-masters are fp32 all the same.
+reduce_dtype applies to the parameters outside the Blocks too (the embeddings and the
+final norm here, DistributedParameters): their gradients are reduced in fp32 into
+`main_grad` as well.
 """
 from __future__ import annotations
 
@@ -143,6 +143,9 @@ def _train_level(opt_name: str, zero_level: int):
         loss.backward()
         fp32_reduced &= all(g.shard.main_grad.dtype == torch.float32 and g.shard.grad is None
                             for b in model.layers for g in b.groups)
+        fp32_reduced &= all(p.main_grad.dtype == torch.float32 and p.grad is None
+                            for p in model.parameters()
+                            if isinstance(p, nbt.DistributedParameter) and p.requires_grad)
         opt.step()
         losses.append(nbt.sum_loss(loss.float()).item())
         history.append(full_masters(model, master_of))
