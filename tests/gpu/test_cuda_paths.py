@@ -279,3 +279,14 @@ def test_bf16_with_fp32_masters_matches_torch_on_gpu(nccl_world):
         assert r["fp32_reduced"] and r["max"] <= 2 * 1e-3, (s, r)
     rel = [r["rel"] for r in rows]
     assert max(rel) <= 8 * u, rel
+
+
+def test_distributed_parameters_take_the_foreach_optimizer_path(nccl_world):
+    """A DistributedParameter in a param group keeps torch's optimizers on their
+    multi-tensor kernels (they admit exact Tensor/Parameter types only)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    dp = nbt.DistributedParameter(torch.randn(8, 4))
+    plain = torch.nn.Parameter(torch.randn(3, device=nccl_world.device))
+    assert dp.device.type == "cuda"
+    assert _default_to_fused_or_foreach([dp, plain], differentiable=False) == (False, True)
