@@ -12,6 +12,11 @@ CPU, CUDA peak allocation on GPU), model-state bytes per rank and wire bytes per
 step against the ZeRO theory, the hidden-comm percentage, and loss parity with
 DDP over every step (a fast engine that computes something else cannot win).
 
+`--dtype bf16` runs each engine's mixed-precision recipe instead (bf16 weights and
+activations, fp32 gradient reduction, AdamW on fp32 master weights; see engines.py),
+against the mixed-precision theory. `--compile` compiles each transformer layer the
+same way for every engine and shows the compile time apart from the step times.
+
 With `--tp T` it compares nbtrain's tensor parallelism with torch DTensor's
 `parallelize_module` instead (see tp.py): step time, wire bytes against the Megatron
 count, model state against 16 bytes x params / tp, and the loss difference. With
