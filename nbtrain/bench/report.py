@@ -7,8 +7,8 @@ import statistics
 BYTES_PER_ELEMENT = 4  # fp32 policy: 4 param + 4 grad + 8 AdamW = 16 bytes/parameter
 # Max |loss - reference loss| over all steps. fp32: four engines on identical data agree
 # to rounding. bf16: the engines round their bf16 weights and gradients at different
-# points (DDP's fp32 average goes back into a bf16 bucket; nbtrain reduces the
-# parameters outside Blocks in bf16), measured at 1-2e-4 on the CPU presets.
+# points (DDP's fp32 average goes back into a bf16 bucket; FSDP2 casts its fp32 shards
+# each step), measured at 0.5-2e-4 on the CPU presets.
 PARITY_ATOL = {"fp32": 1e-4, "bf16": 1e-2}
 
 
