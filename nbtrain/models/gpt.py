@@ -405,4 +405,7 @@ class GPT(nn.Module):
         logits = self(idx, position_ids) if doc_ids is None else self(idx, position_ids,
                                                                        doc_ids)
         target = target.to(logits.device, non_blocking=True)
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        # In fp32 whatever the model's dtype: a bf16 softmax over the vocabulary rounds
+        # the loss itself (5.6875 for 5.6643) and every gradient behind it.
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
+                               target.reshape(-1))
