@@ -58,12 +58,15 @@ def _train(args: argparse.Namespace) -> None:
                                         end_iter=args.steps)
     manager = nbt.optim.OptimManager()
     manager.add_optimizer(optimizer, scheduler)
+    # Every step's memory sample counts this rank's model state (the report's panel).
+    telemetry.watch(model, optimizer)
 
     sampler = BatchSampler(stdlib_corpus(), cfg.seq_len,
                            args.batch_per_rank * ctx.world_size, seed=args.seed)
     losses = []
     for step in progress(range(args.steps), desc="nbtrain demo", unit="step"):
         x, y = sampler.local_batch(step)
+        telemetry.metric(tokens=x.numel())  # this rank's tokens: the report's tokens/s
         manager.zero_grad()
         logits = model(x).float()  # the loss in fp32 whatever the weights' dtype
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
@@ -73,7 +76,6 @@ def _train(args: argparse.Namespace) -> None:
         manager.step()
         mean_loss = nbt.sum_loss(loss).item()
         losses.append(mean_loss)
-        telemetry.sample_memory(model=model, optimizer=optimizer)
 
     nbt.save_checkpoint(os.path.join(args.out, "checkpoint"), model, manager, step=args.steps)
     nbt.save(model, os.path.join(args.out, "model.safetensors"))

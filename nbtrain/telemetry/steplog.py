@@ -92,7 +92,9 @@ class StepLog:
             self.peak_memory[k] = max(v, self.peak_memory.get(k, 0))
         row = {"step": event.get("step", 0), **self.memory}
         if self.memory_history and self.memory_history[-1]["step"] == row["step"]:
-            self.memory_history[-1] = row  # the step's last sample stands for it
+            # The step's last sample stands for it, keeping what only an earlier one
+            # counted (a sample taken with the model beside the step's own).
+            self.memory_history[-1] = {**self.memory_history[-1], **row}
         else:
             self.memory_history.append(row)
 

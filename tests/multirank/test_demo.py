@@ -27,6 +27,16 @@ def test_demo_trains_and_writes_its_outputs(tmp_path):
     weights = load_file(str(out / "model.safetensors"))
     assert "tok.weight" in weights and "layers.1.mlp.2.weight" in weights
     assert str(out / "report.png") in proc.stdout
+    # The report's panels have data: every step's model state per rank, and tokens/s.
+    from nbtrain.telemetry.report import load_run, rank_table
+
+    summaries = load_run(str(out / "telemetry"))
+    for rank, summary in summaries.items():
+        counted = [m for m in summary["memory_history"] if m.get("model_state_bytes")]
+        assert len(counted) >= 79, (rank, len(counted))  # not just the last sample
+        assert all(m.get("full_param_bytes") for m in counted), rank
+    rows = rank_table(summaries)
+    assert all(row["tokens_per_s_median"] and row["model_state_mib"] > 0 for row in rows), rows
 
 
 def test_demo_in_bf16_trains_and_writes_a_checkpoint(tmp_path):
