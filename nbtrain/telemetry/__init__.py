@@ -27,7 +27,12 @@ from ..comm.events import comm_span, compute_span, instant, metric  # noqa: F401
 from . import sinks as io
 from .steplog import StepLog
 
-DEFAULT_MAX_EVENTS = 50_000  # about 20 MB of dicts; a step of a 12-block model is ~100
+# Raw events are for looking at the last few steps (tests, benchmarks clear the log
+# and read one step); the history lives in the StepLog and the JSONL files. An event
+# dict costs ~500 B, so 10k events are ~5 MB per rank: ~200 steps of a 2-block
+# model (46 events a step), ~100 of a 12-block one. (At 50k the recorder alone grew
+# a rank's RSS by ~24 MB over the first ~1000 steps of `nbtrain demo`.)
+DEFAULT_MAX_EVENTS = 10_000
 
 
 class Recorder:
