@@ -142,6 +142,17 @@ def memory_sample(model=None, optimizer=None) -> dict:
 
 
 # -- JSONL ---------------------------------------------------------------------------
+_OPEN_WRITERS: weakref.WeakSet[JsonlWriter] = weakref.WeakSet()
+
+
+def _close_open_writers() -> None:
+    for writer in list(_OPEN_WRITERS):
+        writer.close()
+
+
+atexit.register(_close_open_writers)
+
+
 class JsonlWriter:
     """A recorder sink: buffers events, appends them as JSON lines at each step end.
 
@@ -152,7 +163,9 @@ class JsonlWriter:
         self.path = path
         self._file = open(path, "a", encoding="utf-8")
         self._buffer: list = []
-        atexit.register(self.close)
+        # Closed at exit if still open; held weakly, so a notebook session that
+        # starts and stops telemetry run after run keeps no closed writer alive.
+        _OPEN_WRITERS.add(self)
 
     @classmethod
     def open(cls, run_dir) -> "JsonlWriter":
@@ -178,6 +191,7 @@ class JsonlWriter:
         if not self._file.closed:
             self.flush()
             self._file.close()
+        _OPEN_WRITERS.discard(self)
 
 
 # -- notebook ------------------------------------------------------------------------
