@@ -28,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from collections import deque
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -35,6 +36,7 @@ import torch.distributed as dist
 from . import collectives, links, teardown
 
 POLL_S = 0.2
+MAX_OPEN_PHASES = 32
 _PREFIX = "nbtrain/recovery"
 
 
@@ -52,7 +54,10 @@ class _State:
         self.interrupts = 0
         self.last_check, self.last_step, self.step_s = None, 0, None
         self.fastest_s: float | None = None
-        self.phases: list[str] = []
+        # Open phases, innermost last. An optimizer step that raised never closes its
+        # phase, so a loop that catches such failures and goes on would add one per
+        # failure until the next `rebuild`: the newest few are all a report needs.
+        self.phases: deque[str] = deque(maxlen=MAX_OPEN_PHASES)
         self.interrupted: str | None = None
         # Held while a group is aborted and while `rebuild` moves to the next
         # generation: a watcher that was late to stop (a loaded machine) then finds
