@@ -51,3 +51,22 @@ def test_ranks_listen_on_loopback_only(tmp_path):
     assert ("127.0.0.1", port) in seen[0], seen  # rank 0 serves the store, on loopback
     wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
     assert not wild, f"listening on a wildcard address: {wild}"
+
+
+def test_ranks_under_torchrun_listen_on_no_wildcard_address(tmp_path):
+    """Under torchrun the ranks use torchrun's own store (its agent binds it to every
+    interface: torch's, outside nbtrain; the README says so); the ranks themselves open
+    nothing on a wildcard address."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(here=os.path.dirname(__file__)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                           "--master-port", str(free_port()), str(script)],
+                          capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    seen = [eval(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
+            if line.startswith("LISTENING ")]
+    assert len(seen) == 2, proc.stdout
+    wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
+    assert not wild, f"a rank listens on a wildcard address: {wild}"
