@@ -12,6 +12,8 @@ import os
 import subprocess
 import sys
 
+from test_bench_smoke import _plain_losses
+
 from nbtrain.bench import mfu
 
 ENGINES = {"zero3", "zero2", "fsdp2", "ddp"}
@@ -65,34 +67,11 @@ def test_bf16_bench_runs_each_engines_recipe(tmp_path):
     # The DDP hook all-reduces in fp32: exactly the fp32 ring count.
     assert abs(runs["ddp"]["wire_bytes_per_step"] / runs["ddp"]["wire_theory_bytes"] - 1) < 1e-6
     # bf16 really ran: near one fp32 process's losses, but not equal to the last digit
-    fp32 = _plain_fp32_losses(result["settings"])
+    settings = result["settings"]
+    fp32 = _plain_losses(settings, rows=settings["batch_per_rank"] * 2)  # one fp32 process
     for name, run in runs.items():
         diffs = [abs(a - b) for a, b in zip(run["losses"], fp32)]
         assert 0 < max(diffs) < 1e-2, (name, run["losses"], fp32)
-
-
-def _plain_fp32_losses(settings):
-    import torch
-    import torch.nn.functional as F
-
-    from nbtrain.bench.engines import plain_gpt
-    from nbtrain.bench.worker import batches
-    from nbtrain.models import GPTConfig
-
-    cfg = GPTConfig.preset(settings["model_size"])
-    model = plain_gpt(cfg, settings["seed"], "cpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
-    total = settings["warmup"] + settings["steps"]
-    xs, ys = batches(cfg, total, settings["batch_per_rank"] * 2, 1, settings["seed"])
-    losses = []
-    for step in range(total):
-        opt.zero_grad()
-        logits = model(xs[step])
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ys[step].reshape(-1))
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_compile_bench_compiles_every_engine(tmp_path):
