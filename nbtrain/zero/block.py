@@ -40,6 +40,7 @@ from ..comm.context import get_context
 from .compile import CompiledModule, CompileStats, compile_options
 from .flat import FlatGroup
 from .init import init_range
+from .members import become_part, sync_requires_grad
 from .parameter import DistributedParameter
 from .partition import FlatLayout
 from .placement import copy_tp_meta, is_tp_slice, shard_group, slice_kind
@@ -96,28 +97,6 @@ def _collect(module: nn.Module) -> list[_ParamEntry]:
             if (mod, pname) not in [(m, n) for m, n in entry.owners]:
                 entry.owners.append((mod, pname))
     return list(entries.values())
-
-
-def _become_part(param: DistributedParameter, group: FlatGroup, part, offset: int,
-                 begin: int) -> None:
-    """Makes `param` show this rank's part of it in `group`'s shard: its `.data` a view
-    of the shard (empty where this rank holds none of it), `.grad` the same part of the
-    shard's gradient (DistributedParameter.grad), `_start_partition`/`_end_partition`
-    the part's bounds in the flattened parameter (BMTrain's attributes; None and 0 for
-    none)."""
-    with torch.no_grad():
-        if part is None:
-            param.data = group.shard.detach()[:0]
-            param._start_partition, param._end_partition = None, 0
-            span = None
-        else:
-            lo, hi = part
-            param.data = group.shard.detach()[lo - begin:hi - begin]
-            param._start_partition, param._end_partition = lo - offset, hi - offset
-            span = (lo - begin, hi - begin)
-    param.requires_grad_(group.shard.requires_grad)
-    param._in_block = True
-    param._block_part = (group, span)
 
 
 class Block(nn.Module):
@@ -242,7 +221,7 @@ class Block(nn.Module):
             begin, end = group.layout.shard_range(group.rank)
             for slot, entry in zip(layout.slots, group_entries):
                 if entry.member is not None:
-                    _become_part(entry.member, group, slot.local_part(begin, end), slot.offset,
+                    become_part(entry.member, group, slot.local_part(begin, end), slot.offset,
                                  begin)
                     entry.rest = entry.member
                 else:
@@ -327,7 +306,7 @@ class Block(nn.Module):
 
     # -- forward ----------------------------------------------------------------
     def forward(self, *args, **kwargs):
-        self._sync_requires_grad()
+        sync_requires_grad(self._groups, self.label)
         self._gather(self._next_block)
         fulls = [g.full_tensor() for g in self._groups]
         with events.compute_span(self.label, "forward"):
@@ -347,30 +326,6 @@ class Block(nn.Module):
         for i, t in zip(needs_grad, exits):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)
-
-    def _sync_requires_grad(self) -> None:
-        """Honours `requires_grad_` toggled since the last forward, on the block's
-        shards (`block.parameters()`) or on the DistributedParameters it holds: the
-        two always agree. A flat group trains or freezes as a whole."""
-        for group in self._groups:
-            members = [e.member for e in group.entries if e.member is not None]
-            seen = group.synced_requires_grad
-            if group.shard.requires_grad == seen:
-                wanted = {m.requires_grad for m in members} or {seen}
-                if len(wanted) > 1:
-                    frozen = [n for e in group.entries if e.member is not None
-                              and not e.member.requires_grad for n in e.names[:1]]
-                    raise ValueError(
-                        f"Block {self.label!r}: requires_grad_(False) on {frozen} but not on "
-                        "the other parameters of the same flat buffer; nbtrain trains or "
-                        "freezes a block's parameters of one dtype together. Toggle them "
-                        "all (for p in block.parameters(): p.requires_grad_(False)), or "
-                        "build the block with those parameters already frozen (they then "
-                        "get a buffer of their own).")
-                group.shard.requires_grad_(wanted.pop())
-            for m in members:
-                m.requires_grad_(group.shard.requires_grad)
-            group.synced_requires_grad = group.shard.requires_grad
 
     def _run(self, fulls, args, kwargs):
         for group, full in zip(self._groups, fulls):
