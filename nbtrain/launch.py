@@ -59,6 +59,9 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
             dist.init_process_group(_pick_backend(backend), init_method=f"file://{init_file}",
                                     rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout_s))
+            # init_process_group is no barrier: a rank whose function fails at once
+            # would close its side of gloo's mesh while a peer still connects to it.
+            dist.barrier()
         nbtrain.init_distributed(seed=seed)
         buf = io.BytesIO()
         torch.save(fn(*args), buf)
