@@ -5,24 +5,43 @@ Each subcommand lives in its own module; this file only dispatches, so
 """
 from __future__ import annotations
 
+import argparse
 import importlib
 import sys
+import textwrap
 
 COMMANDS = {
     "demo": ("nbtrain.demo", "train a small GPT with ZeRO-3 on local ranks"),
-    "bench": ("nbtrain.bench", "compare nbtrain ZeRO-3/ZeRO-2 with FSDP2 and DDP (--tp T: "
-                               "tensor parallelism with DTensor)"),
+    "bench": ("nbtrain.bench", "measure nbtrain against its torch peer in one run: ZeRO-3/2 "
+                               "against FSDP2 and DDP; --tp against DTensor, --pp against "
+                               "torch pipelining; --memory, --moe, --ring, --mfu, --compile, "
+                               "--dtype bf16"),
     "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
-    "validate": ("nbtrain.runtime.validate", "check a parallel layout (--tp, --pp) against "
-                                             "the reference, step by step"),
+    "validate": ("nbtrain.runtime.validate", "train a layout (--tp, --pp, --zero-level, "
+                                             "--micro-batches; any registered model or a "
+                                             "Hugging Face folder) beside one plain process, "
+                                             "step by step; exit 1 beyond --tolerance"),
 }
 
 
 def _usage() -> str:
     lines = ["usage: nbtrain <command> [options]", "", "commands:"]
-    lines += [f"  {name:<8} {doc}" for name, (_, doc) in COMMANDS.items()]
+    for name, (_, doc) in COMMANDS.items():
+        lines += textwrap.wrap(doc, 80, initial_indent=f"  {name:<9}", subsequent_indent=" " * 11)
     lines += ["", "`nbtrain <command> --help` for a command's options."]
     return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line as one argparse parser, each command's own parser a
+    subcommand of it (imports every command's module: for checks, not for `--help`)."""
+    parser = argparse.ArgumentParser(prog="nbtrain", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, (module, doc) in COMMANDS.items():
+        own = importlib.import_module(module).build_parser()
+        commands.add_parser(name, parents=[own], add_help=False, help=doc,
+                            description=own.description)
+    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,7 +14,7 @@ import os
 import time
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nbtrain demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=None,
                    help="local ranks (default: one per GPU, else 2 CPU ranks)")
@@ -94,7 +94,7 @@ def summarise(losses: list[float]) -> tuple[float, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     from nbtrain.launch import default_world_size, run_ranks
 
     ranks = args.ranks or default_world_size()

@@ -51,7 +51,7 @@ from .worker import run_rank
 __all__ = ["main", "run"]
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nbtrain bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="local ranks (default 2)")
     p.add_argument("--model-size", choices=("tiny", "small", "medium"), default="small")
@@ -190,7 +190,7 @@ def _pp_result(ranks: int, settings: dict, rounds: dict, names) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: need at least 1 rank (1 measures the "
                          "engines' own overhead on one device, no communication)")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nbtrain validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=None,
                    help="local ranks (default: one per GPU, else 2 CPU ranks)")
@@ -96,7 +96,7 @@ def _rank(args) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     from ..launch import default_world_size, run_ranks
     from .compare import max_deviation
 

@@ -97,13 +97,17 @@ def write_html(path: str, png: bytes, rows: list[dict], run_dir: str) -> None:
                 f"<pre>{table}</pre></body></html>\n")
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="nbtrain report", description=__doc__.splitlines()[0])
     parser.add_argument("run_dir", help="folder with rank<r>.jsonl files")
     parser.add_argument("-o", "--output", default="report.png",
                         help="output file: .png, or .html (the figure embedded, plus a table)")
     parser.add_argument("--dpi", type=int, default=100)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     summaries = load_run(args.run_dir)
     if not summaries:
         print(f"nbtrain report: no rank*.jsonl files in {args.run_dir}", file=sys.stderr)
