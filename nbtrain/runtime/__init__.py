@@ -20,7 +20,8 @@ create.py, base.py, reference.py and nbtrain_backend.py (the two backends), comp
 and validate.py (`nbtrain validate`).
 
 Models are built by name from nbtrain's registry (`nbtrain.models.register_model`):
-the built-in "gpt", "gpt2" and "llama" (Llama, Qwen2), or a package of your own.
+the built-in "gpt", "gpt_moe" (the GPT with mixture-of-experts MLPs), "gpt2" and
+"llama" (Llama, Qwen2), or a package of your own.
 `RuntimeConfig(hf_path=...)` starts from a Hugging Face folder, read into each rank's
 shards one tensor at a time (models/hf_load.py).
 
@@ -28,7 +29,10 @@ Packed batches: both backends give the model each batch's position_ids, so atten
 stays within each packed document and positions restart at 0 with each one; a packed
 row's per-document losses and gradients are those of its documents run one by one.
 
-Not yet: expert and context parallelism (ParallelConfig ep, cp must be 1).
+Expert and context parallelism are carved from the data-parallel ranks:
+`ParallelConfig(ep=2)` splits "gpt_moe"'s experts over 2 ranks, and
+`ParallelConfig(cp=2)` splits each sequence over 2 ranks with ring attention ("gpt",
+"gpt2", "gpt_moe", "llama"; with pp too, not with tp).
 """
 from .compare import compare
 from .config import NBConfig, ParallelConfig, RuntimeConfig

@@ -78,7 +78,8 @@ class NBConfig:
 
     Attributes:
         model_name: a registered model (`nbtrain.models.register_model`); built in:
-            "gpt" (nbtrain's GPT), "gpt2" and "llama" (Llama, Qwen2).
+            "gpt" (nbtrain's GPT), "gpt_moe" (the GPT with mixture-of-experts MLPs),
+            "gpt2" and "llama" (Llama, Qwen2).
         impl: the model's implementation ("default").
         model_config: the model package's `make_config` reads it. For "gpt",
             GPTConfig fields with "preset" ("tiny", "small", "medium") picking a size
