@@ -13,14 +13,15 @@ import textwrap
 COMMANDS = {
     "demo": ("nbtrain.demo", "train a small GPT with ZeRO-3 on local ranks"),
     "bench": ("nbtrain.bench", "measure nbtrain against its torch peer in one run: ZeRO-3/2 "
-                               "against FSDP2 and DDP; --tp against DTensor, --pp against "
-                               "torch pipelining; --memory, --moe, --ring, --mfu, --compile, "
-                               "--dtype bf16"),
+                               "against FSDP2 and DDP; --tp-size against DTensor, "
+                               "--pipe-size against torch pipelining; --memory, --moe, "
+                               "--ring, --mfu, --compile, --dtype bf16"),
     "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
-    "validate": ("nbtrain.runtime.validate", "train a layout (--tp, --pp, --zero-level, "
-                                             "--micro-batches; any registered model or a "
-                                             "Hugging Face folder) beside one plain process, "
-                                             "step by step; exit 1 beyond --tolerance"),
+    "validate": ("nbtrain.runtime.validate", "train a layout (--tp-size, --pipe-size, "
+                                             "--zero-level, --num-micro-batches; any "
+                                             "registered model or a Hugging Face folder) "
+                                             "beside one plain process, step by step; exit 1 "
+                                             "beyond --tolerance"),
 }
 
 

@@ -17,10 +17,10 @@ activations, fp32 gradient reduction, AdamW on fp32 master weights; see engines.
 against the mixed-precision theory. `--compile` compiles each transformer layer the
 same way for every engine and shows the compile time apart from the step times.
 
-With `--tp T` it compares nbtrain's tensor parallelism with torch DTensor's
+With `--tp-size T` it compares nbtrain's tensor parallelism with torch DTensor's
 `parallelize_module` instead (see tp.py): step time, wire bytes against the Megatron
 count, model state against 16 bytes x params / tp, and the loss difference. With
-`--pp P` it compares nbtrain's 1F1B pipeline with torch.distributed.pipelining's
+`--pipe-size P` it compares nbtrain's 1F1B pipeline with torch.distributed.pipelining's
 (see pp.py): step time, the measured bubble against (P - 1) / (M + P - 1), and the
 point-to-point bytes against the activation count.
 
@@ -40,6 +40,7 @@ import argparse
 import sys
 import time
 
+from ..comm.renamed import RenamedFlag
 from ..launch import run_ranks
 from . import pp as pp_bench
 from . import report
@@ -64,12 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="FILE", help="write the results as JSON")
-    p.add_argument("--tp", type=int, default=1,
+    p.add_argument("--tp-size", type=int, default=1,
                    help="tensor-parallel size: compare nbtrain's tensor parallelism with "
-                        "DTensor parallelize_module (use --ranks equal to --tp)")
-    p.add_argument("--pp", type=int, default=1,
+                        "DTensor parallelize_module (use --ranks equal to --tp-size)")
+    p.add_argument("--pipe-size", type=int, default=1,
                    help="pipeline stages: compare nbtrain's 1F1B pipeline with "
-                        "torch.distributed.pipelining (use --ranks equal to --pp)")
+                        "torch.distributed.pipelining (use --ranks equal to --pipe-size)")
     p.add_argument("--memory", action="store_true",
                    help="peak memory per rank of building, training, saving and loading a "
                         "~200 M-parameter GPT with ZeRO-3 against the theory and against FSDP2 "
@@ -83,8 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring", action="store_true",
                    help="ring attention over the ranks (cp = world): its hidden-communication "
                         "share, and its time against one rank's full-sequence SDPA")
-    p.add_argument("--micro-batches", type=int, default=4,
-                   help="micro-batches per step with --pp (default 4)")
+    p.add_argument("--num-micro-batches", type=int, default=4,
+                   help="micro-batches per step with --pipe-size (default 4)")
+    for old, new in (("--tp", "--tp-size"), ("--pp", "--pipe-size"),
+                     ("--micro-batches", "--num-micro-batches")):  # docs/naming.md
+        p.add_argument(old, dest=new[2:].replace("-", "_"), type=int, action=RenamedFlag,
+                       new=new)
     p.add_argument("--mfu", action="store_true",
                    help="tokens/s and MFU of a ~1B Llama (seq 2048, bf16) at world 1 on one "
                         "GPU: nbtrain beside plain torch and torch.compile (see mfu.py); on a "
@@ -122,8 +127,8 @@ def _settings(args) -> dict:
         "steps": args.steps or (4 if quick else 20),
         "warmup": args.warmup if args.warmup is not None else (2 if quick else 3),
         "rounds": args.rounds or (2 if quick else 3),
-        "timeout_s": 300.0, "tp": args.tp, "pp": args.pp,
-        "micro_batches": args.micro_batches, "dtype": args.dtype or "fp32",
+        "timeout_s": 300.0, "tp": args.tp_size, "pp": args.pipe_size,
+        "micro_batches": args.num_micro_batches, "dtype": args.dtype or "fp32",
         "compile": {"backend": args.compile_backend} if args.compile else None,
     }
 
@@ -194,19 +199,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.ranks < 1:
         raise SystemExit(f"--ranks {args.ranks}: need at least 1 rank (1 measures the "
                          "engines' own overhead on one device, no communication)")
-    if args.pp < 1 or (args.pp > 1 and args.ranks != args.pp) or (args.pp > 1 and args.tp > 1):
-        raise SystemExit(f"--pp {args.pp} with --ranks {args.ranks}: the pipeline comparison "
-                         f"runs one replica without tp, so use --ranks {max(args.pp, 1)}")
-    if args.tp < 1 or (args.tp > 1 and args.ranks != args.tp):
-        raise SystemExit(f"--tp {args.tp} with --ranks {args.ranks}: the tensor-parallel "
-                         f"comparison runs one replica, so use --ranks {max(args.tp, 1)}")
+    tp, pp = args.tp_size, args.pipe_size
+    if pp < 1 or (pp > 1 and args.ranks != pp) or (pp > 1 and tp > 1):
+        raise SystemExit(f"--pipe-size {pp} with --ranks {args.ranks}: the pipeline "
+                         f"comparison runs one replica without tp, so use --ranks {max(pp, 1)}")
+    if tp < 1 or (tp > 1 and args.ranks != tp):
+        raise SystemExit(f"--tp-size {tp} with --ranks {args.ranks}: the tensor-parallel "
+                         f"comparison runs one replica, so use --ranks {max(tp, 1)}")
     if sum((args.memory, args.moe, args.ring, args.mfu)) > 1:
         raise SystemExit("--memory, --moe, --ring and --mfu are separate benchmarks: give one")
-    others = args.memory or args.moe or args.ring or args.tp > 1 or args.pp > 1
+    others = args.memory or args.moe or args.ring or tp > 1 or pp > 1
     if (args.dtype == "bf16" and others) or (args.dtype == "fp32" and args.mfu):
-        raise SystemExit(f"--dtype {args.dtype}: --mfu always runs bf16, and the --tp, --pp, "
-                         "--memory, --moe and --ring modes run fp32; the ZeRO/FSDP2/DDP "
-                         "comparison runs either")
+        raise SystemExit(f"--dtype {args.dtype}: --mfu always runs bf16, and the --tp-size, "
+                         "--pipe-size, --memory, --moe and --ring modes run fp32; the "
+                         "ZeRO/FSDP2/DDP comparison runs either")
     if args.compile and (others or args.mfu):
         raise SystemExit("--compile is for the ZeRO/FSDP2/DDP comparison (--mfu always runs "
                          "compiled engines beside eager ones)")
@@ -229,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = _settings(args)
     result = run(args.ranks, settings)
     s = result["settings"]
-    split = f" (tp {args.tp})" if args.tp > 1 else ""
-    split += f" (pp {args.pp}, {args.micro_batches} micro-batches)" if args.pp > 1 else ""
+    split = f" (tp {tp})" if tp > 1 else ""
+    split += f" (pp {pp}, {args.num_micro_batches} micro-batches)" if pp > 1 else ""
     print(f"nbtrain bench: {s['ranks']} ranks{split}, "
           f"{s['device']}, GPT {s['model_size']}, "
           f"{s['batch_per_rank']} seq/rank, {s['rounds']} rounds x {s['steps']} steps "

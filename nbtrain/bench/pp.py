@@ -1,5 +1,6 @@
-"""`nbtrain bench --pp P`: nbtrain's pipeline schedule against torch.distributed.pipelining
-(PipelineStage with Schedule1F1B), same GPT, same stages, same micro-batches, same run.
+"""`nbtrain bench --pipe-size P`: nbtrain's pipeline schedule against
+torch.distributed.pipelining (PipelineStage with Schedule1F1B), same GPT, same stages, same
+micro-batches, same run.
 
 The GPT (untied head: the two ends are on different stages) is cut by
 `nbtrain.models.gpt_pipe.gpt_layers` and `nbtrain.pipeline.balanced_split`; both

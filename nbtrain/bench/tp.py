@@ -1,4 +1,4 @@
-"""`nbtrain bench --tp T`: nbtrain's tensor parallelism against torch's DTensor
+"""`nbtrain bench --tp-size T`: nbtrain's tensor parallelism against torch's DTensor
 `parallelize_module`, on the same GPT with the same plan, in the same run.
 
 The plan is Megatron's (activations replicated on every tp rank): attention heads and

@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from . import collectives, links, teardown
 from . import topology as _topology
+from .renamed import renamed_kwargs
 from .store import rendezvous_store
 from .topology import Topology
 
@@ -94,8 +95,9 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
+@renamed_kwargs(timeout="pg_timeout_s")
 def init_distributed(seed: int = 0, backend: str | None = None,
-                     timeout: float | timedelta = 600.0, tp_size: int = 1,
+                     pg_timeout_s: float | timedelta = 600.0, tp_size: int = 1,
                      pipe_size: int = 1, num_micro_batches: int | None = None,
                      ep_size: int = 1, cp_size: int = 1, **bmtrain_options) -> DistContext:
     """Initialise torch.distributed for this process and return the context.
@@ -109,7 +111,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     Args:
         seed: seeds python, numpy and torch identically on every rank.
         backend: "nccl", "gloo" or None (nccl when CUDA is present, else gloo).
-        timeout: process-group timeout, seconds or a timedelta.
+        pg_timeout_s: process-group timeout, seconds (or a timedelta); `timeout=`
+            is its deprecated old name.
         tp_size: ranks that split each tensor-parallel layer (BMTrain's keyword); the
             world size must be a multiple of tp_size x pipe_size. Tensor-parallel peers
             are neighbouring ranks: tp_rank = rank % tp_size.
@@ -153,6 +156,7 @@ def init_distributed(seed: int = 0, backend: str | None = None,
                for k, v in changed.items()):
             _CONTEXT = replace(_CONTEXT, **changed)
         return _CONTEXT
+    timeout = pg_timeout_s
     if not isinstance(timeout, timedelta):
         timeout = timedelta(seconds=float(timeout))
 
@@ -203,8 +207,8 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     return _CONTEXT
 
 
-_OWN_KEYWORDS = ("seed", "backend", "timeout", "tp_size", "pipe_size", "num_micro_batches",
-                 "ep_size", "cp_size")
+_OWN_KEYWORDS = ("seed", "backend", "pg_timeout_s", "tp_size", "pipe_size",
+                 "num_micro_batches", "ep_size", "cp_size")
 # BMTrain 1.x keywords that have no effect here, with what they must be (None: any).
 _BMTRAIN_KEYWORDS = {"init_method": ("env://",), "zero_level": (2, 3),
                      "loss_scale_factor": None, "loss_scale_steps": None}

@@ -9,6 +9,7 @@ model.safetensors was written by `nbtrain.save` loads.
 """
 from __future__ import annotations
 
+from ..context_parallel import ContextParallel
 from .gpt import GPT, GPTConfig
 from .gpt_pipe import gpt_layers
 from .gpt_tp import gpt_plan
@@ -39,7 +40,8 @@ def build_model(config: GPTConfig, parallel=None) -> GPT:
     forward splits sequences over the topology's cp group only when `parallel` asks
     for context parallelism (cp > 1): a reference built beside it stays whole."""
     model = GPT(config)
-    model.context_parallel = "topology" if getattr(parallel, "cp", 1) > 1 else None
+    if getattr(parallel, "cp_size", 1) > 1:  # the runtime has made the topology for this layout
+        model.context_parallel = ContextParallel.from_topology()
     return model
 
 

@@ -1,7 +1,7 @@
 """Llama-family folders (Llama, Qwen2) on nbtrain's Llama (models/llama.py): "llama".
 
-    RuntimeConfig(hf_path="path/to/qwen2", backend_cfg=NBConfig(model_name="llama",
-                                                                parallel=ParallelConfig(tp=2)))
+    RuntimeConfig(hf_path="path/to/qwen2",
+                  backend_cfg=NBConfig(model_name="llama", parallel=ParallelConfig(tp_size=2)))
 
 `make_config` reads config.json (model_config holds overrides in Hugging Face's field
 names; without a folder, model_config is the whole config, e.g. {"vocab_size": 64,

@@ -70,7 +70,7 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float,
 
     import nbtrain
 
-    ctx = nbtrain.init_distributed(backend=backend, timeout=pg_timeout_s, tp_size=tp_size)
+    ctx = nbtrain.init_distributed(backend=backend, pg_timeout_s=pg_timeout_s, tp_size=tp_size)
     nbtrain.telemetry.publish_to_notebook()  # feeds the dashboard while cells run
     shell = get_ipython()
     shell.user_ns.update({"torch": torch, "nbt": nbtrain})

@@ -5,11 +5,11 @@ reference to check them against (Bumblebee's runtime API).
     from nbtrain.runtime.contracts import PackedBatch
 
     rt = create_runtime(RuntimeConfig(backend="nbtrain", backend_cfg=NBConfig(
-        parallel=ParallelConfig(tp=2))))
+        parallel=ParallelConfig(tp_size=2))))
     handle = rt.build_model()
     with rt.train_mode(handle):
         rt.zero_grad(handle)
-        result = rt.forward_backward(handle, batch, num_microbatches=2)
+        result = rt.forward_backward(handle, batch, num_micro_batches=2)
         ok, grad_norm, num_zeros = rt.optimizer_step(handle)
         rt.lr_scheduler_step(handle)
 
@@ -30,8 +30,8 @@ stays within each packed document and positions restart at 0 with each one; a pa
 row's per-document losses and gradients are those of its documents run one by one.
 
 Expert and context parallelism are carved from the data-parallel ranks:
-`ParallelConfig(ep=2)` splits "gpt_moe"'s experts over 2 ranks, and
-`ParallelConfig(cp=2)` splits each sequence over 2 ranks with ring attention ("gpt",
+`ParallelConfig(ep_size=2)` splits "gpt_moe"'s experts over 2 ranks, and
+`ParallelConfig(cp_size=2)` splits each sequence over 2 ranks with ring attention ("gpt",
 "gpt2", "gpt_moe", "llama"; with pp too, not with tp).
 """
 from .compare import compare

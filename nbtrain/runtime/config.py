@@ -2,7 +2,7 @@
 
     cfg = RuntimeConfig(backend="nbtrain",
                         backend_cfg=NBConfig(model_name="gpt", model_config={"preset": "tiny"},
-                                             parallel=ParallelConfig(tp=2),
+                                             parallel=ParallelConfig(tp_size=2),
                                              optimizer={"lr": 1e-3, "weight_decay": 0.0}))
 
 Every field is checked when the config is made (and the layout against the world size
@@ -14,62 +14,83 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..comm.renamed import renamed_kwargs, warn_renamed
+
 BACKENDS = ("nbtrain", "reference")
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("constant", "warmup")
 
 
+# The old field names (docs/naming.md): accepted with a FutureWarning for one release.
+_RENAMED = {"tp": "tp_size", "pp": "pipe_size", "ep": "ep_size", "cp": "cp_size",
+            "num_microbatches": "num_micro_batches"}
+
+
+@renamed_kwargs(**_RENAMED)
 @dataclass
 class ParallelConfig:
     """The parallel layout. world size = dp x tp x pp; dp is what is left.
 
+    The fields have `init_distributed`'s names (docs/naming.md); the old `tp`, `pp`,
+    `ep`, `cp` and `num_microbatches` still work, with a FutureWarning.
+
     Attributes:
-        tp: tensor-parallel ranks (attention heads and MLP columns split).
-        pp: pipeline stages.
-        ep: expert-parallel ranks (MoE models: experts split over them), carved from
-            the data-parallel ranks: it must divide dp.
-        cp: context-parallel ranks splitting each sequence (ring attention; models
+        tp_size: tensor-parallel ranks (attention heads and MLP columns split).
+        pipe_size: pipeline stages.
+        ep_size: expert-parallel ranks (MoE models: experts split over them), carved
+            from the data-parallel ranks: it must divide dp.
+        cp_size: context-parallel ranks splitting each sequence (ring attention; models
             "gpt", "gpt2", "gpt_moe" and "llama"), carved from the data-parallel ranks:
-            it must divide dp; tp must be 1.
+            it must divide dp; tp_size must be 1.
         zero_level: 2 or 3, ZeRO sharding of each stage over its data-parallel ranks.
-        num_microbatches: micro-batches per step (each data-parallel rank's rows must
-            divide by it); `forward_backward(..., num_microbatches=)` overrides it.
+        num_micro_batches: micro-batches per step (each data-parallel rank's rows must
+            divide by it); `forward_backward(..., num_micro_batches=)` overrides it.
     """
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
+    tp_size: int = 1
+    pipe_size: int = 1
+    ep_size: int = 1
+    cp_size: int = 1
     zero_level: int = 3
-    num_microbatches: int = 1
+    num_micro_batches: int = 1
+
+    def __getattr__(self, name):  # only for names the dataclass does not have
+        new = _RENAMED.get(name)
+        if new is None:
+            raise AttributeError(f"ParallelConfig has no attribute {name!r}")
+        warn_renamed(f"ParallelConfig.{name}", f"ParallelConfig.{new}")
+        return getattr(self, new)
 
     def __post_init__(self):
-        for name in ("tp", "pp", "ep", "cp", "num_microbatches"):
+        for name in ("tp_size", "pipe_size", "ep_size", "cp_size", "num_micro_batches"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelConfig: {name}={value!r} must be a positive integer")
-        if self.cp > 1 and self.tp > 1:
+        if self.cp_size > 1 and self.tp_size > 1:
             raise NotImplementedError(
-                f"ParallelConfig: cp={self.cp} with tp={self.tp}: ring attention does not "
-                "split heads; use tp=1 with context parallelism")
+                f"ParallelConfig: cp_size={self.cp_size} with tp_size={self.tp_size}: ring "
+                "attention does not split heads; use tp_size=1 with context parallelism")
         if self.zero_level not in (2, 3):
             raise ValueError(f"ParallelConfig: zero_level={self.zero_level!r}: use 2 or 3")
 
     def check_world(self, world_size: int) -> None:
-        """Raises ValueError when tp x pp does not divide `world_size`, or ep does not
-        divide the data-parallel ranks left."""
-        if world_size % (self.tp * self.pp):
+        """Raises ValueError when tp_size x pipe_size does not divide `world_size`, or
+        ep_size or cp_size does not divide the data-parallel ranks left."""
+        model_ranks = self.tp_size * self.pipe_size
+        if world_size % model_ranks:
             raise ValueError(
-                f"ParallelConfig: tp={self.tp} x pp={self.pp} = {self.tp * self.pp} does not "
-                f"divide the world size {world_size}: choose tp and pp whose product divides "
-                f"{world_size}, or run on a multiple of {self.tp * self.pp} ranks")
-        dp = world_size // (self.tp * self.pp)
-        for name in ("ep", "cp"):
+                f"ParallelConfig: tp_size={self.tp_size} x pipe_size={self.pipe_size} = "
+                f"{model_ranks} does not divide the world size {world_size}: choose tp_size "
+                f"and pipe_size whose product divides {world_size}, or run on a multiple of "
+                f"{model_ranks} ranks")
+        dp = world_size // model_ranks
+        for name in ("ep_size", "cp_size"):
             if dp % getattr(self, name):
                 raise ValueError(
                     f"ParallelConfig: {name}={getattr(self, name)} does not divide the "
-                    f"data-parallel size {dp} (world {world_size} / tp {self.tp} / pp "
-                    f"{self.pp}): {name} ranks are carved from the data-parallel ranks")
+                    f"data-parallel size {dp} (world {world_size} / tp_size {self.tp_size} / "
+                    f"pipe_size {self.pipe_size}): {name} ranks are carved from the "
+                    "data-parallel ranks")
 
 
 @dataclass

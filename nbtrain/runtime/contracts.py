@@ -100,7 +100,7 @@ class PackedBatch:
         """`parts` micro-batches of rows / parts rows each, in order."""
         if parts < 1 or self.rows % parts:
             raise ValueError(f"{self.rows} rows cannot make {parts} micro-batches of equal "
-                             f"size: use num_microbatches dividing {self.rows}")
+                             f"size: use num_micro_batches dividing {self.rows}")
         per = self.rows // parts
         return [self.select_rows(slice(i * per, (i + 1) * per)) for i in range(parts)]
 
@@ -165,7 +165,7 @@ class ForwardResult:
     Attributes:
         metrics: "loss" (float: the weighted mean of the token losses over every
             labelled token of the global batch), "tokens" (int: labelled tokens of the
-            global batch), "num_microbatches" (int).
+            global batch), "num_micro_batches" (int).
         token_losses: float32 (rows, seq_len) on the CPU: each token's loss over the
             global batch (unweighted), 0 where labels are -100.
     """

@@ -24,6 +24,7 @@ import math
 import torch
 
 from ..comm import collectives as C
+from ..comm.renamed import renamed_kwargs
 from ..optim.manager import OptimManager
 from .base import Runtime, labelled_weight, token_cross_entropy
 from .contracts import ForwardResult, ModelHandle, PackedBatch
@@ -42,27 +43,28 @@ class NBTrainRuntime(Runtime):
         from ..zero.wrap import wrap
 
         par = self.nb.parallel
-        ctx = self._context(tp_size=par.tp, pipe_size=par.pp, ep_size=par.ep, cp_size=par.cp)
+        ctx = self._context(tp_size=par.tp_size, pipe_size=par.pipe_size, ep_size=par.ep_size,
+                            cp_size=par.cp_size)
         hf_path = self.cfg.hf_path
         protocol = self.nb.protocol()
         # From a folder: built on the meta device, so a rank allocates only its shards.
         model, config = self._plain_model("meta" if hf_path else ctx.device, par)
         # The whole model's, ties once (experts split over ep: their full shapes).
         numel = sum(math.prod(getattr(p, "tp_full_shape", p.shape)) for p in model.parameters())
-        if par.cp > 1:
+        if par.cp_size > 1:
             from ..models.gpt import GPT
             from ..models.llama import Llama
 
             if not isinstance(model, (GPT, Llama)):
                 raise NotImplementedError(
-                    f"ParallelConfig(cp={par.cp}): model {self.nb.model_name!r} "
+                    f"ParallelConfig(cp_size={par.cp_size}): model {self.nb.model_name!r} "
                     f"({type(model).__name__}) has no context-parallel attention; the "
                     "built-in 'gpt', 'gpt2', 'gpt_moe' and 'llama' have: use one of "
-                    "them, or cp=1")
-        if par.tp > 1:
+                    "them, or cp_size=1")
+        if par.tp_size > 1:
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
-        stage = pipeline.stage_of(protocol.pp_stages(model, par.pp, positions))
+        stage = pipeline.stage_of(protocol.pp_stages(model, par.pipe_size, positions))
         if hf_path:
             record_plain_names(stage, model)
         stage = wrap(stage, zero_level=par.zero_level)
@@ -72,7 +74,8 @@ class NBTrainRuntime(Runtime):
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)  # the schedule is stepped by lr_scheduler_step
         return ModelHandle(stage, optimizer, self._scheduler(optimizer), manager, "nbtrain",
-                           extra={"layout": (par.tp, par.pp, par.ep, ctx.world_size),
+                           extra={"layout": (par.tp_size, par.pipe_size, par.ep_size,
+                                             ctx.world_size),
                                   "positions": positions, "numel": numel})
 
     def _topology(self, handle: ModelHandle):
@@ -88,11 +91,12 @@ class NBTrainRuntime(Runtime):
                 "the next")
         return topo
 
+    @renamed_kwargs(num_microbatches="num_micro_batches")
     def forward_backward(self, handle: ModelHandle, data: PackedBatch, loss_fn=None,
-                         num_microbatches: int | None = None) -> ForwardResult:
+                         num_micro_batches: int | None = None) -> ForwardResult:
         """Forward and backward of the global batch `data`: this data-parallel rank's
-        rows, in `num_microbatches` micro-batches (default `ParallelConfig.
-        num_microbatches`) through the pipeline schedule (1F1B).
+        rows, in `num_micro_batches` micro-batches (default `ParallelConfig.
+        num_micro_batches`) through the pipeline schedule (1F1B).
 
         Args:
             data: the global batch, the same on every rank.
@@ -104,7 +108,7 @@ class NBTrainRuntime(Runtime):
         """
         loss_fn = loss_fn or token_cross_entropy
         topo = self._topology(handle)
-        micro = num_microbatches or self.nb.parallel.num_microbatches
+        micro = num_micro_batches or self.nb.parallel.num_micro_batches
         mine = data.rows_for(topo.data_rank, topo.data_size)
         parts, cp = mine.split(micro), _context_parallel(handle, topo)
         # Each rank's objective is dp * (its weighted token-loss sum) / (the global
@@ -130,7 +134,7 @@ class NBTrainRuntime(Runtime):
         loss = float((tokens * data.token_weights()).sum()) / labelled_weight(data)
         return ForwardResult(
             metrics={"loss": loss, "tokens": int((data.labels != -100).sum()),
-                     "num_microbatches": micro},
+                     "num_micro_batches": micro},
             token_losses=tokens)
 
     @torch.no_grad()
@@ -207,11 +211,11 @@ class NBTrainRuntime(Runtime):
 
 
 def _context_parallel(handle: ModelHandle, topo):
-    """The gpt.ContextParallel splitting sequences over the topology's cp group, or None
+    """The ContextParallel splitting sequences over the topology's cp group, or None
     (cp_size 1)."""
     if topo.cp_size == 1:
         return None
-    from ..models.gpt import ContextParallel
+    from ..context_parallel import ContextParallel
 
     return ContextParallel(topo.group("cp"))
 
@@ -222,7 +226,7 @@ def _shard(batch: PackedBatch, cp) -> tuple:
     weights = batch.token_weights()
     if cp is None:
         return batch.input_ids, batch.position_ids, None, batch.labels, weights
-    from ..nn.ring import shard_sequence
+    from ..context_parallel import shard_sequence
 
     ids, labels, pos, docs = cp.shard_batch(batch.input_ids, batch.labels, batch.position_ids)
     return ids, pos, docs, labels, shard_sequence(weights, 1, cp.group, cp.layout)

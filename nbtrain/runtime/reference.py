@@ -4,7 +4,7 @@ its seed or its Hugging Face folder) on the whole global batch.
 Every rank builds the same model from the same seed and computes the same step on the
 same global batch with no collective, so every rank holds the baseline that other
 backends are checked against (the role Megatron plays for Bumblebee). The parallel
-layout and `num_microbatches` are ignored: the whole batch is one forward and backward.
+layout and `num_micro_batches` are ignored: the whole batch is one forward and backward.
 
 Packed documents: the model gets the batch's position_ids, so each document's positions
 start at 0 and its tokens attend only to earlier tokens of the same document; a
@@ -18,6 +18,7 @@ import math
 import torch
 
 from ..comm import events
+from ..comm.renamed import renamed_kwargs
 from ..optim.manager import OptimManager
 from .base import Runtime, labelled_weight, token_cross_entropy
 from .config import ParallelConfig
@@ -43,15 +44,16 @@ class ReferenceRuntime(Runtime):
         return ModelHandle(model, optimizer, self._scheduler(optimizer), manager, "reference",
                            extra={"step": protocol.make_forward_step(model)})
 
+    @renamed_kwargs(num_microbatches="num_micro_batches")
     def forward_backward(self, handle: ModelHandle, data: PackedBatch, loss_fn=None,
-                         num_microbatches: int | None = None) -> ForwardResult:
+                         num_micro_batches: int | None = None) -> ForwardResult:
         """Forward and backward of the whole global batch; gradients accumulate.
 
         Args:
             data: the global batch.
             loss_fn: `loss_fn(logits, labels)` -> per-token losses (rows, seq_len);
                 default: cross-entropy, 0 where labels are -100.
-            num_microbatches: accepted and ignored (one pass over the whole batch).
+            num_micro_batches: accepted and ignored (one pass over the whole batch).
 
         The loss is the weighted mean of the token losses over the labelled tokens.
         Local.
@@ -66,7 +68,7 @@ class ReferenceRuntime(Runtime):
         (loss * handle.manager.loss_scale).backward()
         return ForwardResult(
             metrics={"loss": float(loss.detach()), "tokens": int((data.labels != -100).sum()),
-                     "num_microbatches": 1},
+                     "num_micro_batches": 1},
             token_losses=(tokens.detach() * (weights > 0)).cpu())
 
     @torch.no_grad()

@@ -1,27 +1,36 @@
 """`nbtrain validate`: a parallel layout against the reference, step by step.
 
-    nbtrain validate --ranks 2 --tp 2 --steps 5
-    nbtrain validate --ranks 2 --pp 2 --micro-batches 2 --optimizer sgd
-    nbtrain validate --ranks 2 --tp 2 --model llama --hf-path path/to/qwen2-folder
+    nbtrain validate --ranks 2 --tp-size 2 --steps 5
+    nbtrain validate --ranks 2 --pipe-size 2 --num-micro-batches 2 --optimizer sgd
+    nbtrain validate --ranks 2 --tp-size 2 --model llama --hf-path path/to/qwen2-folder
 
 Launches local ranks (gloo on CPU, nccl with GPUs, as `nbtrain demo` does), trains the
 reference and the "nbtrain" backend at the given layout on the same synthetic packed
 batches (random documents, seeded), prints the per-step loss and gradient norm of both
 with the largest deviation, and exits with 1 when a deviation exceeds --tolerance.
+
+The flags have the Python names (docs/naming.md); the old --tp, --pp and
+--micro-batches still work, with a FutureWarning.
 """
 from __future__ import annotations
 
 import argparse
+
+from ..comm.renamed import RenamedFlag
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nbtrain validate", description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=None,
                    help="local ranks (default: one per GPU, else 2 CPU ranks)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks")
-    p.add_argument("--pp", type=int, default=1, help="pipeline stages")
+    p.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks")
+    p.add_argument("--pipe-size", type=int, default=1, help="pipeline stages")
     p.add_argument("--zero-level", type=int, choices=(2, 3), default=3)
-    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--num-micro-batches", type=int, default=1, help="micro-batches per step")
+    for old, new in (("--tp", "--tp-size"), ("--pp", "--pipe-size"),
+                     ("--micro-batches", "--num-micro-batches")):
+        p.add_argument(old, dest=new[2:].replace("-", "_"), type=int, action=RenamedFlag,
+                       new=new)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--model", default="gpt",
                    help="a registered model name (gpt, gpt2, llama, or one your package "
@@ -78,8 +87,9 @@ def _configs(args):
     model = {"preset": args.model_size, "seq_len": args.seq_len} \
         if args.model == "gpt" and args.hf_path is None else None
     nb = dict(model_name=args.model, model_config=model, optimizer=optimizer, seed=args.seed)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, zero_level=args.zero_level,
-                              num_microbatches=args.micro_batches)
+    parallel = ParallelConfig(tp_size=args.tp_size, pipe_size=args.pipe_size,
+                              zero_level=args.zero_level,
+                              num_micro_batches=args.num_micro_batches)
     return (RuntimeConfig("reference", hf_path=args.hf_path, backend_cfg=NBConfig(**nb)),
             RuntimeConfig("nbtrain", hf_path=args.hf_path,
                           backend_cfg=NBConfig(**nb, parallel=parallel)))
@@ -104,12 +114,13 @@ def main(argv: list[str] | None = None) -> int:
     if ranks < 1 or args.steps < 1:
         raise SystemExit(f"--ranks={ranks} and --steps={args.steps} must be positive")
     _configs(args)[1].backend_cfg.parallel.check_world(ranks)  # before any rank starts
-    dp = ranks // (args.tp * args.pp)
-    args.rows = args.rows or 2 * dp * args.micro_batches
+    dp = ranks // (args.tp_size * args.pipe_size)
+    args.rows = args.rows or 2 * dp * args.num_micro_batches
     what = f"{args.model_size} GPT" if args.model == "gpt" and not args.hf_path else \
         f"{args.model}" + (f" from {args.hf_path}" if args.hf_path else "")
-    print(f"nbtrain validate: {what}, reference against tp={args.tp} "
-          f"pp={args.pp} dp={dp} ZeRO-{args.zero_level}, {args.micro_batches} micro-batch(es), "
+    print(f"nbtrain validate: {what}, reference against tp={args.tp_size} "
+          f"pp={args.pipe_size} dp={dp} ZeRO-{args.zero_level}, "
+          f"{args.num_micro_batches} micro-batch(es), "
           f"{args.optimizer}, {args.steps} steps on {ranks} rank(s)", flush=True)
     rows = run_ranks(_rank, ranks, args, seed=args.seed, timeout_s=3600)[0]
     dev = max_deviation(rows)
