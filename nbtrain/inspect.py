@@ -40,9 +40,7 @@ from typing_extensions import Self
 from .comm import collectives as C
 from .comm import events
 from .comm.context import get_context
-from .zero.block import Block
-from .zero.parameter import DistributedParameter, group_of
-from .zero.partition import shard_range
+from .zero import ShardKind, flat_buffers, shards
 
 __all__ = [
     "GatherTracker",
@@ -112,43 +110,17 @@ def _summaries(items: list[tuple]) -> tuple[list[dict], list[int]]:
     return out, counts
 
 
-def _model_params(model: nn.Module) -> list[list]:
-    """[names, full shape, local values, local grad] per distinct parameter."""
-    ctx = get_context()
-    params, by_id = [], {}
-    for prefix, module in model.named_modules():
-        base = prefix + "." if prefix else ""
-        if isinstance(module, Block):  # its module's parameters live in flat groups
-            for group in module.groups:
-                begin, end = group.layout.shard_range(group.rank)
-                grad = getattr(group.shard, "main_grad", None)
-                grad = group.shard.grad if grad is None else grad
-                for slot, entry in zip(group.layout.slots, group.entries):
-                    lo, hi = slot.local_part(begin, end) or (begin, begin)
-                    cut = slice(lo - begin, hi - begin)
-                    params.append([[base + n for n in entry.names], slot.shape,
-                                   group.shard.detach()[cut],
-                                   None if grad is None else grad.detach()[cut]])
-            continue
-        for name, param in module._parameters.items():
-            if param is None:
-                continue
-            if id(param) in by_id:  # tied: one more name for the same parameter
-                by_id[id(param)][0].append(base + name)
-                continue
-            grad = param.grad
-            if isinstance(param, DistributedParameter):
-                ranks = group_of(param)
-                begin, _ = shard_range(param.full_numel, ranks.size, ranks.rank)
-                real = max(0, min(param.numel(), param.full_numel - begin))  # no padding
-                shape = tuple(param.full_shape)
-            else:
-                real = param.numel() if ctx.rank == 0 else 0  # replicated: rank 0's copy
-                shape = tuple(param.shape)
-            by_id[id(param)] = [[base + name], shape, param.detach().reshape(-1)[:real],
-                                None if grad is None else grad.detach().reshape(-1)[:real]]
-            params.append(by_id[id(param)])
-    return params
+def _model_params(model: nn.Module) -> list[tuple]:
+    """(names, full shape, local values, local grad) per distinct parameter: each
+    element counted on one rank (a replicated parameter: rank 0's copy)."""
+    rank = get_context().rank
+    out = []
+    for shard in shards(model):
+        values, grad = shard.values, shard.grad
+        if shard.kind is ShardKind.REPLICATED and rank != 0:
+            values, grad = values[:0], None if grad is None else grad[:0]
+        out.append((list(shard.names), shard.shape, values, grad))
+    return out
 
 
 def inspect_model(model: nn.Module, param_name: str = "*", prefix: str = "") -> list[dict]:
@@ -308,10 +280,6 @@ def format_summary(summary: list[dict]) -> str:
 # -- what one rank holds and did (local) -----------------------------------------
 
 
-def _blocks(model: nn.Module) -> list[Block]:
-    return [m for m in model.modules() if isinstance(m, Block)]
-
-
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
     """The bytes of `model`'s parameters, as this rank holds them now. Local.
 
@@ -332,23 +300,19 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
     """
     full = resident = gathered = 0
     seen: set[int] = set()
-    for block in _blocks(model):
-        for group in block.groups:
-            size = group.shard.element_size()
-            full += group.layout.numel * size
-            resident += group.shard.numel() * size
-            if not group.alias:  # a group of one gathers nothing: `full` is its shard
-                gathered += group.full.untyped_storage().nbytes()
-            seen.add(id(group.shard))
+    for buffer in flat_buffers(model):
+        size = buffer.shard.element_size()
+        full += buffer.numel * size
+        resident += buffer.shard.numel() * size
+        gathered += buffer.gathered_nbytes
+        seen.add(id(buffer.shard))
+    numels = {id(s.param): s.numel for s in shards(model) if s.param is not None}
     for param in model.parameters():
         if id(param) in seen:
             continue
         seen.add(id(param))
         size = param.element_size()
-        if isinstance(param, DistributedParameter):
-            full += param.full_numel * size
-        else:
-            full += param.numel() * size
+        full += numels.get(id(param), param.numel()) * size
         resident += param.numel() * size
     return {"full": full, "resident": resident, "gathered": gathered}
 
@@ -366,10 +330,8 @@ class GatherTracker:
     def __init__(self, model: nn.Module | None = None):
         self._sizes = {}
         if model is not None:
-            for block in _blocks(model):
-                for group in block.groups:
-                    size = group.layout.padded_numel * group.shard.element_size()
-                    self._sizes[group.label] = size
+            for buffer in flat_buffers(model):
+                self._sizes[buffer.label] = buffer.padded_numel * buffer.shard.element_size()
         self._live: dict[str, set[str]] = {}
         self._bytes = 0
         self._lock = threading.Lock()

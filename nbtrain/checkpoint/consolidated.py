@@ -18,10 +18,10 @@ import os
 
 import safetensors.torch
 import torch
-import torch.distributed as dist
 
+from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero.views import state_keys
+from ..zero import state_keys
 from . import stream
 from .layout import _commit, agreed
 from .torch_file import SUFFIXES
@@ -68,8 +68,7 @@ def save(model, path: str) -> None:
             writer.close()
     entries = writer.entries if writer is not None else None
     if ctx.world_size > 1:
-        everyone = [None] * ctx.world_size
-        dist.all_gather_object(everyone, (part, entries))
+        everyone = C.all_gather_object((part, entries))
     else:
         everyone = [(part, entries)]
     parts = [(p, e) for p, e in everyone if e is not None]

@@ -42,10 +42,7 @@ from safetensors.torch import save_file
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero.block import Block
-from ..zero.parameter import DistributedParameter, group_of
-from ..zero.partition import shard_range
-from ..zero.placement import is_tp_slice, slice_kind
+from ..zero import ShardKind, flat_buffers, is_tp_slice, shards, slice_kind
 
 META = "meta.json"
 FORMAT_VERSION = 1
@@ -165,36 +162,36 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
     replicated parameter is stored by the first rank of its stage (or tp slot).
     """
     topo = get_context().topology
+    buffers = {id(b.shard): b for b in flat_buffers(model)}
     experts = [n for n, p in model.named_parameters() if slice_kind(p) == "ep"] + [
-        e.names[0] for m in model.modules() if isinstance(m, Block) for g in m.groups
-        for e in g.entries if e.tp is not None and slice_kind(e.tp) == "ep"]
+        m.names[0] for b in buffers.values() for m in b.members
+        if m.tp is not None and slice_kind(m.tp) == "ep"]
     if experts and topo.ep_size > 1:
         raise NotImplementedError(
             f"sharded checkpoints do not store experts split over ep_size {topo.ep_size} "
             f"yet ({experts[0]!r}): save with nbtrain.save(model, path) and load with "
             "nbtrain.load, whose one file holds every expert")
     aliases = _tie_aliases(model)
-    groups = {id(g.shard): g for m in model.modules() if isinstance(m, Block) for g in m.groups}
+    sharded = {id(s.param): s for s in shards(model) if s.kind is ShardKind.PARAMETER}
     out = []
     for name, p in model.named_parameters():
-        group = groups.get(id(p))
-        if group is not None:
-            prefix = name.rpartition(".")[0]
-            slots = [slot_info(f"{prefix}.{s.name}" if prefix else s.name, s.shape, e.tp)
-                     for s, e in zip(group.layout.slots, group.entries)]
-            begin, end = group.layout.shard_range(group.rank)
-            out.append(Entry(name, p, group.layout.numel, "flat", begin, end, slots,
-                             tp=any(e.tp is not None for e in group.entries),
-                             shard=(group.rank, group.layout.world_size)))
+        buffer = buffers.get(id(p))
+        if buffer is not None:
+            slots = [slot_info(m.names[0], m.shape, m.tp) for m in buffer.members]
+            ranks = buffer.ranks
+            out.append(Entry(name, p, buffer.numel, "flat", buffer.start,
+                             buffer.start + buffer.shard.numel(), slots,
+                             tp=any(m.tp is not None for m in buffer.members),
+                             shard=(ranks.rank, ranks.size)))
             continue
         tp = is_tp_slice(p)
         plain = aliases.get(name, name)
-        info = [slot_info(plain, getattr(p, "full_shape", p.shape), p if tp else None)]
-        if isinstance(p, DistributedParameter):
-            ranks = group_of(p)
-            begin, end = shard_range(p.full_numel, ranks.size, ranks.rank)
-            out.append(Entry(plain, p, p.full_numel, "sharded", begin, end, info, tp,
-                             shard=(ranks.rank, ranks.size)))
+        shard = sharded.get(id(p))
+        info = [slot_info(plain, p.shape if shard is None else shard.shape, p if tp else None)]
+        if shard is not None:
+            ranks = shard.ranks
+            out.append(Entry(plain, p, shard.numel, "sharded", shard.start, shard.stop, info,
+                             tp, shard=(ranks.rank, ranks.size)))
         else:  # the same on every rank (of its stage, or tp slot): the first one stores it
             first = (topo.dp_rank if tp else topo.zero_rank) == 0 and plain == name
             out.append(Entry(plain, p, p.numel(), "replicated", 0, p.numel() if first else 0,

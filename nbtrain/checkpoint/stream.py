@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from ..zero.block import Block
+from ..zero import Block, ShardKind, full_items_by_parameter, shards
 from .torch_file import TorchFile, is_torch_file
 
 DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -38,7 +38,7 @@ def units(model: nn.Module):
     buffers. Collective: every rank of the model's groups iterates in step."""
     def walk(module, prefix):
         if isinstance(module, Block):  # one parameter at a time, then its buffers
-            yield from block_items(module, prefix)
+            yield from full_items_by_parameter(module, prefix)
             rest = {prefix + n: b for n, b in module._buffers.items()
                     if b is not None and n not in module._non_persistent_buffers_set}
             for name, child in module._modules.items():
@@ -60,46 +60,6 @@ def units(model: nn.Module):
                 yield from walk(child, prefix + name + ".")
 
     yield from walk(model, "")
-
-
-def block_items(block: Block, prefix: str = ""):
-    """(name, full tensor) of a Block's parameters, one parameter at a time: each rank
-    broadcasts its part of it, so a rank holds one parameter gathered (a flat group
-    holding tensor-parallel slices is gathered whole: its slices are assembled over
-    tp). Collective over each flat group's ranks."""
-    import torch.distributed as dist
-
-    from ..comm import collectives as C
-    from ..comm.topology import ALONE
-
-    for group in block.groups:
-        ranks = group.ranks
-        if ranks.size == 1 or ranks.group is ALONE or any(e.tp is not None
-                                                         for e in group.entries):
-            for name, value in block.full_items(prefix, copy=False, groups=[group]):
-                yield name, value
-            continue
-        sources = [r if ranks.group is None else dist.get_global_rank(ranks.group, r)
-                   for r in range(ranks.size)]
-        shard = group.shard.detach()
-        for slot, entry in zip(group.layout.slots, group.entries):
-            out = torch.empty(slot.numel, dtype=shard.dtype, device=group.device)
-            for r, src in enumerate(sources):
-                begin, end = group.layout.shard_range(r)
-                part = slot.local_part(begin, end)
-                if part is None:
-                    continue
-                lo, hi = part
-                piece = out[lo - slot.offset:hi - slot.offset]
-                if r == ranks.rank:
-                    piece.copy_(shard[lo - begin:hi - begin])
-                C.broadcast(piece, src=src, group=ranks.group, label=f"{group.label}.save")
-            value = out.view(slot.shape)
-            for name in entry.names:
-                yield prefix + name, value
-            del out, value
-
-
 
 
 class PartWriter:
@@ -186,25 +146,12 @@ def file_keys(source) -> list[str]:
 
 
 def slice_owners(model: nn.Module) -> dict:
-    """key -> where this rank keeps a contiguous part of it: ("flat", group, index) for
-    a Block's parameter, ("param", p) for a DistributedParameter; tensor-parallel
-    slices and plain tensors are not listed (they take the whole tensor). Local."""
-    from ..zero.parameter import DistributedParameter
-    from ..zero.placement import is_tp_slice
-
-    owners = {}
-    for prefix, module in model.named_modules():
-        base = prefix + "." if prefix else ""
-        if isinstance(module, Block):
-            for group in module.groups:
-                for index, entry in enumerate(group.entries):
-                    if entry.tp is None:
-                        owners.update({base + n: ("flat", group, index) for n in entry.names})
-            continue
-        for name, p in module._parameters.items():
-            if isinstance(p, DistributedParameter) and not is_tp_slice(p):
-                owners[base + name] = ("param", p)
-    return owners
+    """key -> this rank's contiguous part of it (a `nbtrain.zero.Shard`): a Block's
+    parameter or a DistributedParameter; tensor-parallel slices and plain tensors are
+    not listed (they take the whole tensor). Local."""
+    return {name: shard for shard in shards(model)
+            if shard.kind is not ShardKind.REPLICATED and shard.tp is None
+            for name in shard.names}
 
 
 def read_range(source, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
@@ -231,28 +178,10 @@ def read_range(source, key: str, start: int, stop: int, shape) -> torch.Tensor |
 
 def load_slice(source, key: str, owner) -> None:
     """Reads only this rank's part of `key` into its owner (see slice_owners)."""
-    if owner[0] == "flat":
-        _, group, index = owner
-        slot = group.layout.slots[index]
-        begin, end = group.layout.shard_range(group.rank)
-        part = slot.local_part(begin, end)
-        lo, hi = part if part is not None else (slot.offset, slot.offset)
-        values = read_range(source, key, lo - slot.offset, hi - slot.offset, slot.shape)
-        if values is not None:
-            with torch.no_grad():
-                group.shard[lo - begin:hi - begin].copy_(values)
-        return
-    from ..zero.parameter import group_of
-    from ..zero.partition import shard_range
-
-    param = owner[1]
-    ranks = group_of(param)
-    begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
-    stop = min(end, param.full_numel)
-    values = read_range(source, key, begin, max(begin, stop), param.full_shape)
+    values = read_range(source, key, owner.start, owner.stop, owner.shape)
     if values is not None:
         with torch.no_grad():
-            param.data[:stop - begin].copy_(values)
+            owner.values.copy_(values)
 
 
 def read_one(source, key: str) -> torch.Tensor:

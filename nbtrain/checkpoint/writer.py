@@ -11,7 +11,6 @@ import shutil
 import time
 
 import torch
-import torch.distributed as dist
 
 from ..comm import collectives as C
 from ..comm.context import get_context
@@ -108,8 +107,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
     manager_state = None if optim_manager is None else optim_manager.scalar_state()
     if non_blocking:  # the same snapshot and description; the writing in the background
         tensors, part = agreed("save_checkpoint (snapshot)", snapshot)
-        parts = [None] * ctx.world_size
-        dist.all_gather_object(parts, part)
+        parts = C.all_gather_object(part)
         commit = (lambda: write_meta(parts, manager_state)) if ctx.rank == 0 else None
         asynchronous.start(path, version, file, tensors, ctx.rank, ctx.world_size, commit)
         return
@@ -126,8 +124,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
 
     # Every shard is on disk before the metadata names them.
     part = agreed("save_checkpoint (shards)", write_shard)
-    parts = [None] * ctx.world_size
-    dist.all_gather_object(parts, part)  # every rank's entries: stages hold different ones
+    parts = C.all_gather_object(part)  # every rank's entries: stages hold different ones
     agreed("save_checkpoint (metadata)", lambda: write_meta(parts, manager_state),
            run_here=ctx.rank == 0)
 

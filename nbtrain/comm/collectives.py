@@ -2,7 +2,10 @@
 
 Everything in nbtrain that talks to other ranks goes through this file, so the
 byte counters (read by benchmarks and telemetry) see all traffic, and the choice
-between torch's collective names is made once.
+between torch's collective names is made once. Making and destroying process groups
+(comm/context.py, comm/topology.py, comm/recovery.py) is not communication and stays
+there. The benchmarks under nbtrain/bench combine their own timings with torch's calls,
+outside the counters they measure.
 
 Bytes are counted per rank as a ring moves them: an all-gather or reduce-scatter
 over a flat buffer of B bytes moves B x (N-1)/N, an all-reduce twice that. These
@@ -33,7 +36,7 @@ class CommKind(str, enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_REDUCE = "all_reduce"
     BROADCAST = "broadcast"
-    P2P = "p2p"  # point-to-point sends between pipeline stages
+    P2P = "p2p"  # point-to-point sends: pipeline stages, the cp ring
     ALL_TO_ALL = "all_to_all"  # expert-parallel token exchange (nbtrain.moe)
 
 
@@ -329,10 +332,55 @@ def recv(tensor: torch.Tensor, src: int, *, tag: int = 0, label: str = "") -> No
     dist.recv(tensor, src=src, tag=tag)
 
 
+def send_recv(sends: list, recvs: list, tags: list, *, dst: int, src: int, group=None,
+              label: str = "") -> list:
+    """Sends each of `sends` to global rank `dst` and receives each of `recvs` from global
+    rank `src`, pair by pair with `tags` (extra tags are unused), as one batch without
+    waiting. One batch because NCCL deadlocks on a send and a receive with the same peer
+    posted apart (a ring of 2). Counted as the bytes sent, on the sender, like `send`.
+
+    Returns the batch's works: `wait_send_recv` them before reading a receive buffer or
+    changing a sent tensor.
+
+    Collective over the pair: `dst` posts the matching receives and `src` the matching
+    sends, with the same tags, in the same order (a ring's ranks all call this at once).
+    """
+    ops = []
+    for send, recv, tag in zip(sends, recvs, tags):
+        ops.append(dist.P2POp(dist.isend, send, dst, group, tag))
+        ops.append(dist.P2POp(dist.irecv, recv, src, group, tag))
+    nbytes = sum(t.numel() * t.element_size() for t in sends)
+    COUNTERS.add(CommKind.P2P, nbytes)
+    events.instant("comm_issue", label, kind=CommKind.P2P.value, bytes=nbytes)
+    return dist.batch_isend_irecv(ops)
+
+
+def wait_send_recv(works: list, label: str = "") -> None:
+    """Waits on the works of `send_recv` (anything with `wait()`), then records the wait."""
+    for work in works:
+        work.wait()
+    events.instant("comm_wait", label, kind=CommKind.P2P.value)
+
+
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, label: str = "") -> None:
     """In-place broadcast from `src`. Collective: every rank in the group calls this."""
     dist.broadcast(tensor, src=src, group=group)
     COUNTERS.add(CommKind.BROADCAST, tensor.numel() * tensor.element_size())
+
+
+def all_gather_object(obj, *, group=None) -> list:
+    """Every rank's picklable `obj`, in group-rank order (small metadata: checkpoint
+    entries, pipeline layouts). Not counted in the byte counters: pickles, not tensors.
+    Collective: every rank in the group calls this."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def global_rank(group, group_rank: int) -> int:
+    """The world rank of `group`'s rank `group_rank` (None: the world, itself): what
+    `broadcast`'s `src` takes. Local."""
+    return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
 
 def _reduce_op(op: str):

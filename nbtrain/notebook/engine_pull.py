@@ -47,7 +47,7 @@ def pull_kind(name: str) -> str:
     import torch
     from nbtrain.zero import DistributedParameter
 
-    if isinstance(value, DistributedParameter) and not getattr(value, "_in_block", False):
+    if isinstance(value, DistributedParameter) and not value.in_block:
         return "param"  # (one a Block holds shows only its part: the block's state dict)
     model = _user_ns()[root]
     if (rest and isinstance(model, torch.nn.Module) and _is_sharded(model)

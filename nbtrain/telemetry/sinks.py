@@ -61,18 +61,17 @@ def full_param_bytes(model) -> int:
 
     (`nbtrain.inspect.parameter_bytes(model)["full"]`, without importing the layer above.)
     """
-    from ..zero import Block, DistributedParameter
+    from ..zero import flat_buffers, shards
 
     total, seen = 0, set()
-    for block in (m for m in model.modules() if isinstance(m, Block)):
-        for group in block.groups:
-            total += group.layout.numel * group.shard.element_size()
-            seen.add(id(group.shard))
+    for buffer in flat_buffers(model):
+        total += buffer.numel * buffer.shard.element_size()
+        seen.add(id(buffer.shard))
+    numels = {id(s.param): s.numel for s in shards(model) if s.param is not None}
     for p in model.parameters():
         if id(p) not in seen:
             seen.add(id(p))
-            numel = p.full_numel if isinstance(p, DistributedParameter) else p.numel()
-            total += numel * p.element_size()
+            total += numels.get(id(p), p.numel()) * p.element_size()
     return total
 
 

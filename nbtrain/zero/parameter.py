@@ -136,6 +136,12 @@ class DistributedParameter(nn.Parameter):
     def full_numel(self) -> int:
         return self.full_shape.numel()
 
+    @property
+    def in_block(self) -> bool:
+        """Whether a Block holds this parameter's values (its `.data` then shows this
+        rank's part of the block's shard, and `gather()` is refused)."""
+        return self.__dict__.get("_block_part") is not None
+
     def gather(self) -> torch.Tensor:
         """The full tensor, autograd-aware. Collective: every rank calls this."""
         self._not_in_block("gather")

@@ -83,3 +83,37 @@ def state_keys(model: nn.Module) -> list[str]:
         keys += [base + n for n, b in module._buffers.items()
                  if b is not None and n not in module._non_persistent_buffers_set]
     return list(dict.fromkeys(keys))
+
+
+def full_items_by_parameter(block: Block, prefix: str = ""):
+    """(name, full tensor) of a Block's parameters, one parameter at a time: each rank
+    broadcasts its part of it, so a rank holds one parameter gathered, not a flat
+    buffer (a flat buffer holding tensor-parallel slices is gathered whole: its slices
+    are assembled over tp); a caller that drops each tensor before taking the next
+    holds one at a time. Collective over each flat buffer's ranks, iterated in step."""
+    from ..comm.topology import ALONE
+
+    for group in block.groups:
+        ranks = group.ranks
+        if ranks.size == 1 or ranks.group is ALONE or any(e.tp is not None
+                                                         for e in group.entries):
+            yield from block.full_items(prefix, copy=False, groups=[group])
+            continue
+        sources = [C.global_rank(ranks.group, r) for r in range(ranks.size)]
+        shard = group.shard.detach()
+        for slot, entry in zip(group.layout.slots, group.entries):
+            out = torch.empty(slot.numel, dtype=shard.dtype, device=group.device)
+            for r, src in enumerate(sources):
+                begin, end = group.layout.shard_range(r)
+                part = slot.local_part(begin, end)
+                if part is None:
+                    continue
+                lo, hi = part
+                piece = out[lo - slot.offset:hi - slot.offset]
+                if r == ranks.rank:
+                    piece.copy_(shard[lo - begin:hi - begin])
+                C.broadcast(piece, src=src, group=ranks.group, label=f"{group.label}.save")
+            value = out.view(slot.shape)
+            for name in entry.names:
+                yield prefix + name, value
+            del out, value
