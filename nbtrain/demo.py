@@ -77,7 +77,7 @@ def _train(args: argparse.Namespace) -> None:
         mean_loss = nbt.sum_loss(loss).item()
         losses.append(mean_loss)
 
-    nbt.save_checkpoint(os.path.join(args.out, "checkpoint"), model, manager, step=args.steps)
+    nbt.save_checkpoint(model, os.path.join(args.out, "checkpoint"), manager, step=args.steps)
     nbt.save(model, os.path.join(args.out, "model.safetensors"))
     telemetry.stop()
     if ctx.rank == 0:

@@ -124,7 +124,7 @@ def _async_step_ratio(model, opt, ids, spec) -> tuple[float, bool]:
         return time.perf_counter() - start
 
     quiet = steps()
-    nbtrain.save_checkpoint(f"{spec['folder']}/async", model, non_blocking=True)
+    nbtrain.save_checkpoint(model, f"{spec['folder']}/async", non_blocking=True)
     busy = steps()
     still = asynchronous.in_flight()
     nbtrain.checkpoint.wait()

@@ -1,6 +1,6 @@
 """The sharded checkpoint's layout, shared by its save and load, and atomic writes.
 
-`save_checkpoint(path, model, optim_manager, step)` writes a directory:
+`save_checkpoint(model, path, optim_manager, step)` writes a directory:
 
     path/meta.json              written last, names the version folder below
     path/v-<token>/rank00000.safetensors ... one file per rank

@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from ..comm.context import get_context
+from ..comm.renamed import model_first
 from ..zero.partition import shard_range
 from .layout import META, local_entries
 from .tp_reshard import read_tp_entry
@@ -213,11 +214,14 @@ def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
     opt.load_state_dict({"state": state, "param_groups": saved_groups})
 
 
-def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> dict:
-    """Restores a `save_checkpoint` directory into a model (and manager) of any world size
+def load_checkpoint(model: torch.nn.Module, path: str, optim_manager=None) -> dict:
+    """Restores a `save_checkpoint` directory into `model` (and manager) of any world size
     and pipeline layout (a `nbtrain.pipeline.stage_of` stage reads its own layers'
     entries, a parameter tied across stages on every stage holding it), whether or not
     the saving and loading runs group parameters alike (Blocks, plain or sharded ones).
+
+    The order is `nbtrain.load`'s and BMTrain's `bmt.load(model, path)`; the old
+    `load_checkpoint(path, model)` still works, with a FutureWarning.
 
     Returns:
         The metadata dict: "step", "world_size" (of the saving run), "version", ...
@@ -231,6 +235,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optim_manager=None) -> di
     """
     from .asynchronous import wait
 
+    model, path = model_first("load_checkpoint", model, path)  # the old order warns
     wait()
     with open(os.path.join(path, META)) as f:
         meta = json.load(f)

@@ -14,6 +14,7 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.context import get_context
+from ..comm.renamed import model_first
 from .layout import FORMAT_VERSION, META, agreed, local_entries, write_json, write_tensors
 
 
@@ -49,14 +50,14 @@ def _optim_part(opt, entries_by_id: dict, tensors: dict, index: int) -> dict:
 
 # -- sharded save -----------------------------------------------------------------------
 
-def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=None,
+def save_checkpoint(model: torch.nn.Module, path: str, optim_manager=None, step=None,
                     non_blocking: bool = False) -> None:
     """Writes model, optimizer state, schedules, loss scale and `step` as shards.
 
     Args:
+        model: the sharded model.
         path: a directory (created if needed); a previous checkpoint there is
             replaced only once the new one is complete.
-        model: the sharded model.
         optim_manager: an OptimManager whose optimizers (and schedules) to save.
         step: any JSON value, returned by `load_checkpoint` as meta["step"].
         non_blocking: return once this rank's shards are copied to host memory; the
@@ -64,6 +65,9 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
             `nbtrain.checkpoint.wait()` or the end of the process waits for them, and
             a failure is raised there. Still atomic: until every rank's file is
             written, meta.json names the previous checkpoint.
+
+    The order is `nbtrain.save`'s and BMTrain's `bmt.save(model, path)`; the old
+    `save_checkpoint(path, model)` still works, with a FutureWarning.
 
     With pipeline stages every rank passes its own stage (`nbtrain.pipeline.stage_of`)
     and the manager of its optimizers; the checkpoint holds the plain model's names and
@@ -74,6 +78,7 @@ def save_checkpoint(path: str, model: torch.nn.Module, optim_manager=None, step=
     """
     from . import asynchronous
 
+    model, path = model_first("save_checkpoint", model, path)  # the old order warns
     asynchronous.wait()  # an earlier background save finishes (or fails) first
     ctx = get_context()
     token = torch.tensor([time.time_ns() % (2**62)], dtype=torch.int64, device=ctx.device)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import warnings
 
 
@@ -52,6 +53,17 @@ def renamed_kwargs(**renames: str):
         return inner
 
     return wrap
+
+
+def model_first(func: str, model, path):
+    """`(model, path)`, BMTrain's order of `save`/`load`, for a function that took
+    `(path, model)` before: that old order (a str or PathLike first, a model second)
+    still works, swapped, with a FutureWarning."""
+    if isinstance(model, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
+        warn_renamed(f"{func}(path, model)", f"{func}(model, path), the order of "
+                     "nbtrain.save and BMTrain's bmt.save", stacklevel=4)
+        return path, model
+    return model, path
 
 
 class RenamedFlag(argparse.Action):

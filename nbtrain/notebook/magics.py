@@ -17,6 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..comm.renamed import RenamedFlag, warn_renamed
 from .errors import NoClusterError
 from .launchers import LAUNCHERS
 from .cluster import Cluster, _default_n
@@ -119,8 +120,8 @@ def _start_differences(cluster, args) -> list[str]:
         asked.append(f"--launcher {args.launcher}")
     if args.backend is not None and cluster.backend is not None and args.backend != cluster.backend:
         asked.append(f"--backend {args.backend}")
-    if args.tp != cluster.tp_size:
-        asked.append(f"--tp {args.tp}")
+    if args.tp_size != cluster.tp_size:
+        asked.append(f"--tp-size {args.tp_size}")
     return asked
 
 
@@ -146,18 +147,25 @@ class NbtrainMagics(Magics):
     @argument("--launcher", choices=LAUNCHERS, default="local",
               help="start: how engines are launched (mpi/slurm for several nodes)")
     @argument("--timeout", type=float, default=None,
+              help="wait: seconds to wait for the cell (default: until done)")
+    @argument("--start-timeout-s", type=float, default=None, metavar="S",
               help="start: seconds to wait for the engines to register and rendezvous "
-                   "(default 120); wait: seconds to wait for the cell (default: until done)")
-    @argument("--tp", type=int, default=1, metavar="T",
+                   "(default 120)")
+    @argument("--tp-size", type=int, default=1, metavar="T",
               help="start: tensor-parallel size (init_distributed(tp_size=T) on every rank; "
                    "it must divide -n); output lines then show each rank's coordinates")
-    @argument("--pg-timeout", type=float, default=None, metavar="S",
+    @argument("--pg-timeout-s", type=float, default=None, metavar="S",
               help="start: torch.distributed timeout in seconds for a collective that a "
                    "peer never joins (default 600); a failing rank aborts the others' "
                    "collectives at once, so this only bounds true deadlocks")
-    @argument("--ip", default="127.0.0.1",
+    @argument("--controller-ip", default="127.0.0.1", metavar="ADDR",
               help="start: address the controller listens on (loopback by default; engines "
                    "on other hosts need an address of this host that they can reach)")
+    # The old flags (docs/naming.md), with a FutureWarning; `start --timeout` is in nbtrain().
+    @argument("--tp", dest="tp_size", type=int, action=RenamedFlag, new="--tp-size")
+    @argument("--pg-timeout", dest="pg_timeout_s", type=float, action=RenamedFlag,
+              new="--pg-timeout-s")
+    @argument("--ip", dest="controller_ip", action=RenamedFlag, new="--controller-ip")
     @argument("--master-addr", default=None, metavar="ADDR",
               help="start: rendezvous address (MASTER_ADDR; default: rank 0's address)")
     @argument("--nodes", type=int, default=None,
@@ -182,11 +190,11 @@ class NbtrainMagics(Magics):
 
         Actions:
           start      start N ranks with torch.distributed ready (-n, --backend,
-                     --launcher, --timeout, --pg-timeout, --tp, --ip, --master-addr);
-                     keeps a running cluster. With --launcher slurm: --nodes,
-                     --ntasks-per-node, --gpus-per-node, --partition, --time,
-                     --account, --sbatch=OPTION; the job's wait in the queue is shown
-                     and not counted against --timeout
+                     --launcher, --start-timeout-s, --pg-timeout-s, --tp-size,
+                     --controller-ip, --master-addr); keeps a running cluster. With
+                     --launcher slurm: --nodes, --ntasks-per-node, --gpus-per-node,
+                     --partition, --time, --account, --sbatch=OPTION; the job's wait
+                     in the queue is shown and not counted against --start-timeout-s
           stop       stop every process of the cluster
           restart    fresh ranks with empty namespaces (-n N to change the count)
           status     one line per rank: pid, host, device, memory, step, loss, state
@@ -209,16 +217,21 @@ class NbtrainMagics(Magics):
         args = parse_argstring(self.nbtrain, line)
         _check_n(args.n)
         args.slurm = _slurm_options(args)
-        if args.action == "start" and args.tp != 1:
+        if args.action == "start" and args.timeout is not None:
+            warn_renamed("`%nbtrain start --timeout`", "--start-timeout-s", stacklevel=2)
+            if args.start_timeout_s is None:
+                args.start_timeout_s = args.timeout
+        tp = args.tp_size
+        if args.action == "start" and tp != 1:
             n = args.n if args.n is not None else _default_n()
             if args.launcher == "slurm":
                 n = _slurm_layout(args)[0]
-            if args.tp < 1 or n % args.tp:
-                raise UsageError(f"--tp {args.tp} must divide the number of ranks ({n}), "
-                                 f"e.g. -n {2 * max(args.tp, 1)} --tp {max(args.tp, 1)}")
-        if args.pg_timeout is not None and args.pg_timeout <= 0:
-            raise UsageError(f"--pg-timeout {args.pg_timeout:g}: give a positive number of "
-                             "seconds, e.g. --pg-timeout 120")
+            if tp < 1 or n % tp:
+                raise UsageError(f"--tp-size {tp} must divide the number of ranks ({n}), "
+                                 f"e.g. -n {2 * max(tp, 1)} --tp-size {max(tp, 1)}")
+        if args.pg_timeout_s is not None and args.pg_timeout_s <= 0:
+            raise UsageError(f"--pg-timeout-s {args.pg_timeout_s:g}: give a positive number "
+                             "of seconds, e.g. --pg-timeout-s 120")
         if args.action in ("pull", "push") and not args.names:
             example = "pull loss" if args.action == "pull" else "push lr batch_size"
             raise UsageError(f"%nbtrain {args.action}: name the variable(s), "
@@ -245,14 +258,14 @@ class NbtrainMagics(Magics):
                   f"id {cluster.cluster_id}); keeping it. "
                   "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")
             return
-        timeout = _START_TIMEOUT_S if args.timeout is None else args.timeout
-        extra = {} if args.pg_timeout is None else {"pg_timeout_s": args.pg_timeout}
-        extra["tp_size"] = args.tp
+        timeout = _START_TIMEOUT_S if args.start_timeout_s is None else args.start_timeout_s
+        extra = {} if args.pg_timeout_s is None else {"pg_timeout_s": args.pg_timeout_s}
+        extra["tp_size"] = args.tp_size
         if args.launcher == "slurm":
             _slurm_layout(args)  # a wrong -n is a usage error, refused before submitting
         cluster = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
-                          controller_ip=args.ip, start_timeout_s=timeout, slurm=args.slurm,
-                          master_addr=args.master_addr, **extra)
+                          controller_ip=args.controller_ip, start_timeout_s=timeout,
+                          slurm=args.slurm, master_addr=args.master_addr, **extra)
         _current = cluster.start()
         devices = sorted({r["device"] for r in _current.ranks})
         job = f", Slurm job {_current.job.job_id}" if _current.job is not None else ""

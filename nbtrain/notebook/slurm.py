@@ -153,7 +153,7 @@ def refuse_loopback(controller_ip: str, nodes: str = "", partition: str = "") ->
     node of the job (`nodes`), or before submitting every node of `partition`, is elsewhere.
 
     Raises:
-        ValueError: naming the other hosts and the fix (`--ip`).
+        ValueError: naming the other hosts and the fix (`--controller-ip`).
     """
     if not controller_ip.startswith("127."):
         return
@@ -162,8 +162,8 @@ def refuse_loopback(controller_ip: str, nodes: str = "", partition: str = "") ->
                     if not on_this_host(host, addr))
     if others and (nodes or len(others) == len(everywhere)):
         raise ValueError(f"Slurm node(s) {', '.join(others)} are other hosts and cannot reach a "
-                         f"controller on {controller_ip}: pass controller_ip (`--ip`) with an "
-                         "address of this host that the compute nodes can reach")
+                         f"controller on {controller_ip}: pass controller_ip (`--controller-ip`) "
+                         "with an address of this host that the compute nodes can reach")
 
 
 class QueueReport:

@@ -119,13 +119,13 @@ class Runtime:
     def save(self, handle: ModelHandle, path: str) -> None:
         """Writes model, optimizer state, loss scale and schedule to the directory `path`
         (`nbtrain.save_checkpoint`). Collective: every rank calls this."""
-        save_checkpoint(path, handle.model, handle.manager,
+        save_checkpoint(handle.model, path, handle.manager,
                         step={"steps": handle.steps, "lr_scheduler": handle.scheduler.state_dict()})
 
     def load(self, handle: ModelHandle, path: str) -> None:
         """Restores `save`'s directory into `handle`; training then continues as the saved
         run did. Every rank calls this."""
-        meta = load_checkpoint(path, handle.model, handle.manager)
+        meta = load_checkpoint(handle.model, path, handle.manager)
         saved = meta.get("step") or {}
         if "lr_scheduler" not in saved:
             raise ValueError(f"{path}: not a runtime checkpoint (no schedule state); save it "

@@ -26,7 +26,7 @@ def roundtrip(folder: str, steps: int):
     at_save = {k: v.clone() for k, v in model.state_dict().items()}
     scale = manager.loss_scale
     asynchronous.PAUSE_S = 1.0
-    nbt.save_checkpoint(folder, model, manager, step=2 + steps, non_blocking=True)
+    nbt.save_checkpoint(model, folder, manager, step=2 + steps, non_blocking=True)
     in_flight_at_return = asynchronous.in_flight()
     busy = _timed_steps(model, manager, steps, start=2 + steps)  # the shards change meanwhile
     changed = not all(torch.equal(at_save[k], v) for k, v in model.state_dict().items())
@@ -34,7 +34,7 @@ def roundtrip(folder: str, steps: int):
     nbt.checkpoint.wait()
     asynchronous.PAUSE_S = 0.0
     fresh, _, fresh_manager = _setup()
-    meta = nbt.load_checkpoint(folder, fresh, fresh_manager)
+    meta = nbt.load_checkpoint(fresh, folder, fresh_manager)
     loaded = fresh.state_dict()
     return {"same": all(torch.equal(at_save[k], loaded[k]) for k in at_save), "changed": changed,
             "step": meta["step"], "scale": (scale, fresh_manager.loss_scale),
@@ -57,7 +57,7 @@ def killed_during_write(folder: str):
 
     model, opt, manager = _setup()
     oc.sharded_train(model, manager, 2, total=20)
-    nbt.save_checkpoint(folder, model, manager, step=2)
+    nbt.save_checkpoint(model, folder, manager, step=2)
     state_a = {k: v.clone() for k, v in model.state_dict().items()}
     oc.sharded_train(model, manager, 2, start=2, total=20)
     asynchronous.MARKER_TIMEOUT_S = 2.0
@@ -69,7 +69,7 @@ def killed_during_write(folder: str):
             os.kill(os.getpid(), signal.SIGKILL)
 
         asynchronous.write_tensors = half_then_die
-    nbt.save_checkpoint(folder, model, manager, step=4, non_blocking=True)
+    nbt.save_checkpoint(model, folder, manager, step=4, non_blocking=True)
     try:
         nbt.checkpoint.wait()
         error = None
@@ -83,5 +83,5 @@ def load_state(folder: str):
     import nbtrain as nbt
 
     model, _, manager = _setup()
-    meta = nbt.load_checkpoint(folder, model, manager)
+    meta = nbt.load_checkpoint(model, folder, manager)
     return meta["step"], model.state_dict()

@@ -181,7 +181,7 @@ def bad_files(folder: str):
         with open(f"{folder}/garbage.safetensors", "wb") as f:
             f.write(b"\xff" * 64)
     checkpoint = f"{folder}/ckpt"
-    nbtrain.save_checkpoint(checkpoint, model)
+    nbtrain.save_checkpoint(model, checkpoint)
     if nbtrain.rank() == 0:
         import json
 
@@ -199,8 +199,8 @@ def bad_files(folder: str):
         "missing": lambda: nbtrain.load(model, f"{folder}/nothing.safetensors"),
         "other model": lambda: nbtrain.load(other, good),
         "unwritable": lambda: nbtrain.save(model, f"{folder}/no/such/dir/m.safetensors"),
-        "truncated shard": lambda: nbtrain.load_checkpoint(checkpoint, model),
-        "unwritable checkpoint": lambda: nbtrain.save_checkpoint(f"{good}/ckpt", model),
+        "truncated shard": lambda: nbtrain.load_checkpoint(model, checkpoint),
+        "unwritable checkpoint": lambda: nbtrain.save_checkpoint(model, f"{good}/ckpt"),
     }.items():
         try:
             call()

@@ -86,7 +86,7 @@ def save_and_load(ep_size: int, path: str):
     nbtrain.load(fresh, path)
     after = {k: v.clone() for k, v in fresh.state_dict().items()}
     try:
-        nbtrain.save_checkpoint(path + ".ckpt", fresh)
+        nbtrain.save_checkpoint(fresh, path + ".ckpt")
         refused = None
     except NotImplementedError as err:
         refused = str(err)

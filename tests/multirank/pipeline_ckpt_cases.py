@@ -111,11 +111,11 @@ def resume(kind: str, first, second, optimizer: str, folder: str) -> dict:
 
     stage, manager = _stage(kind, first, 0, optimizer)
     losses = _train(kind, stage, manager, range(HALF))
-    nbtrain.save_checkpoint(folder, stage, manager, step=HALF)
+    nbtrain.save_checkpoint(stage, folder, manager, step=HALF)
     nbtrain.save(stage, f"{folder}.safetensors")
     first_keys = sorted(stage.state_dict())
     stage, manager = _stage(kind, second, 7, optimizer)
-    meta = nbtrain.load_checkpoint(folder, stage, manager)
+    meta = nbtrain.load_checkpoint(stage, folder, manager)
     losses += _train(kind, stage, manager, range(meta["step"], TOTAL))
     state = stage.state_dict()  # this stage's layers, under the plain names
     ref, half, ref_losses = _plain(kind, optimizer)

@@ -37,7 +37,7 @@ def _run_a(folder, variants=("torch.float32", "torch.bfloat16")):
     for variant in variants:
         model, opt, manager = _setup(variant)
         oc.sharded_train(model, manager, HALF, total=TOTAL)
-        nbt.save_checkpoint(os.path.join(folder, variant), model, manager, step=HALF)
+        nbt.save_checkpoint(model, os.path.join(folder, variant), manager, step=HALF)
         losses, _ = oc.sharded_train(model, manager, HALF, start=HALF, total=TOTAL)
         out[variant] = dict(state=model.state_dict(), losses=losses,
                             scale=manager.loss_scale, lr=opt.param_groups[0]["lr"])
@@ -51,7 +51,7 @@ def _run_b(folders, variants=("torch.float32",), check_mismatch=False):
     for folder in folders:
         for dtype in variants:
             model, opt, manager = _setup(dtype)
-            meta = nbt.load_checkpoint(os.path.join(folder, dtype), model, manager)
+            meta = nbt.load_checkpoint(model, os.path.join(folder, dtype), manager)
             losses, _ = oc.sharded_train(model, manager, HALF, start=meta["step"], total=TOTAL)
             out[(folder, dtype)] = dict(state=model.state_dict(), losses=losses,
                                         scale=manager.loss_scale,
@@ -65,7 +65,7 @@ def _run_b(folders, variants=("torch.float32",), check_mismatch=False):
 def _mismatch(folder):
     model = nbt.wrap(GPT(GPTConfig(vocab_size=257, hidden=40, heads=5, layers=3, seq_len=8)))
     errors = []
-    for load in (lambda: nbt.load_checkpoint(os.path.join(folder, "torch.float32"), model),
+    for load in (lambda: nbt.load_checkpoint(model, os.path.join(folder, "torch.float32")),
                  lambda: nbt.load(model, os.path.join(folder, "model.safetensors"))):
         try:
             load()

@@ -33,13 +33,13 @@ def _snapshot(model, opt, manager):
 def _initial(folder):
     model, opt, manager = _setup()
     oc.sharded_train(model, manager, FIRST_STEPS, total=10)
-    nbt.save_checkpoint(folder, model, manager, step=FIRST_STEPS)
+    nbt.save_checkpoint(model, folder, manager, step=FIRST_STEPS)
     return _snapshot(model, opt, manager)
 
 
 def _crash_save(folder, victim, stage, marker):
     model, opt, manager = _setup()
-    meta = nbt.load_checkpoint(folder, model, manager)
+    meta = nbt.load_checkpoint(model, folder, manager)
     oc.sharded_train(model, manager, 2, start=meta["step"], total=10)  # now differs
 
     real_replace = os.replace
@@ -56,15 +56,15 @@ def _crash_save(folder, victim, stage, marker):
         real_replace(src, dst)
 
     os.replace = pause_before_rename  # in this rank's process only
-    nbt.save_checkpoint(folder, model, manager, step=meta["step"] + 2)
+    nbt.save_checkpoint(model, folder, manager, step=meta["step"] + 2)
     return "saved"  # never reached on the victim
 
 
 def _verify(folder):
     model, opt, manager = _setup()
-    meta = nbt.load_checkpoint(folder, model, manager)
+    meta = nbt.load_checkpoint(model, folder, manager)
     out = dict(meta=meta, **_snapshot(model, opt, manager))
-    nbt.save_checkpoint(folder, model, manager, step=meta["step"])  # cleans leftovers
+    nbt.save_checkpoint(model, folder, manager, step=meta["step"])  # cleans leftovers
     return out
 
 

@@ -89,7 +89,7 @@ def _save(folder, kind):
 
     model, opt, manager, loss_fn = _setup(2, kind)
     _steps(model, opt, manager, loss_fn, 0)
-    nbtrain.save_checkpoint(folder, model, manager, step=STEPS)
+    nbtrain.save_checkpoint(model, folder, manager, step=STEPS)
     losses = _steps(model, opt, manager, loss_fn, STEPS)
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -98,7 +98,7 @@ def _load(folder, tp, kind):
     import nbtrain
 
     model, opt, manager, loss_fn = _setup(tp, kind)
-    meta = nbtrain.load_checkpoint(folder, model, manager)
+    meta = nbtrain.load_checkpoint(model, folder, manager)
     losses = _steps(model, opt, manager, loss_fn, meta["step"])
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
@@ -123,7 +123,7 @@ def _load_into_plain(folder):
     nbtrain.init_distributed()
     model = nbtrain.wrap(GPT(GPTConfig(vocab_size=37, seq_len=8, hidden=24, heads=6, layers=2)))
     try:
-        nbtrain.load_checkpoint(folder, model)
+        nbtrain.load_checkpoint(model, folder)
     except ValueError as exc:
         return str(exc)
 

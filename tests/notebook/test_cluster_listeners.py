@@ -14,7 +14,7 @@ from listeners import WILDCARDS, listening  # noqa: E402
 
 @pytest.fixture(scope="module")
 def cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --timeout 90")
+    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --start-timeout-s 90")
     yield magics.current_cluster()
     ipython.run_line_magic("nbtrain", "stop")
 

@@ -45,7 +45,7 @@ def _mpi_missing():
 @pytest.mark.timeout(180)
 @pytest.mark.skipif(_mpi_missing() is not None, reason=str(_mpi_missing()))
 def test_mpi_launcher_ranks_equal_mpi_ranks(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 2 --launcher mpi --timeout 90")
+    ipython.run_line_magic("nbtrain", "start -n 2 --launcher mpi --start-timeout-s 90")
     from nbtrain.notebook import magics
 
     cluster = magics.current_cluster()
@@ -117,8 +117,9 @@ def test_start_flags_reach_the_cluster(ipython, monkeypatch):
     monkeypatch.setattr(Cluster, "start", start)
     with pytest.raises(Started):
         ipython.run_line_magic("nbtrain", "start --launcher slurm --nodes 2 --gpus-per-node 4 "
-                               "--partition gpu --time 02:00:00 --account proj --ip 10.1.0.1 "
-                               "--master-addr 10.2.0.5 --sbatch=--qos=high --sbatch=--exclusive")
+                               "--partition gpu --time 02:00:00 --account proj "
+                               "--controller-ip 10.1.0.1 --master-addr 10.2.0.5 "
+                               "--sbatch=--qos=high --sbatch=--exclusive")
     cluster = seen[0]
     assert (cluster.n, cluster.controller_ip, cluster.master_addr_override) == (
         8, "10.1.0.1", "10.2.0.5")

@@ -41,7 +41,7 @@ def run(ipython, cell, line=""):
 def cluster(ipython):
     with pytest.raises(NoClusterError, match="%nbtrain start"):
         ipython.run_cell_magic("distributed", "", "print('no cluster yet')")
-    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --timeout 90")
+    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --start-timeout-s 90")
     yield magics.current_cluster()
     ipython.run_line_magic("nbtrain", "stop")
 
@@ -67,7 +67,7 @@ def test_start_again_keeps_the_running_cluster(ipython, cluster, capsys):
 @pytest.mark.parametrize("line, asked", [
     ("start -n 3", "-n 3"),
     ("start -n 2 --launcher slurm", "--launcher slurm"),
-    ("start --tp 2", "--tp 2"),
+    ("start --tp-size 2", "--tp-size 2"),
 ])
 def test_a_start_that_asks_for_another_cluster_is_refused_naming_the_difference(
         ipython, cluster, line, asked):

@@ -36,7 +36,7 @@ def captured(ipython, magic, line, cell=None):
 
 @pytest.fixture(scope="module")
 def cluster(ipython):
-    nbtrain(ipython, "start -n 2 --backend gloo --timeout 90")
+    nbtrain(ipython, "start -n 2 --backend gloo --start-timeout-s 90")
     yield magics.current_cluster()
     magics._set_autodistributed(ipython, False)
     nbtrain(ipython, "stop")

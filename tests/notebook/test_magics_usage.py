@@ -32,7 +32,7 @@ def nbtrain(ipython, line):
 
 @pytest.fixture(scope="module")
 def cluster(ipython):
-    nbtrain(ipython, "start -n 2 --backend gloo --timeout 90")
+    nbtrain(ipython, "start -n 2 --backend gloo --start-timeout-s 90")
     yield magics.current_cluster()
     nbtrain(ipython, "stop")
 

@@ -33,7 +33,8 @@ def run(ipython, cell, line=""):
 
 @pytest.fixture(scope="module")
 def cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 3 --backend gloo --timeout 90 --pg-timeout 300")
+    ipython.run_line_magic("nbtrain", "start -n 3 --backend gloo --start-timeout-s 90 "
+                           "--pg-timeout-s 300")
     cluster = magics.current_cluster()
     run(ipython, "kept = nbt.rank() * 10 + 7")  # set before any failure
     yield cluster

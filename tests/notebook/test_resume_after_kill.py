@@ -23,7 +23,7 @@ model = nbt.wrap(GPT(GPTConfig(vocab_size=64, hidden=32, heads=2, layers=2, seq_
 opt = nbt.optim.AdamOptimizer(model.parameters(), lr=3e-3)
 manager = nbt.optim.OptimManager()
 manager.add_optimizer(opt)
-start = nbt.load_checkpoint(ckpt, model, manager)["step"] if os.path.exists(ckpt) else 0
+start = nbt.load_checkpoint(model, ckpt, manager)["step"] if os.path.exists(ckpt) else 0
 print("resuming at", start)
 data = torch.randint(0, 64, (steps, 2 * nbt.world_size(), 16),
                      generator=torch.Generator().manual_seed(1))
@@ -34,7 +34,7 @@ for step in range(start, steps):
     manager.backward(loss)
     manager.step()
     if (step + 1) % 5 == 0:
-        nbt.save_checkpoint(ckpt, model, manager, step=step + 1)
+        nbt.save_checkpoint(model, ckpt, manager, step=step + 1)
     time.sleep(0.1)
 print("final", repr(nbt.sum_loss(loss).item()))
 """
@@ -48,7 +48,7 @@ def run(ipython, cell):
 
 @pytest.fixture(scope="module")
 def cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --timeout 90")
+    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --start-timeout-s 90")
     yield magics.current_cluster()
     ipython.run_line_magic("nbtrain", "stop")
 

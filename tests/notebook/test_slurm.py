@@ -107,11 +107,11 @@ def stop_and_check_gone(ipython, slurm):
 
 
 def test_slurm_ranks_train_like_local_ranks_and_stop_leaves_nothing(ipython, slurm, capsys):
-    _, local_s = start(ipython, "-n 2 --timeout 90")
+    _, local_s = start(ipython, "-n 2 --start-timeout-s 90")
     local = magics.current_cluster().execute(TRAIN).stdout
     stop_and_check_gone(ipython, slurm)
 
-    out, slurm_s = start(ipython, "-n 2 --launcher slurm --timeout 90")
+    out, slurm_s = start(ipython, "-n 2 --launcher slurm --start-timeout-s 90")
     cluster = magics.current_cluster()
     job_id = cluster.job.job_id
     assert f"Slurm job {job_id}" in out, out
@@ -130,7 +130,7 @@ def test_slurm_ranks_train_like_local_ranks_and_stop_leaves_nothing(ipython, slu
 
 
 def test_a_job_cancelled_from_outside_is_reported_as_rank_died(ipython, slurm):
-    start(ipython, "-n 2 --launcher slurm --timeout 90")
+    start(ipython, "-n 2 --launcher slurm --start-timeout-s 90")
     cluster = magics.current_cluster()
     job_id = cluster.job.job_id
     cancelled = []
@@ -159,7 +159,7 @@ def test_waiting_in_the_queue_is_shown_and_not_counted_against_the_timeout(ipyth
         assert time.monotonic() < deadline, "the blocking job did not start"
         time.sleep(0.3)
     try:
-        out, _ = start(ipython, "-n 2 --launcher slurm --timeout 12")
+        out, _ = start(ipython, "-n 2 --launcher slurm --start-timeout-s 12")
         assert re.search(r"Slurm job \d+ PENDING \((Resources|Priority)\): waiting in the "
                          r"queue", out), out
         queued = re.search(r"Slurm job \d+ RUNNING on \S+ after (\d+) s in the queue", out)
@@ -176,7 +176,7 @@ def test_interrupting_the_wait_in_the_queue_cancels_the_job(ipython, slurm):
     threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the stop button
     try:
         with pytest.raises(KeyboardInterrupt):
-            ipython.run_line_magic("nbtrain", "start -n 2 --launcher slurm --timeout 60")
+            ipython.run_line_magic("nbtrain", "start -n 2 --launcher slurm --start-timeout-s 60")
         assert magics.current_cluster() is None
         assert wait_gone(our_engines_and_controllers()) == []
         jobs = slurm.run("squeue", "-h", "-t", "PD,R", "-o", "%i").stdout.split()
@@ -200,7 +200,8 @@ def test_a_job_that_cannot_start_fails_at_once_with_slurms_reason(ipython, slurm
     n = 2 if "--nodes 2" in flags else 1
     began = time.monotonic()
     with pytest.raises(SlurmError, match=reason):
-        ipython.run_line_magic("nbtrain", f"start -n {n} --launcher slurm --timeout 60 {flags}")
+        ipython.run_line_magic("nbtrain",
+                               f"start -n {n} --launcher slurm --start-timeout-s 60 {flags}")
     assert time.monotonic() - began < 20  # not the start timeout, let alone forever
     assert magics.current_cluster() is None
     assert wait_gone(our_engines_and_controllers()) == []  # the controller's children too

@@ -54,7 +54,7 @@ def test_block_training_matches_torchrun(ipython, tmp_path):
     line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES"))
     torchrun_losses = json.loads(line.split(" ", 1)[1])
 
-    ipython.run_line_magic("nbtrain", "start -n 2 --timeout 90")
+    ipython.run_line_magic("nbtrain", "start -n 2 --start-timeout-s 90")
     try:
         ipython.run_cell_magic("distributed", "", f"import runpy\n"
                                f"losses = runpy.run_path({str(script)!r})['train']()")

@@ -1,4 +1,4 @@
-"""`%nbtrain start -n 2 --tp 2`: the topology on every engine, coordinates in the output."""
+"""`%nbtrain start -n 2 --tp-size 2`: the topology on every engine, coordinates in the output."""
 import pytest
 
 for _needed in ("IPython", "ipyparallel"):
@@ -13,13 +13,13 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_tp_that_does_not_divide_the_ranks_is_a_usage_error(ipython):
-    with pytest.raises(UsageError, match=r"--tp 3 must divide the number of ranks \(4\)"):
-        ipython.run_line_magic("nbtrain", "start -n 4 --tp 3")
+    with pytest.raises(UsageError, match=r"--tp-size 3 must divide the number of ranks \(4\)"):
+        ipython.run_line_magic("nbtrain", "start -n 4 --tp-size 3")
     assert magics.current_cluster() is None  # nothing was started
 
 
 def test_tensor_parallel_cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 2 --tp 2 --backend gloo --timeout 90")
+    ipython.run_line_magic("nbtrain", "start -n 2 --tp-size 2 --backend gloo --start-timeout-s 90")
     cluster = magics.current_cluster()
     pids = cluster.pids()
     try:

@@ -76,11 +76,11 @@ def rank_main(mode: str, ckpt: str, steps: int) -> None:
     cfg, model, manager = _build()
     if mode == "write":
         _train(cfg, model, manager, 1)
-        nbtrain.save_checkpoint(ckpt, model, manager, step=0)
+        nbtrain.save_checkpoint(model, ckpt, manager, step=0)
         nbtrain.synchronize()
         dist.destroy_process_group()
         return
-    nbtrain.load_checkpoint(ckpt, model, manager)
+    nbtrain.load_checkpoint(model, ckpt, manager)
     _train(cfg, model, manager, steps)
     nbtrain.synchronize()
     if mode == "destroy":
