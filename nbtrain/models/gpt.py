@@ -78,7 +78,7 @@ def gpt_inits(cfg: GPTConfig):
     """The GPT's initialisation as a rule for `nbtrain.assign_inits` (a GPT built on the
     meta device, then sharded and initialised rank by rank): N(0, 0.02) weights, the
     residual projections at 0.02 / sqrt(2 * layers), zero biases, unit norms."""
-    from ..zero.meta import normal_inits
+    from ..zero import normal_inits
 
     residual = 0.02 / math.sqrt(2 * cfg.layers)
     return normal_inits(0.02, scaled={"proj.weight": residual, "mlp.2.weight": residual})

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..moe import BALANCE_MODES, MoE
-from ..zero.parameter import ParameterInitializer
+from ..zero import ParameterInitializer
 from .gpt import GPT, GPTConfig, gpt_inits
 
 

@@ -21,14 +21,8 @@ import torch
 
 from ..comm import collectives as C, events
 from ..comm.context import get_context
-from ..zero.parameter import DistributedParameter
-from ..zero.placement import slice_kind
+from ..zero import is_sharded, slice_kind
 from .adam import param_grad, clear_grad
-
-
-def _is_sharded(param) -> bool:
-    """True when each element of `param` lives on exactly one rank."""
-    return isinstance(param, DistributedParameter) or getattr(param, "_nbtrain_flat", False)
 
 
 class OptimManager:
@@ -167,7 +161,7 @@ class OptimManager:
             g = param_grad(p)
             if g is None or getattr(p, "_nbtrain_norm_skip", False):
                 continue  # (a tied parameter's copy on a later pipeline stage)
-            if _is_sharded(p):
+            if is_sharded(p):
                 part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
             elif slice_kind(p) == "ep":
                 if edp_rank != 0:

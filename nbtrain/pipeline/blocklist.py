@@ -40,22 +40,18 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero.accumulate import micro_batches
-from ..zero.block import Block
-from ..zero.views import state_keys
+from ..zero import Block, flat_buffers, micro_batches, state_keys
 from .p2p import Link
 from .split import balanced_split
 
 
 def _numel(module: nn.Module) -> int:
-    groups = getattr(module, "groups", None)  # a Block: its flat buffers' real sizes
-    if groups is not None:
-        return sum(g.layout.numel for g in groups)
+    if isinstance(module, Block):  # its flat buffers' real sizes
+        return sum(b.numel for b in flat_buffers(module))
     return sum(p.numel() for p in module.parameters())
 
 
@@ -157,8 +153,7 @@ def _exchange(own: dict):
     device = get_context().device
     described = ([(k, tuple(v.shape), v.dtype) for k, v in own.items()],
                  dict(getattr(own, "_metadata", {})))
-    everyone = [None] * topo.pipe_size
-    dist.all_gather_object(everyone, described, group=group)
+    everyone = C.all_gather_object(described, group=group)
     for stage, (entries, metadata) in enumerate(everyone):
         mine = stage == topo.pipe_rank
         part = own if mine else OrderedDict()

@@ -31,8 +31,7 @@ import torch.distributed as dist
 from ..comm import collectives as C, events
 from ..comm.context import get_context
 from ..comm.topology import ALONE
-from ..zero.accumulate import micro_batches
-from ..zero.parameter import DistributedParameter
+from ..zero import has_grad_owner, micro_batches
 from .interleaved import Interleaved
 from .p2p import Link
 
@@ -108,9 +107,7 @@ def _check_owned(stage: torch.nn.Module) -> None:
     if get_context().topology.dp_size == 1:
         return
     for name, p in stage.named_parameters():
-        if p.requires_grad and not (isinstance(p, DistributedParameter)
-                                    or getattr(p, "_nbtrain_flat", False)
-                                    or getattr(p, "_nbtrain_dp_owned", False)):
+        if p.requires_grad and not has_grad_owner(p):
             raise ValueError(
                 f"pipeline.run: stage parameter {name!r} has no owner that reduces its "
                 "gradient over the stage's data-parallel ranks, so they would drift apart: "
@@ -143,7 +140,7 @@ def _check_ties(ties) -> None:
         return
     for _, params in ties:
         for p in params:
-            if not (isinstance(p, DistributedParameter) or getattr(p, "_nbtrain_dp_owned", False)):
+            if not has_grad_owner(p):
                 raise NotImplementedError(
                     f"pipeline.run: a parameter of shape {tuple(p.shape)} shared with another "
                     f"stage (a tied embedding) is a {type(p).__name__} that no owner reduces "

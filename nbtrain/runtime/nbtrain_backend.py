@@ -40,7 +40,7 @@ class NBTrainRuntime(Runtime):
         from ..models.gpt_pipe import StagePositions
         from ..models.hf_load import record_plain_names
         from ..nn.parallelize import parallelize
-        from ..zero.wrap import wrap
+        from ..zero import wrap
 
         par = self.nb.parallel
         ctx = self._context(tp_size=par.tp_size, pipe_size=par.pipe_size, ep_size=par.ep_size,
