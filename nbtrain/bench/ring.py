@@ -50,7 +50,7 @@ VARIANTS = ("ring", "compute", "comm", "sdpa")
 def _rings():
     """Three `Ring` subclasses: the real ring with its waits timed (per exchange kind),
     one computing with no communication, one communicating with no compute."""
-    from ..nn.ring import Ring
+    from ..context_parallel import Ring
 
     class _TimedWork:
         def __init__(self, work, ring, kind):
@@ -105,7 +105,7 @@ def run_rank(spec: dict) -> dict:
 
     import nbtrain
     from nbtrain.comm.collectives import COUNTERS
-    from nbtrain.nn import ring as ra
+    from nbtrain import context_parallel as ra
 
     world = dist.get_world_size()
     ctx = nbtrain.init_distributed(cp_size=world)

@@ -9,37 +9,40 @@ document's positions from 0 and masks attention causally within each document, s
 row of packed documents computes what the documents would one by one. Without
 position_ids a row is one causal sequence (the `is_causal` fast path).
 
-Context parallelism (cp > 1, `nbtrain.init_distributed(cp_size=...)`): each rank of the
-cp group holds a shard of every sequence, and the GPT takes that shard. Attention runs
-as ring attention over the group (nbtrain.nn.ring_attention), the position embedding
-reads each token's global position, and packed documents are masked by document ids
-taken from the full rows. By default a GPT follows nbtrain's topology (cp over its "cp"
-group, zigzag layout, whenever cp_size > 1); `model.context_parallel` overrides it
-(a `ContextParallel`, or None for one whole sequence per rank). A training step:
+Context parallelism: given `GPT(cfg, context_parallel=cp)`, a
+`nbtrain.context_parallel.ContextParallel` (`ContextParallel.from_topology()` for the cp
+group of `nbtrain.init_distributed(cp_size=...)`), each rank of the cp group holds a
+shard of every sequence, and the GPT takes that shard. Attention runs as ring attention
+over the group (nbtrain.context_parallel.ring_attention), the position embedding reads
+each token's global position, and packed documents are masked by document ids taken
+from the full rows. Without one (the default, whatever the topology) a GPT computes on
+whole sequences; `model.context_parallel` may be set later. A training step:
 
     idx, targets, position_ids, doc_ids = model.shard_batch(idx, targets, position_ids)
     loss = model.loss(idx, targets, position_ids, doc_ids)  # mean over this rank's tokens
 
 Every rank holds as many tokens as its peers, so the data-parallel average of the
 gradients (`wrap` averages over the dp group, which holds the cp ranks) is the
-gradient of the full-sequence mean: no extra reduction. With cp 1 (or outside
-nbtrain) the GPT is the plain model, unchanged.
+gradient of the full-sequence mean: no extra reduction. Without context parallelism
+the GPT is the plain model, unchanged.
 """
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..comm.topology import ALONE
-from ..nn.ring import (SequenceLayout, chunk_ids, document_ids, gather_sequence,
-                                 global_positions, ring_attention, shard_sequence)
+from ..context_parallel import check_position_ids
 
-TOPOLOGY = "topology"  # GPT.context_parallel's default: follow nbtrain's topology
+# A private name here: `nbtrain.models.gpt.ContextParallel` is the deprecated path that
+# module __getattr__ (at the end) serves with a FutureWarning.
+from ..context_parallel.model import ContextParallel as _ContextParallel
+
+TOPOLOGY = "topology"  # deprecated GPT.context_parallel value: read nbtrain's topology
 
 
 @dataclass
@@ -110,133 +113,6 @@ def causal_attention(q, k, v, position_ids=None, dropout_p: float = 0.0):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p)
 
 
-def check_position_ids(position_ids, idx):
-    """Raises if position_ids (when given) is not an integer tensor shaped like idx."""
-    if position_ids is None:
-        return
-    if position_ids.dtype.is_floating_point or tuple(position_ids.shape) != tuple(idx.shape):
-        raise ValueError(f"position_ids must be integers shaped like the token ids "
-                         f"{tuple(idx.shape)}; got {position_ids.dtype} of shape "
-                         f"{tuple(position_ids.shape)}")
-
-
-@dataclass(frozen=True)
-class ContextParallel:
-    """How a GPT splits each sequence over the ranks of a cp group.
-
-    Attributes:
-        group: the cp process group (None: the whole world; `ALONE`: this rank alone,
-            which runs the cp code path on whole sequences).
-        layout: "zigzag" (rank r holds chunks r and 2*cp-1-r of 2*cp: equal causal
-            work) or "contiguous" (chunk r of cp); see `SequenceLayout`.
-    """
-    group: object = None
-    layout: str = "zigzag"
-
-    def __post_init__(self):
-        try:
-            object.__setattr__(self, "layout", SequenceLayout(self.layout).value)
-        except ValueError:
-            raise ValueError(f"layout={self.layout!r}: use one of "
-                             f"{[m.value for m in SequenceLayout]}") from None
-
-    @classmethod
-    def from_topology(cls, layout="zigzag") -> "ContextParallel | None":
-        """The topology's cp group when nbtrain is initialised with cp_size > 1, else None."""
-        from ..comm import context
-
-        if not context.is_initialized():
-            return None
-        topo = context.get_context().topology
-        return cls(topo.group("cp"), layout) if topo.cp_size > 1 else None
-
-    @property
-    def rank(self) -> int:
-        if self.group is ALONE or not dist.is_initialized():
-            return 0
-        rank = dist.get_rank(self.group)
-        if rank < 0:
-            raise ValueError(f"context parallelism: global rank {dist.get_rank()} is not in "
-                             "the cp group: give each rank the group holding it")
-        return rank
-
-    @property
-    def size(self) -> int:
-        if self.group is ALONE or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.group)
-
-    @property
-    def chunks(self) -> int:
-        """How many equal chunks a full sequence is cut into (2*cp zigzag, cp contiguous)."""
-        return self.size * len(chunk_ids(0, self.size, self.layout))
-
-    def shard_batch(self, idx, targets=None, position_ids=None):
-        """This rank's shard of a batch of full rows. Local (every cp rank holds the batch).
-
-        Args:
-            idx: int (rows, seq) token ids; seq must divide into `chunks`.
-            targets: optional, shaped like idx.
-            position_ids: optional int (rows, seq), packed documents (0 at each start).
-
-        Returns:
-            (idx, targets, position_ids, doc_ids), each (rows, seq / cp) or None:
-            doc_ids are the documents of the FULL rows (a document may start in another
-            rank's shard), None without position_ids.
-        """
-        if idx.dim() != 2:
-            raise ValueError(f"shard_batch takes token ids of shape (rows, seq); got "
-                             f"{tuple(idx.shape)}")
-        seq, n = idx.shape[1], self.chunks
-        if seq % n:
-            raise ValueError(f"shard_batch: sequence length {seq} does not divide into {n} "
-                             f"chunks ({self.layout} layout over cp {self.size} ranks): pad "
-                             f"the rows to a multiple of {n} (e.g. {-(-seq // n) * n})")
-        if targets is not None and tuple(targets.shape) != tuple(idx.shape):
-            raise ValueError(f"shard_batch: targets of shape {tuple(targets.shape)} for token "
-                             f"ids of shape {tuple(idx.shape)}: give one target per token")
-        check_position_ids(position_ids, idx)
-        docs = None if position_ids is None else document_ids(position_ids)
-        return tuple(None if t is None else shard_sequence(t, 1, self.group, self.layout)
-                     for t in (idx, targets, position_ids, docs))
-
-    def gather(self, x, dim: int = 1):
-        """The full tensor from every rank's shard `x` along `dim`, in sequence order (no
-        autograd). Collective over the cp group."""
-        return gather_sequence(x, dim, self.group, self.layout)
-
-    def positions(self, local_seq: int, device=None):
-        """int64 (local_seq,): this rank's tokens' positions in the full sequence."""
-        return global_positions(self.rank, self.size, local_seq, self.layout, device)
-
-    def attention(self, q, k, v, doc_ids=None):
-        """Causal ring attention of this rank's q, k, v (batch, heads, local_seq, dim)."""
-        return ring_attention(q, k, v, causal=True, group=self.group, doc_ids=doc_ids,
-                              layout=self.layout)
-
-    def check_local(self, idx, position_ids, doc_ids, seq_len: int):
-        """Raises unless idx (rows, local_seq) is a shard this cp group can run."""
-        t, size = idx.shape[1], self.size
-        where = f"GPT under context parallelism (cp {size}, {self.layout} layout)"
-        if t % (self.chunks // size):
-            raise ValueError(f"{where}: local sequence length {t} is odd; each rank holds "
-                             f"two equal chunks: shard full rows whose length divides by "
-                             f"2*cp = {self.chunks} (model.shard_batch), or use "
-                             "ContextParallel(layout='contiguous')")
-        if t * size > seq_len:
-            raise ValueError(f"{where}: sequence length {t * size} (local {t} x cp {size}) "
-                             f"exceeds seq_len={seq_len}: pass this rank's shard "
-                             "(model.shard_batch), not the full rows")
-        check_position_ids(position_ids, idx)
-        if (position_ids is None) != (doc_ids is None):
-            raise ValueError(f"{where}: position_ids and doc_ids come together: a document "
-                             "may start in another rank's shard, so its ids come from the "
-                             "full rows: idx, targets, position_ids, doc_ids = "
-                             "model.shard_batch(idx, targets, position_ids)")
-        if doc_ids is not None:
-            check_position_ids(doc_ids, idx)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -244,7 +120,7 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden, bias=cfg.qkv_bias)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
-    def forward(self, x, position_ids=None, cp: ContextParallel | None = None, doc_ids=None):
+    def forward(self, x, position_ids=None, cp: _ContextParallel | None = None, doc_ids=None):
         """Under `cp`, x is this rank's shard and attention runs around the cp ring
         (doc_ids: the shard's document ids, see ContextParallel.shard_batch)."""
         b, t, c = x.shape
@@ -282,7 +158,7 @@ class TransformerLayer(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden), gelu,
                                  nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden))
 
-    def forward(self, x, position_ids=None, cp: ContextParallel | None = None, doc_ids=None):
+    def forward(self, x, position_ids=None, cp: _ContextParallel | None = None, doc_ids=None):
         # Without position_ids the call is the one-argument call it always was, so an
         # attention swapped in by other code (benchmarks) keeps working.
         h = self.ln1(x)
@@ -302,15 +178,16 @@ class GPT(nn.Module):
     """Token ids (B, T) int64, optional position_ids (B, T) int64 (packed documents, see
     the module docstring) -> logits (B, T, vocab).
 
-    `context_parallel`: "topology" (the default: cp over nbtrain's cp group when
-    cp_size > 1), a `ContextParallel`, or None (never). Under cp, T is this rank's
-    shard (see `shard_batch`) and the logits are the shard's.
+    `context_parallel`: a `nbtrain.context_parallel.ContextParallel`, or None (the
+    default: whole sequences, whatever nbtrain's topology). Under cp, T is this rank's
+    shard (see `shard_batch`) and the logits are the shard's. The attribute of the same
+    name may be changed later.
     """
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, context_parallel: _ContextParallel | None = None):
         super().__init__()
         self.cfg = cfg
-        self.context_parallel = TOPOLOGY
+        self.context_parallel = context_parallel
         self.tok = nn.Embedding(cfg.vocab_size, cfg.hidden)
         self.pos = nn.Embedding(cfg.seq_len, cfg.hidden)
         self.layers = nn.ModuleList(TransformerLayer(cfg) for _ in range(cfg.layers))
@@ -332,14 +209,19 @@ class GPT(nn.Module):
         elif isinstance(m, nn.Embedding):
             nn.init.normal_(m.weight, std=0.02)
 
-    def active_cp(self) -> ContextParallel | None:
+    def active_cp(self) -> _ContextParallel | None:
         """The context parallelism the next forward runs under (None: whole sequences)."""
         setting = self.context_parallel
         if isinstance(setting, str):
             if setting != TOPOLOGY:
-                raise ValueError(f"GPT.context_parallel={setting!r}: use {TOPOLOGY!r}, a "
-                                 "ContextParallel, or None")
-            return ContextParallel.from_topology()
+                raise ValueError(f"GPT.context_parallel={setting!r}: use a ContextParallel "
+                                 "(ContextParallel.from_topology() for nbtrain's cp group) "
+                                 "or None")
+            warnings.warn("GPT.context_parallel='topology' is deprecated (it reads nbtrain's "
+                          "topology at every forward): pass context_parallel="
+                          "ContextParallel.from_topology() instead", FutureWarning,
+                          stacklevel=2)
+            return _ContextParallel.from_topology()
         return setting
 
     def shard_batch(self, idx, targets=None, position_ids=None):
@@ -381,7 +263,7 @@ class GPT(nn.Module):
             x = layer(x) if position_ids is None else layer(x, position_ids)
         return self.head(self.ln_f(x))
 
-    def _forward_shard(self, idx, position_ids, doc_ids, cp: ContextParallel):
+    def _forward_shard(self, idx, position_ids, doc_ids, cp: _ContextParallel):
         """This rank's shard of each row: global positions, ring attention."""
         cp.check_local(idx, position_ids, doc_ids, self.cfg.seq_len)
         if self.training and self.cfg.dropout:
@@ -409,3 +291,12 @@ class GPT(nn.Module):
         # the loss itself (5.6875 for 5.6643) and every gradient behind it.
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                target.reshape(-1))
+
+
+def __getattr__(name):
+    if name == "ContextParallel":  # its home until one release ago
+        warnings.warn("nbtrain.models.gpt.ContextParallel moved to nbtrain.context_parallel."
+                      "ContextParallel; import it from there: this path goes in the next "
+                      "release", FutureWarning, stacklevel=2)
+        return _ContextParallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -61,10 +61,11 @@ class MoEGPTConfig(GPTConfig):
 
 
 class MoEGPT(GPT):
-    """nbtrain's GPT with MoE MLPs. Token ids (B, T) [+ position_ids] -> logits."""
+    """nbtrain's GPT with MoE MLPs. Token ids (B, T) [+ position_ids] -> logits.
+    `context_parallel` as the GPT's (None: whole sequences)."""
 
-    def __init__(self, cfg: MoEGPTConfig, ep_group=None):
-        super().__init__(cfg)
+    def __init__(self, cfg: MoEGPTConfig, ep_group=None, context_parallel=None):
+        super().__init__(cfg, context_parallel)
         moe_index = 0
         for i, layer in enumerate(self.layers):
             if cfg.is_moe(i):

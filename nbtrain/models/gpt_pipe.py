@@ -41,14 +41,14 @@ class StagePositions:
     def __init__(self):
         self.current: torch.Tensor | None = None
         self.current_docs: torch.Tensor | None = None
-        self.cp = None  # a gpt.ContextParallel while feeding sequence shards
+        self.cp = None  # a ContextParallel while feeding sequence shards
 
     @contextmanager
     def feeding(self, stage: nn.Module, position_ids: list, doc_ids: list | None = None,
                 cp=None):
         """During the context, each forward of `stage` (one per micro-batch) makes the
         next of `position_ids` (one int64 (rows, seq) tensor per micro-batch, any
-        device) current. Under context parallelism (`cp`, a gpt.ContextParallel) the
+        device) current. Under context parallelism (`cp`, a ContextParallel) the
         tensors are this rank's sequence shards and `doc_ids` their document ids
         (`ContextParallel.shard_batch`): the layers then run ring attention. Local."""
         pending = list(position_ids)

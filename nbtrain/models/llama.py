@@ -186,7 +186,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_width, cfg.hidden_size, bias=cfg.attention_bias)
 
     def forward(self, x, position_ids=None, cp=None, doc_ids=None):
-        """Under `cp` (a gpt.ContextParallel, the runtime's pipeline layers pass it) x is
+        """Under `cp` (a ContextParallel, the runtime's pipeline layers pass it) x is
         this rank's sequence shard, position_ids its tokens' positions within their
         documents (rotary) and doc_ids their documents: attention runs around the ring."""
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
@@ -218,7 +218,7 @@ class Attention(nn.Module):
         rows, t = q.shape[0], q.shape[2]
         if position_ids is None or doc_ids is None:
             raise ValueError("attention under context parallelism needs the shard's "
-                             "position_ids and doc_ids (gpt.ContextParallel.shard_batch)")
+                             "position_ids and doc_ids (ContextParallel.shard_batch)")
         positions = position_ids.to(q.device, non_blocking=True)
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -31,101 +31,16 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
-from .comm import collectives, events
-from .comm.topology import ALONE
-from .nn.parallel import _FullStateDict
-
-BALANCE_MODES = ("aux", "bias", "none")
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of uneven sizes to every ep rank; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, rows, out_splits, in_splits, group, label):
-        ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
-        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
-        collectives.all_to_all_single(out, rows.contiguous(), out_splits, in_splits,
-                                      group=group, label=label)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        collectives.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits,
-                                      group=ctx.group, label=ctx.label + " backward")
-        return grad_in, None, None, None, None
+from ..comm import collectives, events
+from ..nn.parallel import FullStateDict
+from .dispatch import _ep_group, _is_topology_ep, all_to_all_rows
+from .experts import expert_ffn
+from .routing import BALANCE_MODES, capacity_keep, route
 
 
-def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    group=None, label: str = "moe") -> torch.Tensor:
-    """Differentiable uneven all_to_all of (sum(in_splits), ...) rows ->
-    (sum(out_splits), ...). Collective over `group`."""
-    return _AllToAll.apply(rows, list(out_splits), list(in_splits), group, label)
-
-
-def _topology_ep():
-    """The ep group of nbtrain's topology (None: the world), or False when nbtrain has
-    made no context."""
-    from .comm import context
-
-    return context.get_context().topology.group("ep") if context.is_initialized() else False
-
-
-def _ep_group(group):
-    """(group, size, rank): a one-rank group, or no process group at all, is ALONE.
-    None is the topology's ep group (the world before `init_distributed`)."""
-    if group is ALONE or not dist.is_initialized():
-        return ALONE, 1, 0
-    topology_ep = _topology_ep() if group is None else False
-    if topology_ep is not False:
-        group = topology_ep
-        if group is ALONE:
-            return ALONE, 1, 0
-    size = dist.get_world_size(group)
-    return (ALONE, 1, 0) if size == 1 else (group, size, dist.get_rank(group))
-
-
-def _is_topology_ep(group) -> bool:
-    """Whether `group` is the ep group of nbtrain's topology: only then are the experts
-    slices that state dicts gather and `wrap` shards (over the topology's edp group).
-    Experts over another group stay this rank's own (local in state dicts)."""
-    topology_ep = _topology_ep()
-    return topology_ep is not False and group is topology_ep
-
-
-def route(scores: torch.Tensor, top_k: int, bias: torch.Tensor | None = None):
-    """Top-k selection: (expert ids (T, k) int64, combine weights (T, k)).
-
-    Selection uses scores + bias (bias only steers the choice); the combine weights
-    are the selected *unbiased* scores renormalised to sum 1 per token. Local.
-    """
-    chosen = (scores if bias is None else scores + bias).topk(top_k, dim=-1).indices
-    weights = scores.gather(-1, chosen)
-    return chosen, weights / weights.sum(-1, keepdim=True)
-
-
-def capacity_keep(chosen: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
-    """(T, k) bool: which assignments an expert keeps when it takes `capacity` from
-    this rank. First come first kept, in token order (token 0's k choices, then
-    token 1's ...). Local."""
-    flat = chosen.reshape(-1)
-    onehot = F.one_hot(flat, num_experts)
-    position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # 0-based arrival at its expert
-    return (position < capacity).reshape(chosen.shape)
-
-
-def expert_ffn(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> torch.Tensor:
-    """One expert: (n, hidden) -> (n, hidden), exact (erf) GELU between. n may be 0."""
-    return F.gelu(rows @ w_in) @ w_out
-
-
-class MoE(nn.Module, _FullStateDict):
+class MoE(nn.Module, FullStateDict):
     """Mixture of experts over an expert-parallel group.
 
     Each token goes to the top_k experts of softmax(router(x)); its output is the
@@ -311,28 +226,3 @@ class MoE(nn.Module, _FullStateDict):
                 f"({self.local_experts} here, from {self.first_expert}), top_k={self.top_k}, "
                 f"ep={self.ep_size}, capacity_factor={self.capacity_factor}, "
                 f"balance={self.balance!r}")
-
-
-def moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tensor,
-                  w_out: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
-                  keep: torch.Tensor | None = None) -> torch.Tensor:
-    """The same layer in one process, a plain loop over all experts (for tests).
-
-    Args:
-        x: (..., hidden) tokens; router_weight: (E, hidden); w_in: (E, hidden, ffn);
-        w_out: (E, ffn, hidden); bias: (E,) selection bias; keep: (T, top_k) bool,
-            the assignments kept (None: all).
-
-    Returns (..., hidden). Local.
-    """
-    tokens = x.reshape(-1, x.shape[-1])
-    scores = torch.softmax(tokens @ router_weight.t(), dim=-1)
-    chosen, weights = route(scores, top_k, bias)
-    if keep is not None:
-        weights = weights * keep
-    out = torch.zeros_like(tokens)
-    for e in range(router_weight.shape[0]):
-        rows, slot = (chosen == e).nonzero(as_tuple=True)
-        out = out.index_add(0, rows, expert_ffn(tokens[rows], w_in[e], w_out[e])
-                            * weights[rows, slot].unsqueeze(1))
-    return out.reshape(x.shape)

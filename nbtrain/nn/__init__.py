@@ -7,8 +7,15 @@ nbtrain.nn.parallel for the layouts each flag gives. BMTrain's autograd function
 
 Context parallelism: `ring_attention(q, k, v, causal=True, group=cp_group)` is exact
 attention over a sequence split across the ranks of a cp group, with `shard_sequence`,
-`gather_sequence` and `document_ids` (nbtrain.nn.ring).
+`gather_sequence` and `document_ids`, from their home nbtrain.context_parallel.
 """
+from ..context_parallel import (
+    SequenceLayout,
+    document_ids,
+    gather_sequence,
+    ring_attention,
+    shard_sequence,
+)
 from .loss import FusedCrossEntropy, parallel_cross_entropy
 from .ops import OpLinear, OpParallelLinear, ReduceType
 from .parallel import (
@@ -17,13 +24,6 @@ from .parallel import (
     Linear,
     RowParallelLinear,
     VPEmbedding,
-)
-from .ring import (
-    SequenceLayout,
-    document_ids,
-    gather_sequence,
-    ring_attention,
-    shard_sequence,
 )
 
 __all__ = ["ColumnParallelLinear", "FusedCrossEntropy", "LayerNorm", "Linear", "OpLinear",

@@ -63,17 +63,19 @@ def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int,
     return param
 
 
-class _FullStateDict:
-    """state_dict() of a tp layer holds the full logical tensors under the plain
-    layer's names (gathered over tp: collective, every tp rank calls it);
-    load_state_dict() takes full tensors and keeps this rank's slice."""
+class FullStateDict:
+    """Mixin for a module whose parameters are slices (tp layers, nbtrain.moe's experts):
+    state_dict() holds the full logical tensors under the plain layer's names (gathered
+    over the slices' group: collective, every rank of it calls it); load_state_dict()
+    takes full tensors and keeps this rank's slice. Call `_setup_full_state_dict()` in
+    `__init__`, after the sliced parameters exist."""
 
     def _setup_full_state_dict(self) -> None:
         self._register_state_dict_hook(_gather_slices)
         self._register_load_state_dict_pre_hook(_slice_full, with_module=True)
 
 
-class _LinearSlices(_FullStateDict):
+class _LinearSlices(FullStateDict):
     """A tp linear layer's weight and bias: its slices of a plain nn.Linear's.
     `SPLIT` is (weight's split dimension, bias's: None when the bias is whole)."""
 
@@ -226,7 +228,7 @@ class RowParallelLinear(_LinearSlices, nn.Module):
                 f"split_input={self.split_input}, all_reduce_output={self.all_reduce_output}")
 
 
-class VPEmbedding(_FullStateDict, nn.Module):
+class VPEmbedding(FullStateDict, nn.Module):
     """Vocabulary-parallel embedding; `forward(x, projection=True)` is the tied output
     projection, giving vocabulary-sharded logits.
 

@@ -38,8 +38,8 @@ from . import tp_comm
 from ..comm.context import get_context
 import torch.nn.functional as F
 
-from .parallel import (ColumnParallelLinear, LayerNorm, RowParallelLinear, VPEmbedding,
-                       _FullStateDict, _slice_param, _tp, pad_along)
+from .parallel import (ColumnParallelLinear, FullStateDict, LayerNorm, RowParallelLinear,
+                       VPEmbedding, _slice_param, _tp, pad_along)
 
 
 def _quietly(make):
@@ -112,7 +112,7 @@ def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn
                      "an nn.LayerNorm or an nn.Embedding")
 
 
-class TiedProjection(_FullStateDict, nn.Module):
+class TiedProjection(FullStateDict, nn.Module):
     """The output projection of a vocabulary-parallel embedding, as an nn.Linear with
     that embedding's weight would be: full-width logits (gathered over tp)."""
 

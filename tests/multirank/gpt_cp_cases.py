@@ -22,12 +22,13 @@ def config():
     return GPTConfig(vocab_size=64, seq_len=SEQ, hidden=32, heads=2, layers=2)
 
 
-def new_gpt():
-    """The tiny GPT every case starts from (seeded: the same weights everywhere)."""
+def new_gpt(context_parallel=None):
+    """The tiny GPT every case starts from (seeded: the same weights everywhere), with
+    the given layout (None: whole sequences)."""
     from nbtrain.models.gpt import GPT
 
     torch.manual_seed(0)
-    return GPT(config())
+    return GPT(config(), context_parallel=context_parallel)
 
 
 def packed_position_ids() -> torch.Tensor:
@@ -79,19 +80,17 @@ def reference(opt_name: str, packed: bool, steps: int):
 def cp_training(steps: int):
     """Every case at cp 2: {(layout, packed, optimizer): (losses averaged over the cp
     ranks, first logits gathered, final full state)} (one more with activation
-    checkpointing, keyed (..., "recompute")), plus the cp facts this rank saw
-    and the messages of bad inputs."""
+    checkpointing, keyed (..., "recompute")), plus the cp facts this rank saw, what a
+    GPT given no layout computes, and the messages of bad inputs."""
     import nbtrain
-    from nbtrain.models.gpt import ContextParallel, GPT
+    from nbtrain.context_parallel import ContextParallel
 
     topo = nbtrain.init_distributed(cp_size=2).topology
     facts = dict(cp_size=topo.cp_size, cp_rank=topo.cp_rank, data_size=topo.data_size)
     results = {}
     # and once with activation checkpointing: the ring runs again in the backward
     for layout, packed, opt_name, *recompute in CASES + [("zigzag", True, "sgd", "recompute")]:
-        model = new_gpt()
-        if layout != "zigzag":  # zigzag: the default, read from the topology
-            model.context_parallel = ContextParallel.from_topology(layout)
+        model = new_gpt(ContextParallel.from_topology(layout))
         model = nbtrain.wrap(model, use_checkpoint=bool(recompute))
         cp = model.active_cp()
         facts[layout] = (cp.layout, cp.rank, cp.size)
@@ -99,12 +98,34 @@ def cp_training(steps: int):
                                report=lambda loss: nbtrain.sum_loss(loss).item())
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         results[(layout, packed, opt_name, *recompute)] = (losses, logits, state)
-    return dict(results=results, facts=facts, errors=_errors(GPT))
+    return dict(results=results, facts=facts, no_layout=_without_a_layout(),
+                errors=_errors(ContextParallel.from_topology()))
 
 
-def _errors(GPT) -> dict:
+def _without_a_layout() -> dict:
+    """A GPT built with no layout argument at cp_size 2: what it sees and computes on
+    full rows (one sequence per row, packed documents), one training step's loss, and
+    the P2P bytes all of it sent (a ring would send some)."""
+    from nbtrain.comm.collectives import COUNTERS
+
+    model = new_gpt()
+    ids, targets, pos = batch(0, True)
+    COUNTERS.reset()
+    with torch.no_grad():
+        logits = (model(ids), model(ids, pos))
+    loss = model.loss(ids, targets, pos)
+    loss.backward()
+    return dict(active=model.active_cp(), logits=logits, loss=float(loss.detach()),
+                shard=model.shard_batch(ids, targets, pos) == (ids, targets, pos, None),
+                grad=model.tok.weight.grad.clone(),
+                p2p=COUNTERS.snapshot()["bytes"].get("p2p", 0))
+
+
+def _errors(cp) -> dict:
     """The message of each bad input at cp 2 (local checks: raised before any ring)."""
-    model = GPT(config())
+    from nbtrain.models.gpt import GPT
+
+    model = GPT(config(), context_parallel=cp)
     ids, targets, pos = batch(0, True)
     idx, _, local_pos, docs = model.shard_batch(ids, targets, pos)
     attempts = {

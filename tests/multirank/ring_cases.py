@@ -34,7 +34,7 @@ def ring_cases(seed: int):
     import torch.distributed as dist
 
     from nbtrain.comm import collectives as C
-    from nbtrain.nn.ring import (Ring, document_ids, gather_sequence, ring_attention,
+    from nbtrain.context_parallel import (Ring, document_ids, gather_sequence, ring_attention,
                                  shard_sequence)
 
     world = dist.get_world_size()
@@ -68,7 +68,7 @@ def _subgroup(seed: int):
     on those ranks, None on rank 1."""
     import torch.distributed as dist
 
-    from nbtrain.nn.ring import (document_ids, gather_sequence, ring_attention,
+    from nbtrain.context_parallel import (document_ids, gather_sequence, ring_attention,
                                  shard_sequence)
 
     group = dist.new_group([0, 2])  # every rank creates it
@@ -86,7 +86,7 @@ def _round_trips(seed: int) -> dict:
     """Does gather(shard(x)) give x back exactly, for each layout and a few dims?"""
     import torch.distributed as dist
 
-    from nbtrain.nn.ring import gather_sequence, shard_sequence
+    from nbtrain.context_parallel import gather_sequence, shard_sequence
 
     n = 2 * dist.get_world_size() * 3
     x = torch.randn(3, n, 5, n, generator=torch.Generator().manual_seed(seed + 1))
@@ -104,7 +104,7 @@ def _positions(seq: int) -> dict:
     `global_positions` says they are."""
     import torch.distributed as dist
 
-    from nbtrain.nn.ring import global_positions, shard_sequence
+    from nbtrain.context_parallel import global_positions, shard_sequence
 
     rank, world = dist.get_rank(), dist.get_world_size()
     return {layout: (shard_sequence(torch.arange(seq), 0, layout=layout),
@@ -115,7 +115,7 @@ def _positions(seq: int) -> dict:
 def _events(q, k, v):
     """(type, label, phase) of the events of one causal zigzag forward and backward, in order."""
     from nbtrain.comm import events
-    from nbtrain.nn.ring import ring_attention, shard_sequence
+    from nbtrain.context_parallel import ring_attention, shard_sequence
 
     seen = []
 

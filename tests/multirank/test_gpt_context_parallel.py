@@ -7,7 +7,9 @@ one batch per step and each rank half of every sequence), wrapped with ZeRO-3:
   sequence per row and packed documents spanning the ranks, zigzag and contiguous
   layouts; and with activation checkpointing (the ring recomputed in the backward);
 - the logits gathered from the shards equal the plain GPT's on the full rows;
-- the default GPT follows the topology's cp group (zigzag); bad inputs name the fix;
+- the layout passed is the topology's cp group; bad inputs name the fix;
+- a GPT given no layout is the plain model at cp_size 2 too: bitwise the logits, loss
+  and gradient of one process on the full rows, and no ring traffic;
 - in one process: the cp code path at cp 1 (`ContextParallel(ALONE)`) computes what
   the plain GPT does, and plain-PyTorch use stays bitwise as before.
 """
@@ -18,7 +20,8 @@ from gpt_cp_cases import CASES, batch, config, cp_training, new_gpt, reference
 from ranks import run_ranks
 
 from nbtrain.comm.topology import ALONE
-from nbtrain.models.gpt import GPT, ContextParallel
+from nbtrain.context_parallel import ContextParallel
+from nbtrain.models.gpt import GPT
 
 STEPS = 10
 TOL = 1e-5
@@ -64,12 +67,31 @@ def test_gathered_logits_equal_the_full_rows(ranks, references, case):
         assert float((got - want).abs().max()) < TOL
 
 
-def test_the_default_gpt_follows_the_topology(ranks):
+def test_the_layout_passed_is_the_topologys_cp_group(ranks):
     for r, rank in enumerate(ranks):
         facts = rank["facts"]
         assert (facts["cp_size"], facts["cp_rank"], facts["data_size"]) == (2, r, 1)
-        assert facts["zigzag"] == ("zigzag", r, 2)  # the default: no setting made
+        assert facts["zigzag"] == ("zigzag", r, 2)
         assert facts["contiguous"] == ("contiguous", r, 2)
+
+
+def test_a_gpt_given_no_layout_is_the_plain_model_under_cp(ranks):
+    """init_distributed(cp_size=2) does not make a GPT built without a layout context
+    parallel: on each rank it computes what one process computes on the full rows."""
+    model = new_gpt()
+    ids, targets, pos = batch(0, True)
+    with torch.no_grad():
+        want_logits = (model(ids), model(ids, pos))
+    loss = model.loss(ids, targets, pos)
+    loss.backward()
+    for rank in ranks:
+        got = rank["no_layout"]
+        assert got["active"] is None and got["shard"]
+        assert got["p2p"] == 0
+        assert got["logits"][0].shape == (2, 32, 64)  # whole rows, not a shard
+        assert all(torch.equal(a, b) for a, b in zip(got["logits"], want_logits))
+        assert got["loss"] == float(loss.detach())
+        assert torch.equal(got["grad"], model.tok.weight.grad)
 
 
 def test_bad_inputs_name_the_fix(ranks):
@@ -101,7 +123,7 @@ def test_the_cp_path_at_cp_1_is_the_plain_gpt(layout):
 
 def test_plain_use_is_unchanged():
     model = new_gpt()
-    assert model.context_parallel == "topology" and model.active_cp() is None
+    assert model.context_parallel is None and model.active_cp() is None
     ids, targets, pos = batch(1, True)
     assert model.shard_batch(ids, targets, pos) == (ids, targets, pos, None)
     with torch.no_grad():
@@ -123,3 +145,22 @@ def test_settings_that_cannot_work_are_refused():
     dropped.context_parallel = ContextParallel(ALONE)
     with pytest.raises(NotImplementedError, match="dropout=0.1"):
         dropped(batch(0, False)[0])
+
+
+def test_the_old_paths_warn_and_still_work():
+    import importlib
+    import sys
+
+    import nbtrain.context_parallel as home
+
+    model = GPT(config())
+    model.context_parallel = "topology"  # the old default: nbtrain's cp group, if any
+    with pytest.warns(FutureWarning, match="ContextParallel.from_topology"):
+        assert model.active_cp() is None  # no distributed context here
+    with pytest.warns(FutureWarning, match="nbtrain.context_parallel.ContextParallel"):
+        from nbtrain.models.gpt import ContextParallel as old
+    assert old is home.ContextParallel
+    sys.modules.pop("nbtrain.nn.ring", None)
+    with pytest.warns(FutureWarning, match="nbtrain.nn.ring moved to nbtrain.context_parallel"):
+        ring = importlib.import_module("nbtrain.nn.ring")
+    assert ring.ring_attention is home.ring_attention and ring.Ring is home.Ring

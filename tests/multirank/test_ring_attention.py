@@ -19,7 +19,9 @@ from ranks import run_ranks
 from ring_cases import (BATCH, HEAD_DIM, HEADS, SEQ_PER_RANK, full_inputs, packed_position_ids,
                         ring_cases)
 
-from nbtrain.nn import ring as R
+from nbtrain import context_parallel as R
+from nbtrain.context_parallel import kernels as K
+from nbtrain.context_parallel import layout as L
 
 WORLDS = (2, 3)
 CASES = [(causal, packed, layout, kernel) for causal in (True, False)
@@ -139,15 +141,15 @@ def test_a_world_of_one_is_plain_attention():
 def test_rows_without_a_visible_key_merge_without_nan():
     q, k, v = (torch.randn(1, 1, 3, 4) for _ in range(3))
     mask = torch.tensor([[True, True, False], [False, False, False], [True, False, True]])
-    out, lse = R._block_forward(q, k, v, mask, 0.5)
+    out, lse = K._block_forward(q, k, v, mask, 0.5)
     assert torch.isneginf(lse[0, 0, 1]) and torch.equal(out[0, 0, 1], torch.zeros(4))
-    empty_out, empty_lse = R._block_forward(q, k, v, torch.zeros(3, 3, dtype=torch.bool), 0.5)
-    merged, merged_lse = R._merge(empty_out, empty_lse, out, lse)
+    empty_out, empty_lse = K._block_forward(q, k, v, torch.zeros(3, 3, dtype=torch.bool), 0.5)
+    merged, merged_lse = K._merge(empty_out, empty_lse, out, lse)
     assert not torch.isnan(merged).any() and torch.equal(merged[0, 0, 1], torch.zeros(4))
     assert torch.allclose(merged[0, 0, [0, 2]], out[0, 0, [0, 2]])
     assert torch.equal(merged_lse, lse)
     # the fused kernel's op gives such a row lse 0; the kernel makes it -inf
-    fused = R._Kernel(R._FUSED["cpu"], torch.float32)
+    fused = K._Kernel(K._FUSED["cpu"], torch.float32)
     block = R.Block(slice(0, 3), 3, False)
     got_out, got_lse = fused.forward(q, k, v, block, mask.view(1, 1, 3, 3), 0.5)
     assert torch.equal(torch.isinf(got_lse), torch.isinf(lse))
@@ -158,30 +160,30 @@ def test_rows_without_a_visible_key_merge_without_nan():
 def test_the_fused_kernel_runs_on_cpu_and_math_when_asked():
     q = torch.randn(1, 2, 8, 16)
     for masked in (False, True):
-        assert R._kernel("auto", q, masked).fused is R._FUSED["cpu"]
-        assert R._kernel("math", q, masked).fused is None
-    assert R._kernel("auto", q.double(), True).fused is R._FUSED["cpu"]
-    assert R._kernel("auto", q.to("meta"), False).fused is None  # no fused op: the math
+        assert K._kernel("auto", q, masked).fused is K._FUSED["cpu"]
+        assert K._kernel("math", q, masked).fused is None
+    assert K._kernel("auto", q.double(), True).fused is K._FUSED["cpu"]
+    assert K._kernel("auto", q.to("meta"), False).fused is None  # no fused op: the math
     with pytest.raises(ValueError, match="kernel='fast'"):
         R.Ring(kernel="fast")
 
 
 def test_a_fused_op_that_disagrees_with_the_math_is_not_used(monkeypatch):
     def wrong_lse(q, k, v, causal, bias, scale):
-        out, lse = R._cpu_forward(q, k, v, causal, bias, scale)
+        out, lse = K._cpu_forward(q, k, v, causal, bias, scale)
         return out, lse + 1e-2
 
     def failing(*args):
         raise RuntimeError("no kernel for these inputs\nmore")
 
-    for entry in ((wrong_lse, R._cpu_backward), (R._cpu_forward, failing)):
-        monkeypatch.setitem(R._FUSED, "cpu", entry + R._FUSED["cpu"][2:])
-        R._fused_works.cache_clear()
+    for entry in ((wrong_lse, K._cpu_backward), (K._cpu_forward, failing)):
+        monkeypatch.setitem(K._FUSED, "cpu", entry + K._FUSED["cpu"][2:])
+        K._fused_works.cache_clear()
         with pytest.warns(RuntimeWarning, match="fused attention op for cpu"):
-            assert R._kernel("auto", torch.randn(1, 2, 8, 16), False).fused is None
+            assert K._kernel("auto", torch.randn(1, 2, 8, 16), False).fused is None
     monkeypatch.undo()
-    R._fused_works.cache_clear()
-    assert R._kernel("auto", torch.randn(1, 2, 8, 16), False).fused is R._FUSED["cpu"]
+    K._fused_works.cache_clear()
+    assert K._kernel("auto", torch.randn(1, 2, 8, 16), False).fused is K._FUSED["cpu"]
 
 
 @pytest.mark.parametrize("world", (2, 3, 4))
@@ -195,7 +197,7 @@ def test_blocks_skip_future_pairs_and_zigzag_work_is_equal(world):
             for rank in range(world):
                 pairs = 0  # (query, key) pairs left visible by each block's mask
                 for step in range(world):
-                    for block in R._step_blocks(rank, world, step, local,
+                    for block in L._step_blocks(rank, world, step, local,
                                                 R.SequenceLayout(layout), causal,
                                                 whole_diagonal):
                         rows = block.rows.stop - block.rows.start
@@ -211,9 +213,9 @@ def test_blocks_skip_future_pairs_and_zigzag_work_is_equal(world):
             assert len(set(per_rank["zigzag"])) == 1, per_rank
             assert len(set(per_rank["contiguous"])) == world, per_rank
     # the fused kernel's own block is one square; the math kernel's, one per query chunk
-    assert R._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True) == [
+    assert L._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True) == [
         R.Block(slice(0, 8), 8, True)]
-    assert R._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True, False) == [
+    assert L._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True, False) == [
         R.Block(slice(0, 4), 4, True), R.Block(slice(4, 8), 8, True)]
 
 

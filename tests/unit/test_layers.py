@@ -12,8 +12,9 @@ import nbtrain
 
 ROOT = pathlib.Path(nbtrain.__file__).parent
 KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
-LAYERS = ["comm", "zero", "nn", "moe", "pipeline", "optim", "checkpoint", "models", "telemetry",
-          "notebook", "launch", "runtime"]  # runtime drives the models; validate launches ranks
+LAYERS = ["comm", "zero", "context_parallel", "nn", "moe", "pipeline", "optim", "checkpoint",
+          "models", "telemetry", "notebook", "launch",
+          "runtime"]  # runtime drives the models; validate launches ranks
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -96,3 +97,28 @@ def test_every_subpackage_is_installed():
                  ["tool"]["setuptools"]["packages"])
     found = {_module_name(p) for p in ROOT.rglob("__init__.py")}
     assert found - listed == set(), sorted(found - listed)
+
+
+COLLECTIVES = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "all_gather",
+               "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
+               "all_to_all_single", "broadcast", "broadcast_object_list", "reduce_scatter",
+               "reduce_scatter_tensor", "barrier", "gather", "scatter", "reduce"}
+# comm owns them; bench times torch's own calls; launch's barrier brings the group up.
+OWN_CALLS = ("nbtrain.comm", "nbtrain.bench", "nbtrain.launch")
+
+
+@pytest.mark.parametrize("name", sorted(m for m in MODULES if not m.startswith(OWN_CALLS)))
+def test_collectives_go_through_comm(name):
+    """Traffic between ranks goes through nbtrain.comm.collectives, whose byte counters
+    and events the benchmarks and telemetry read: no torch.distributed call elsewhere."""
+    tree = ast.parse(MODULES[name].read_text())
+    aliases = {"torch.distributed"} | {
+        a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+        for a in node.names if a.name == "torch.distributed"}
+    direct = {a.asname or a.name for node in ast.walk(tree)
+              if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed"
+              for a in node.names}
+    calls = [f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES
+             and ast.unparse(node.value) in aliases]
+    assert not calls and not direct & COLLECTIVES, (calls, direct & COLLECTIVES)
