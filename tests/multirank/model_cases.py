@@ -166,11 +166,11 @@ def hf_contract_example(path: str):
     for backend in ("nbtrain", "reference"):
         cfg = RuntimeConfig(backend=backend, hf_path=path,
                             backend_cfg=NBConfig(model_name="llama",
-                                                 parallel=ParallelConfig(tp=2, ep=1)))
+                                                 parallel=ParallelConfig(tp_size=2, ep_size=1)))
         rt = create_runtime(cfg); handle = rt.build_model()  # noqa: E702 (as quoted)
         with rt.train_mode(handle):
             rt.zero_grad(handle)
-            result = rt.forward_backward(handle, data, loss_fn=None, num_microbatches=2)
+            result = rt.forward_backward(handle, data, loss_fn=None, num_micro_batches=2)
             ok, grad_norm, num_zeros = rt.optimizer_step(handle)
             rt.lr_scheduler_step(handle)
         out[backend] = (result.metrics["loss"], ok, grad_norm, num_zeros)

@@ -147,12 +147,12 @@ def contract_example():
     data = batches(count=1)[0]
     cfg = RuntimeConfig(backend="nbtrain", hf_path=None,
                         backend_cfg=NBConfig(model_name="gpt", model_config=MODEL,
-                                             parallel=ParallelConfig(tp=2)))
+                                             parallel=ParallelConfig(tp_size=2)))
     rt = create_runtime(cfg)
     handle = rt.build_model()
     with rt.train_mode(handle):
         rt.zero_grad(handle)
-        result = rt.forward_backward(handle, data, loss_fn=None, num_microbatches=2)
+        result = rt.forward_backward(handle, data, loss_fn=None, num_micro_batches=2)
         ok, grad_norm, num_zeros = rt.optimizer_step(handle)
         lr = rt.lr_scheduler_step(handle)
         with rt.eval_mode(handle):

@@ -19,7 +19,7 @@ if __name__ == "__main__":
     nbtrain.init_distributed()
     from nbtrain.runtime import compare
 
-    reference, mine = configs("sgd", pp=2, num_microbatches=2)
+    reference, mine = configs("sgd", pipe_size=2, num_micro_batches=2)
     rows = compare(reference, mine, steps=3, data=batches())
     if nbtrain.rank() == 0:
         print("ROWS " + json.dumps(rows))

@@ -138,8 +138,8 @@ def test_modes_refuse_what_they_do_not_run():
         assert proc.returncode != 0, proc.stdout
         return proc.stderr
 
-    assert "--dtype bf16: --mfu always runs bf16, and the --tp" in refused(
-        "--ranks", "2", "--tp", "2", "--dtype", "bf16")
+    assert "--dtype bf16: --mfu always runs bf16, and the --tp-size" in refused(
+        "--ranks", "2", "--tp-size", "2", "--dtype", "bf16")
     assert "--dtype fp32: --mfu always runs bf16" in refused("--mfu", "--dtype", "fp32")
     assert "--compile is for the ZeRO/FSDP2/DDP comparison" in refused("--mfu", "--compile")
     import torch

@@ -64,7 +64,7 @@ def _plain_losses(settings, tie=True, rows=None):
 
 
 def test_quick_tp_bench_against_dtensor(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--tp", "2")
+    result, stdout = _quick_bench(tmp_path, "--tp-size", "2")
     assert set(result["runs"]) == {"nbtrain_tp", "dtensor_tp"}
     ratios = result["ratios"]
     # Both engines move what the Megatron count says, and nbtrain holds 16 B/param / tp.
@@ -82,15 +82,15 @@ def test_quick_tp_bench_against_dtensor(tmp_path):
 
 def test_tp_bench_needs_one_replica():
     proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--ranks", "4",
-                           "--tp", "2"], capture_output=True, text=True, timeout=60,
+                           "--tp-size", "2"], capture_output=True, text=True, timeout=60,
                           check=False)
     assert proc.returncode != 0
-    assert "--tp 2 with --ranks 4: the tensor-parallel comparison runs one replica, so use " \
-           "--ranks 2" in proc.stderr, proc.stderr
+    assert "--tp-size 2 with --ranks 4: the tensor-parallel comparison runs one replica, so " \
+           "use --ranks 2" in proc.stderr, proc.stderr
 
 
 def test_quick_pp_bench_against_torch_pipelining(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--pp", "2")
+    result, stdout = _quick_bench(tmp_path, "--pipe-size", "2")
     assert set(result["runs"]) == {"nbtrain_pp", "torch_pp"}
     ratios = result["ratios"]
     # every activation and gradient crosses the link once, nothing else

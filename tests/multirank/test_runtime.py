@@ -19,15 +19,17 @@ from runtime_cases import contract_example, packed_vs_alone, parity, resume
 
 STEPS = 10
 WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
-          ("adamw", {"tp": 2}), ("sgd", {"tp": 2}),
-          ("adamw", {"pp": 2, "num_microbatches": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
-          ("adamw", {"pp": 2, "num_microbatches": 2, "scaled": True}),
-          ("adamw", {"ep": 2, "moe": "bias"}), ("sgd", {"ep": 2, "moe": "bias"}),
-          ("adamw", {"cp": 2}), ("sgd", {"cp": 2, "weighted": True})]
-WORLD4 = [("adamw", {"tp": 2}), ("sgd", {"pp": 2, "num_microbatches": 2}),
-          ("sgd", {"ep": 2, "moe": "none"}), ("adamw", {"cp": 2, "pp": 2, "num_microbatches": 2}),
-          ("adamw", {"tp": 2, "pp": 2, "num_microbatches": 2}),
-          ("sgd", {"tp": 2, "pp": 2, "num_microbatches": 2, "untied": True})]
+          ("adamw", {"tp_size": 2}), ("sgd", {"tp_size": 2}),
+          ("adamw", {"pipe_size": 2, "num_micro_batches": 2}),
+          ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
+          ("adamw", {"pipe_size": 2, "num_micro_batches": 2, "scaled": True}),
+          ("adamw", {"ep_size": 2, "moe": "bias"}), ("sgd", {"ep_size": 2, "moe": "bias"}),
+          ("adamw", {"cp_size": 2}), ("sgd", {"cp_size": 2, "weighted": True})]
+WORLD4 = [("adamw", {"tp_size": 2}), ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
+          ("sgd", {"ep_size": 2, "moe": "none"}),
+          ("adamw", {"cp_size": 2, "pipe_size": 2, "num_micro_batches": 2}),
+          ("adamw", {"tp_size": 2, "pipe_size": 2, "num_micro_batches": 2}),
+          ("sgd", {"tp_size": 2, "pipe_size": 2, "num_micro_batches": 2, "untied": True})]
 
 
 def _name(case):
@@ -55,7 +57,7 @@ def _check(per_rank, index, cases=None):
     # Ring attention sums each row's attention block by block (a fused kernel per
     # block): a gradient element of about 1e-10 may round to exactly 0 on one side.
     # Structural zeros (unseen tokens' embedding rows) are hundreds: they still count.
-    slack = 1 if cases is not None and cases[index][1].get("cp", 1) > 1 else 0
+    slack = 1 if cases is not None and cases[index][1].get("cp_size", 1) > 1 else 0
     for r in rows:
         assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r
         assert abs(r["grad_norm_a"] - r["grad_norm_b"]) < 1e-5, r
@@ -70,9 +72,9 @@ def _check_exchanges(per_rank, cases, index):
     """Expert and context parallelism really ran: the MoE layers' all-to-alls, the ring's
     point-to-point transfers (none at pp 1 otherwise)."""
     par, sent = cases[index][1], per_rank[0][f"bytes {index}"]
-    assert (sent.get("all_to_all", 0) > 0) == (par.get("ep", 1) > 1), sent
-    if par.get("pp", 1) == 1:
-        assert (sent.get("p2p", 0) > 0) == (par.get("cp", 1) > 1), sent
+    assert (sent.get("all_to_all", 0) > 0) == (par.get("ep_size", 1) > 1), sent
+    if par.get("pipe_size", 1) == 1:
+        assert (sent.get("p2p", 0) > 0) == (par.get("cp_size", 1) > 1), sent
 
 
 @pytest.mark.parametrize("index", range(len(WORLD2)), ids=[_name(c) for c in WORLD2])
@@ -87,7 +89,7 @@ def test_nbtrain_matches_reference_at_world_4(world4, index):
     _check_exchanges(world4, WORLD4, index)
 
 
-PACKED = [{"tp": 2}, {"pp": 2, "num_microbatches": 2}]
+PACKED = [{"tp_size": 2}, {"pipe_size": 2, "num_micro_batches": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +110,7 @@ def test_packed_documents_match_the_documents_alone(packed, index):
         assert abs(mine_norm - ref_norm) < 1e-5, (mine_norm, ref_norm)
 
 
-@pytest.mark.parametrize("backend,parallel", [("nbtrain", {}), ("nbtrain", {"pp": 2}),
+@pytest.mark.parametrize("backend,parallel", [("nbtrain", {}), ("nbtrain", {"pipe_size": 2}),
                                               ("reference", {})],
                          ids=["dp2-zero3", "pp2", "reference"])
 def test_save_load_resumes_identically(tmp_path, backend, parallel):
@@ -137,7 +139,7 @@ def test_contract_example_runs():
 def test_validate_command_prints_the_table():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "validate", "--ranks", "2",
-                           "--pp", "2", "--micro-batches", "2", "--steps", "2"],
+                           "--pipe-size", "2", "--num-micro-batches", "2", "--steps", "2"],
                           capture_output=True, text=True, timeout=300, env=env,
                           cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -20,7 +20,8 @@ from model_cases import hf_logits, hf_training, load_peak, save_hf_model, toy_pa
 from ranks import run_ranks
 
 STEPS = 10
-LAYOUTS = [{}, {"tp": 2}, {"pp": 2}, {"cp": 2}]  # at world 2: dp 2 ZeRO-3, tp 2, pp 2, cp 2
+# at world 2: dp 2 ZeRO-3, tp 2, pp 2, cp 2
+LAYOUTS = [{}, {"tp_size": 2}, {"pipe_size": 2}, {"cp_size": 2}]
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def big_llama(tmp_path_factory):
                          size="big", shard="4MB")
 
 
-@pytest.mark.parametrize("layout", [{}, {"tp": 2}], ids=["dp2-zero3", "tp2"])
+@pytest.mark.parametrize("layout", [{}, {"tp_size": 2}], ids=["dp2-zero3", "tp2"])
 def test_no_rank_holds_the_whole_model_while_loading(big_llama, layout):
     per_rank = run_ranks(load_peak, 2, big_llama, layout, timeout_s=300)
     for peak, full, held, fixed in per_rank:
@@ -78,8 +79,8 @@ def test_no_rank_holds_the_whole_model_while_loading(big_llama, layout):
 
 @pytest.fixture(scope="module")
 def trained(folders):
-    cases = [("adamw", {"tp": 2}), ("sgd", {}), ("sgd", {"pp": 2, "num_microbatches": 2}),
-             ("sgd", {"cp": 2})]
+    cases = [("adamw", {"tp_size": 2}), ("sgd", {}),
+             ("sgd", {"pipe_size": 2, "num_micro_batches": 2}), ("sgd", {"cp_size": 2})]
     return run_ranks(hf_training, 2, folders["qwen2"], cases, STEPS, timeout_s=300)
 
 
@@ -90,8 +91,8 @@ def test_training_from_a_folder_matches_the_reference(trained, index):
 
 @pytest.fixture(scope="module")
 def toy():
-    cases = [("adamw", {}), ("sgd", {}), ("sgd", {"tp": 2}),
-             ("adamw", {"pp": 2, "num_microbatches": 2})]
+    cases = [("adamw", {}), ("sgd", {}), ("sgd", {"tp_size": 2}),
+             ("adamw", {"pipe_size": 2, "num_micro_batches": 2})]
     return run_ranks(toy_parity, 2, cases, STEPS, timeout_s=300)
 
 
@@ -128,7 +129,7 @@ def test_validate_command_takes_a_registered_model_and_a_folder(folders):
     for args in (["--model", "toy", "--import", "toy_lm.registered"],
                  ["--model", "llama", "--hf-path", folders["qwen2"], "--lr", "3e-4"]):
         proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "validate", "--ranks", "2",
-                               "--tp", "2", "--steps", "3", *args], capture_output=True,
+                               "--tp-size", "2", "--steps", "3", *args], capture_output=True,
                               text=True, timeout=300, env=env)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         assert f"nbtrain validate: {args[1]}" in proc.stdout

@@ -82,11 +82,12 @@ def test_micro_batches_must_divide_the_rows():
     (lambda: NBConfig(model_name="bert"), ValueError,
      r"model_name='bert' is not registered.*'gpt', 'gpt2', 'gpt_moe', 'llama'.*register_model"),
     (lambda: NBConfig(impl="fast"), ValueError, r"impl='fast'.*\['default'\]"),
-    (lambda: ParallelConfig(ep=3).check_world(4), ValueError,
-     r"ep=3 does not divide the data-parallel size 4 \(world 4 / tp 1 / pp 1\)"),
-    (lambda: ParallelConfig(cp=2, tp=2), NotImplementedError,
-     r"cp=2 with tp=2: ring attention does not split heads; use tp=1"),
-    (lambda: ParallelConfig(tp=0), ValueError, r"tp=0 must be a positive integer"),
+    (lambda: ParallelConfig(ep_size=3).check_world(4), ValueError,
+     r"ep_size=3 does not divide the data-parallel size 4 \(world 4 / tp_size 1 / "
+     r"pipe_size 1\)"),
+    (lambda: ParallelConfig(cp_size=2, tp_size=2), NotImplementedError,
+     r"cp_size=2 with tp_size=2: ring attention does not split heads; use tp_size=1"),
+    (lambda: ParallelConfig(tp_size=0), ValueError, r"tp_size=0 must be a positive integer"),
     (lambda: ParallelConfig(zero_level=1), ValueError, r"zero_level=1: use 2 or 3"),
     (lambda: RuntimeConfig(hf_path="/models/gpt"), FileNotFoundError,
      r"hf_path='/models/gpt' is not a folder"),
@@ -96,8 +97,8 @@ def test_micro_batches_must_divide_the_rows():
     (lambda: NBConfig(lr_schedule={"name": "cosine"}), ValueError, r"'cosine'.*warmup"),
     (lambda: NBConfig(clip_grad_norm=0), ValueError, r"clip_grad_norm=0 must be > 0"),
     (lambda: create_runtime(RuntimeConfig(backend_cfg=NBConfig(
-        parallel=ParallelConfig(tp=4)))), ValueError,
-     r"tp=4 x pp=1 = 4 does not divide the world size 1"),
+        parallel=ParallelConfig(tp_size=4)))), ValueError,
+     r"tp_size=4 x pipe_size=1 = 4 does not divide the world size 1"),
 ], ids=["backend", "model", "impl", "ep", "cp", "tp0", "zero_level", "hf_path", "optimizer",
         "optimizer_key", "schedule", "clip", "world"])
 def test_config_errors_name_the_value_and_the_fix(make, error, match, monkeypatch):
