@@ -51,12 +51,12 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
 
     import nbtrain
     from nbtrain.comm import links
-    from nbtrain.comm.context import _pick_backend
+    from nbtrain.comm.context import pick_backend
 
     torch.set_num_threads(1)
     try:
         with links.recording():  # recovery can close the group's connections
-            dist.init_process_group(_pick_backend(backend), init_method=f"file://{init_file}",
+            dist.init_process_group(pick_backend(backend), init_method=f"file://{init_file}",
                                     rank=rank, world_size=world_size,
                                     timeout=timedelta(seconds=pg_timeout_s))
             # init_process_group is no barrier: a rank whose function fails at once

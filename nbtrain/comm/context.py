@@ -74,7 +74,9 @@ def _env_int(name: str, default: int) -> int:
         raise ValueError(f"environment variable {name}={value!r} must be an integer") from None
 
 
-def _pick_backend(backend: str | None) -> str:
+def pick_backend(backend: str | None) -> str:
+    """The process-group backend to use: `backend` checked, or for None nccl when a GPU
+    is visible, else gloo. Raises ValueError naming the fix for any other. Local."""
     if backend is None:
         return "nccl" if torch.cuda.is_available() else "gloo"
     if backend not in ("nccl", "gloo"):
@@ -165,7 +167,7 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         rank, world = dist.get_rank(), dist.get_world_size()
         local_rank = _env_int("LOCAL_RANK", rank if world <= max(torch.cuda.device_count(), 1) else 0)
     else:
-        backend = _pick_backend(backend)
+        backend = pick_backend(backend)
         have_env = any(v in os.environ for v in ("RANK", "WORLD_SIZE"))
         rank = _env_int("RANK", 0)
         world = _env_int("WORLD_SIZE", 1)

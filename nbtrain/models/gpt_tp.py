@@ -16,8 +16,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..comm.context import get_context
-from ..nn.parallel import ColumnParallelLinear, _slice_param
-from ..nn.parallelize import Plan, _quietly, row_from
+from ..nn.parallel import ColumnParallelLinear, slice_param
+from ..nn.parallelize import Plan, without_rng, row_from
 from .gpt import GPTConfig, causal_attention
 
 
@@ -33,13 +33,13 @@ class TensorParallelAttention(nn.Module):
                              "does not divide: choose a tp_size that divides the head count")
         self.heads, self.dropout = attention.heads // size, attention.dropout
         qkv = attention.qkv
-        layer = _quietly(lambda: ColumnParallelLinear(
+        layer = without_rng(lambda: ColumnParallelLinear(
             qkv.in_features, qkv.out_features, bias=qkv.bias is not None,
             dtype=qkv.weight.dtype, gather_input=sequence_parallel))
         # q, k and v are three parts of the fused weight: each is split by heads.
-        layer.weight = _slice_param(qkv.weight.data, 0, size, rank, groups=3)
+        layer.weight = slice_param(qkv.weight.data, 0, size, rank, groups=3)
         if qkv.bias is not None:
-            layer.bias = _slice_param(qkv.bias.data, 0, size, rank, groups=3)
+            layer.bias = slice_param(qkv.bias.data, 0, size, rank, groups=3)
         self.qkv = layer.to(qkv.weight.device)
         self.proj = row_from(attention.proj, all_reduce_output=not sequence_parallel)
 

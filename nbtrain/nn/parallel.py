@@ -52,8 +52,8 @@ def _tp() -> tuple[int, int]:
     return topo.tp_size, topo.tp_rank
 
 
-def _slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int,
-                 groups: int = 1) -> nn.Parameter:
+def slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int,
+                groups: int = 1) -> nn.Parameter:
     """This rank's slice of `full` along `dim`. With `groups` > 1 the dimension is that
     many equal parts (q, k and v of a fused projection) and each part is split."""
     param = nn.Parameter(cut(full, dim, size, rank, groups).contiguous().clone())
@@ -84,9 +84,9 @@ class _LinearSlices(FullStateDict):
     def take_slices(self, linear: nn.Linear) -> None:
         size, rank = _tp()
         weight_dim, bias_dim = self.SPLIT
-        self.weight = _slice_param(linear.weight.data, weight_dim, size, rank)
+        self.weight = slice_param(linear.weight.data, weight_dim, size, rank)
         self.bias = (None if linear.bias is None
-                     else _slice_param(linear.bias.data, bias_dim, size, rank))
+                     else slice_param(linear.bias.data, bias_dim, size, rank))
 
 
 def _tp_params(module: nn.Module):
@@ -251,7 +251,7 @@ class VPEmbedding(FullStateDict, nn.Module):
         self.start = rank * self.per_rank
         full = torch.empty(vocab_size, embedding_size, dtype=dtype, device=get_context().device)
         nn.init.normal_(full, mean=init_mean, std=init_std)
-        self.weight = _slice_param(pad_along(full, 0, self.padded_vocab), 0, size, rank)
+        self.weight = slice_param(pad_along(full, 0, self.padded_vocab), 0, size, rank)
         self.weight.tp_full_shape = (vocab_size, embedding_size)  # the padding is not state
         self._setup_full_state_dict()
 

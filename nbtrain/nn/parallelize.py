@@ -39,10 +39,10 @@ from ..comm.context import get_context
 import torch.nn.functional as F
 
 from .parallel import (ColumnParallelLinear, FullStateDict, LayerNorm, RowParallelLinear,
-                       VPEmbedding, _slice_param, _tp, pad_along)
+                       VPEmbedding, slice_param, _tp, pad_along)
 
 
-def _quietly(make):
+def without_rng(make):
     """Build a layer without drawing from the RNG (its weights are replaced anyway)."""
     device = get_context().device
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -51,7 +51,7 @@ def _quietly(make):
 
 def _from_linear(cls, linear: nn.Linear, **flags):
     """A `cls` (a tp linear layer) holding this rank's slices of `linear`'s weights."""
-    layer = _quietly(lambda: cls(linear.in_features, linear.out_features,
+    layer = without_rng(lambda: cls(linear.in_features, linear.out_features,
                                  bias=linear.bias is not None, dtype=linear.weight.dtype,
                                  **flags))
     layer.take_slices(linear)
@@ -69,9 +69,9 @@ def row_from(linear: nn.Linear, **flags) -> RowParallelLinear:
 def vocab_from(embedding: nn.Embedding, sequence_parallel: bool = False) -> VPEmbedding:
     size, rank = _tp()
     vocab, dim = embedding.weight.shape
-    layer = _quietly(lambda: VPEmbedding(vocab, dim, dtype=embedding.weight.dtype,
+    layer = without_rng(lambda: VPEmbedding(vocab, dim, dtype=embedding.weight.dtype,
                                          sequence_parallel=sequence_parallel))
-    layer.weight = _slice_param(pad_along(embedding.weight.data, 0, layer.padded_vocab), 0,
+    layer.weight = slice_param(pad_along(embedding.weight.data, 0, layer.padded_vocab), 0,
                                 size, rank)
     layer.weight.tp_full_shape = (vocab, dim)
     layer.ids_whole = sequence_parallel  # the model hands it all ids
@@ -94,7 +94,7 @@ class ReplicatedEmbedding(nn.Embedding):
 def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn.Module:
     """`module` (a layer norm or an embedding) as a layer kept whole on every tp rank."""
     if isinstance(module, nn.LayerNorm):
-        layer = _quietly(lambda: LayerNorm(module.normalized_shape, eps=module.eps,
+        layer = without_rng(lambda: LayerNorm(module.normalized_shape, eps=module.eps,
                                            elementwise_affine=module.elementwise_affine,
                                            bias=module.bias is not None,
                                            dtype=None if module.weight is None

@@ -94,7 +94,7 @@ def test_init_distributed_twice_returns_same_context():
 
 
 def test_bad_backend_names_the_value():
-    from nbtrain.comm.context import _pick_backend
+    from nbtrain.comm.context import pick_backend
 
     with pytest.raises(ValueError, match="backend='mpi'"):
-        _pick_backend("mpi")
+        pick_backend("mpi")
