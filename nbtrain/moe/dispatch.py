@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..comm import collectives
+from ..comm import collectives, context
 from ..comm.topology import ALONE
 
 
@@ -43,8 +43,6 @@ def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[i
 def _topology_ep():
     """The ep group of nbtrain's topology (None: the world), or False when nbtrain has
     made no context."""
-    from .comm import context
-
     return context.get_context().topology.group("ep") if context.is_initialized() else False
 
 

@@ -99,6 +99,21 @@ def test_every_subpackage_is_installed():
     assert found - listed == set(), sorted(found - listed)
 
 
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_every_relative_import_exists(name):
+    """A relative import (even one inside a function, run only on some path) names a
+    module or package of nbtrain: `from .comm import context` in a moved file is caught
+    here, not by the first rank that takes that path."""
+    path = MODULES[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            target = ".".join(base + ([node.module] if node.module else []))
+            assert target in MODULES or target.startswith(KERNELS), \
+                f"{name}: line {node.lineno} imports {target}, which does not exist"
+
 COLLECTIVES = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "all_gather",
                "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
                "all_to_all_single", "broadcast", "broadcast_object_list", "reduce_scatter",
