@@ -197,7 +197,7 @@ class _Broadcast(torch.autograd.Function):
 # -- BMTrain's functions ----------------------------------------------------------------
 
 def all_gather(x: torch.Tensor, comm=None) -> torch.Tensor:
-    """Every rank's `x`, stacked: shape (ranks of comm, *x.shape), in rank order.
+    """Every rank's `x`, stacked: shape `(ranks of comm, *x.shape)`, in rank order.
 
     Gradient: this rank's slice of the output's gradient (see the module's notes).
     Collective.
@@ -221,7 +221,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
 
 def reduce_scatter(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
     """`x` reduced over the ranks of `comm`, of which this rank keeps its rows: shape
-    (x.shape[0] // ranks, *x.shape[1:]), rank r holding rows r*n:(r+1)*n.
+    `(x.shape[0] // ranks, *x.shape[1:])`, rank r holding rows `r*n:(r+1)*n`.
 
     Args:
         op: as for `all_reduce`; only "sum" and "avg" have a gradient.

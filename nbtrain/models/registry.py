@@ -102,7 +102,7 @@ def register_model(name: str, package, hf_model_types=(), impls: dict | None = N
         name: what NBConfig.model_name calls it.
         package: the model package (module or import path) with make_config and
             hf_names.
-        hf_model_types: the config.json `model_type`s it loads ("llama", "qwen2").
+        hf_model_types: the config.json `model_type` values it loads ("llama", "qwen2").
         impls: implementation name -> protocol module (or import path); default
             {"default": package}.
         replace: allow registering an existing name again (otherwise ValueError).

@@ -267,7 +267,7 @@ class Block(nn.Module):
                 + (", compiled" if self._compiled is not None else ""))
 
     def compile(self, **options) -> None:
-        """torch.compile(module, **options) for the wrapped module only: the block's
+        """`torch.compile(module, **options)` for the wrapped module only: the block's
         gather, prefetch, release and gradient reduction stay eager around it, and
         `state_dict()` names stay the module's own. Compiles at the first forward; blocks
         of one module class share the code. `compile_stats` then holds the graph breaks
