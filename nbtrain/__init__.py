@@ -5,10 +5,11 @@ BMTrain-compatible names: change `import bmtrain as bmt` to `import nbtrain as b
 Importing nbtrain imports neither triton, ipywidgets nor ipyparallel; the notebook
 layer (`Cluster`, the magics, the dashboard) loads on first use.
 """
-from . import telemetry
+import functools
+
+from . import comm, telemetry
 from .comm import (
     get_context,
-    init_distributed,
     print_rank,
     rank,
     synchronize,
@@ -28,6 +29,14 @@ from .zero import (
 )
 
 CheckpointBlock = Block  # BMTrain's older name for Block
+
+
+@functools.wraps(comm.init_distributed)
+def init_distributed(*args, **kwargs):
+    # The recorder starts with the run, so it sees every event; importing nbtrain
+    # subscribes nothing.
+    telemetry.record()
+    return comm.init_distributed(*args, **kwargs)
 
 __version__ = "0.1.0"
 
@@ -138,37 +147,3 @@ def unload_ipython_extension(ipython):
     from .notebook.magics import unload_ipython_extension as _unload
 
     _unload(ipython)
-
-
-def _map_kernels_in_a_source_checkout():
-    """`nbtrain.kernels` is the top-level kernels/ folder (pyproject's package-dir).
-
-    An install maps it; a source checkout used without installing (`python3 -m
-    pytest` or `python3 -m nbtrain.cli` from the repository root, as on a bare GPU
-    machine) does not, so map it here, lazily: nothing is imported until asked for.
-    """
-    import importlib.abc
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    folder = Path(__file__).resolve().parent.parent / "kernels"
-    if not (folder / "__init__.py").is_file():
-        return
-    try:
-        if importlib.util.find_spec("nbtrain.kernels") is not None:
-            return
-    except (ImportError, ValueError):  # a stale install's finder points nowhere
-        pass
-
-    class _KernelsFinder(importlib.abc.MetaPathFinder):
-        def find_spec(self, name, path=None, target=None):
-            if name != "nbtrain.kernels":
-                return None
-            return importlib.util.spec_from_file_location(
-                name, folder / "__init__.py", submodule_search_locations=[str(folder)])
-
-    sys.meta_path.insert(0, _KernelsFinder())
-
-
-_map_kernels_in_a_source_checkout()

@@ -392,6 +392,6 @@ def last_step() -> dict | None:
     timeline, in seconds since the step began: compute as [start, end, block
     label, phase] and comm as [start, end, kind, bytes].
     """
-    from . import telemetry  # the recorder subscribes on import
+    from . import telemetry
 
     return copy.deepcopy(telemetry.summary()["last_step"])

@@ -78,6 +78,9 @@ class Cluster:
         self.controller_ip, self.slurm = controller_ip, dict(slurm or {})
         self.master_addr_override = master_addr
         self.master_addr = self.master_port = None
+        # Process-group rebuilds after failed cells since the ranks booted (recover.py):
+        # the ranks' abort key for the current group carries it.
+        self.recovery_generation = 0
         self.job: _slurm.SlurmJob | None = None  # the engines' Slurm job, if any
         self.start_s: float | None = None  # seconds from start() to ready ranks
         self.start_timeout_s, self.pg_timeout_s = start_timeout_s, pg_timeout_s
@@ -240,6 +243,7 @@ class Cluster:
                                    "of rank 0's host (--master-addr)") from None
         envs = rendezvous.rank_envs(self.ranks, master_addr, master_port)
         self.master_addr, self.master_port = master_addr, master_port
+        self.recovery_generation = 0  # fresh ranks: a fresh process group
         result = view.apply_async(_engine_boot.boot, envs, self.backend, self.pg_timeout_s,
                                   self.tp_size)
         for info, booted in zip(sorted(self.ranks, key=lambda i: i["engine_id"]),

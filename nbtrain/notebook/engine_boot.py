@@ -150,11 +150,8 @@ def stats() -> dict:
         pass
     telemetry = sys.modules.get("nbtrain.telemetry")
     if telemetry is not None:
-        recorder = telemetry.RECORDER
-        with recorder._lock:  # the deque is fed from other threads
-            info["step"] = recorder.step
-            info["loss"] = next((m["loss"] for m in reversed(recorder.log.metrics)
-                                 if "loss" in m), None)
+        info["step"] = telemetry.RECORDER.step
+        info["loss"] = telemetry.RECORDER.last_metric("loss")
     return info
 
 

@@ -17,14 +17,6 @@ from .errors import RESTART_HINT, DistributedError
 _KEY = "nbtrain/recovery/{generation}/abort"
 
 
-def _generation(cluster) -> int:
-    """Rebuilds so far on this cluster's ranks (a restart begins again at 0)."""
-    state = getattr(cluster, "_recovery_state", None)
-    if not state or state[0] != cluster.master_port:
-        return 0
-    return state[1]
-
-
 def recover_group(cluster, timeout_s: float = 120.0) -> int | None:
     """A fresh process group on every rank (collective on the ranks).
 
@@ -46,7 +38,7 @@ def recover_group(cluster, timeout_s: float = 120.0) -> int | None:
                                f"failure ({type(exc).__name__}: {exc}). {RESTART_HINT}") from None
     if any(r is None for r in results):  # ranks without recovery (a world of one)
         return None
-    cluster._recovery_state = (cluster.master_port, _generation(cluster) + 1)
+    cluster.recovery_generation += 1
     for r in results:
         match = re.match(r"rank (\d+):", r.get("origin") or "")
         if match:
@@ -64,7 +56,7 @@ def abort_from_notebook(cluster, reason: str) -> bool:
 
         store = dist.TCPStore(cluster.master_addr, int(cluster.master_port), is_master=False,
                               timeout=timedelta(seconds=5), wait_for_workers=False)
-        store.compare_set(_KEY.format(generation=_generation(cluster)), "",
+        store.compare_set(_KEY.format(generation=cluster.recovery_generation), "",
                           f"the notebook: {reason}")
         return True
     except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone

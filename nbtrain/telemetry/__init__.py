@@ -1,7 +1,8 @@
 """The telemetry layer: per-rank recorder, sinks, step log, overlap metric, report, panels.
 
 The engine (comm, zero, optim) publishes events through `nbtrain.comm.events`;
-importing this package subscribes the recorder to them. Blocks report compute
+`nbtrain.init_distributed` subscribes the recorder to them (`record()`; importing
+nbtrain or this package subscribes nothing). Blocks report compute
 spans (per block, forward and backward), the collectives report communication
 spans (issue to completion, with bytes) and issue/wait instants, OptimManager
 reports step metrics and closes the step, and `sample_memory` adds memory.
@@ -79,6 +80,11 @@ class Recorder:
             out = list(self.events)
         return out if type is None else [e for e in out if e["type"] == type]
 
+    def last_metric(self, key: str):
+        """The newest value of metric `key` in the step log (None before any)."""
+        with self._lock:  # the log is fed from other threads
+            return next((m[key] for m in reversed(self.log.metrics) if key in m), None)
+
     def summary(self, max_points: int | None = 300) -> dict:
         """This rank's StepLog summary plus rank, step and the newest sequence number."""
         with self._lock:
@@ -89,7 +95,13 @@ class Recorder:
 
 
 RECORDER = Recorder()
-events.subscribe(RECORDER)
+
+
+def record() -> None:
+    """Feeds the engine's events to RECORDER from now on (idempotent). Called by
+    `nbtrain.init_distributed`, and by this package's calls that expect a recording
+    (`start`, `watch`, `sample_memory`, `publish_to_notebook`)."""
+    events.subscribe(RECORDER)
 
 
 def enabled() -> bool:
@@ -113,6 +125,7 @@ def watch(model=None, optimizer=None) -> None:
     Held by weak reference: watching keeps nothing alive. The model's unsharded size
     is counted once here (call `watch` again after changing the model).
     """
+    record()
     io.WATCHED.set(model, optimizer)
 
 
@@ -126,6 +139,7 @@ def sample_memory(model=None, optimizer=None) -> dict:
     parameters unsharded. One sample closes every step, so the panels draw memory over
     time.
     """
+    record()
     sample = io.memory_sample(model, optimizer)
     if events.active():
         RECORDER.emit({"type": "memory", "t": time.perf_counter(), **sample})
@@ -140,6 +154,7 @@ def start(run_dir=None) -> str:
     writer = io.JsonlWriter.open(run_dir)
     stop()
     set_enabled(True)
+    record()
     RECORDER.sinks.append(writer)
     RECORDER.emit({"type": "meta", "t": time.perf_counter(), **io.meta()})
     return writer.path
@@ -190,4 +205,5 @@ def publish_to_notebook(interval_s: float = 0.25) -> None:
     At most once per `interval_s`, only when something new was recorded, and once
     more when each cell ends. Safe to call twice.
     """
+    record()
     io.start_publisher(RECORDER, interval_s)
