@@ -3,8 +3,8 @@
 The comm, zero and optim layers describe what they do (a collective issued or
 completed, a block's compute, a step's metrics, the end of a step) as plain
 dict events and hand them to `publish`. They never import telemetry: the
-telemetry layer subscribes its recorder here when it is imported, and anyone
-else (a test, a profiler) may subscribe too. With no subscriber, or with
+telemetry layer subscribes its recorder here when a run starts
+(`nbtrain.init_distributed`), and anyone else (a test, a profiler) may subscribe too. With no subscriber, or with
 publishing switched off, each hot-path call costs one attribute read.
 
 Every event carries the training step it belongs to (`step`), advanced by
