@@ -96,6 +96,7 @@ _LAZY = {
     "loss": ("nbtrain.loss", None),
     "nn": ("nbtrain.nn", None),
     "moe": ("nbtrain.moe", None),
+    "context_parallel": ("nbtrain.context_parallel", None),
     "inspect": ("nbtrain.inspect", None),
     "progress": ("nbtrain.telemetry.progress", "progress"),
     "graceful_stop": ("nbtrain.comm.recovery", "graceful_stop"),

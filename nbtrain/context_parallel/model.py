@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from ..comm import context
 from ..comm.topology import ALONE
 from .layout import (
     SequenceLayout,
@@ -32,7 +33,8 @@ from .ring import ring_attention
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """How a GPT splits each sequence over the ranks of a cp group.
+    """How a model (nbtrain's GPT, Llama's pipeline layers) splits each sequence over
+    the ranks of a cp group: given to the model, never read from global state by it.
 
     Attributes:
         group: the cp process group (None: the whole world; `ALONE`: this rank alone,
@@ -52,9 +54,8 @@ class ContextParallel:
 
     @classmethod
     def from_topology(cls, layout="zigzag") -> "ContextParallel | None":
-        """The topology's cp group when nbtrain is initialised with cp_size > 1, else None."""
-        from ..comm import context
-
+        """The topology's cp group when nbtrain is initialised with cp_size > 1, else None.
+        Read once, here: the caller hands the result to the model."""
         if not context.is_initialized():
             return None
         topo = context.get_context().topology
