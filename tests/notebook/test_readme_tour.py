@@ -19,9 +19,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def tour_cells() -> list[str]:
     readme = (ROOT / "README.md").read_text()
-    section = re.search(r"^## A 60-second tour\n(.*?)(?=^## )", readme, re.M | re.S)
+    section = re.search(r"^## A 60-second tour\n(.*?)(?=^## )", readme, re.MULTILINE | re.DOTALL)
     assert section, "README has no '## A 60-second tour' section"
-    return re.findall(r"^```python\n(.*?)^```", section.group(1), re.M | re.S)
+    return re.findall(r"^```python\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
 
 
 def test_the_tour_shows_a_start_a_model_a_training_cell_and_a_stop():
@@ -42,7 +42,7 @@ def test_every_tour_cell_runs_as_shown(ipython):
     finally:
         if magics.current_cluster() is not None:
             ipython.run_line_magic("nbtrain", "stop")
-    start, build, train, stop = outputs
+    _, build, train, _ = outputs
     shards = [int(n) for n in re.findall(r"\[rank \d\] \d (\d+) elements on this rank", build)]
     assert len(shards) == 2 and shards[0] > 0, build
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+) after 30 steps", train)]
