@@ -171,7 +171,7 @@ def run_rank(spec: dict) -> dict:
                 if name == "ring":  # forward and backward share the ring object
                     waits.append({kind: sum(r.waited.get(kind, 0.0) for r in rings)
                                   for kind in EXCHANGES})
-    fused = ra._kernel("auto", local[0], False).fused is not None
+    fused = ra.uses_fused_kernel(local[0])
     kernel = {"cpu": "fused: aten flash attention for CPU", "cuda": "fused: aten memory-"
               "efficient attention"}.get(ctx.device.type) if fused else "math (float32)"
     return {"times": times, "waits": waits, "p2p_bytes": p2p, "max_abs_diff": diff,

@@ -23,9 +23,10 @@ from .layout import (
     global_positions,
     shard_sequence,
 )
+from .kernels import uses_fused_kernel
 from .model import ContextParallel
 from .ring import Ring, ring_attention
 
 __all__ = ["Block", "ContextParallel", "Ring", "SequenceLayout", "check_position_ids",
            "chunk_ids", "document_ids", "gather_sequence", "global_positions",
-           "ring_attention", "shard_sequence"]
+           "ring_attention", "shard_sequence", "uses_fused_kernel"]

@@ -134,6 +134,13 @@ def _kernel(choice, q, masked: bool) -> _Kernel:
     return _Kernel(_FUSED[q.device.type] if use else None, q.dtype)
 
 
+def uses_fused_kernel(q: torch.Tensor, masked: bool = False) -> bool:
+    """Whether ring attention (kernel "auto") runs its blocks on the fused op for q's
+    device, dtype and head size (with packed documents when `masked`), else the float32
+    math. Checks the op once per arguments (see `_fused_works`). Local."""
+    return _kernel("auto", q, masked).fused is not None
+
+
 @functools.lru_cache(maxsize=None)
 def _fused_works(device: torch.device, dtype: torch.dtype, head_dim: int, masked: bool):
     """Does this device's fused op exist, take `dtype` (and a mask), and agree with the

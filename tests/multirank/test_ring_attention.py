@@ -164,6 +164,7 @@ def test_the_fused_kernel_runs_on_cpu_and_math_when_asked():
         assert K._kernel("math", q, masked).fused is None
     assert K._kernel("auto", q.double(), True).fused is K._FUSED["cpu"]
     assert K._kernel("auto", q.to("meta"), False).fused is None  # no fused op: the math
+    assert R.uses_fused_kernel(q, masked=True) and not R.uses_fused_kernel(q.to("meta"))
     with pytest.raises(ValueError, match="kernel='fast'"):
         R.Ring(kernel="fast")
 
