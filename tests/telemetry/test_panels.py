@@ -144,6 +144,7 @@ def test_dashboard_at_64_ranks_aggregates_its_table():
     for rank, s in summaries.items():
         s.update(seq=1, step=6)
     board.update(summaries, final=True)
+    board.wait_drawn(60)  # the picture is drawn in a thread
     rows = board.header.value.split("<tr>")[2:]
     assert [r.split("</td>")[0] for r in rows] == ["<td>min", "<td>median", "<td>max"]
     assert "<th>step time</th>" in board.header.value
