@@ -6,7 +6,7 @@ parameters, on the same ranks, batches and optimizer.
 
 Both models are built in the same processes (`init_distributed(ep_size=ranks)`: the
 experts are split over the ranks) and wrapped by `nbtrain.wrap` (ZeRO-3). The MoE GPT is
-`MoEGPT(MoEGPTConfig(...))`, every layer's MLP a dropless top-k MoE whose experts are
+`MoEGPT(MoEGPTConfig(...), ep_group=ExpertParallel.from_topology())`, every layer's MLP a dropless top-k MoE whose experts are
 the dense MLP's width / top_k wide, so a token meets as many MLP parameters as in
 `GPT(cfg.dense())`, the dense model it is timed against, while the model holds
 num_experts / top_k times the MLP parameters. A step is forward + backward + AdamW
@@ -64,6 +64,7 @@ def run_rank(spec: dict) -> dict:
     from nbtrain.comm.collectives import COUNTERS
     from nbtrain.models.gpt import GPT
     from nbtrain.models.gpt_moe import MoEGPT, router_stats
+    from nbtrain.moe import ExpertParallel
 
     world = dist.get_world_size()
     ctx = nbtrain.init_distributed(seed=spec["seed"], ep_size=world)
@@ -72,7 +73,8 @@ def run_rank(spec: dict) -> dict:
     models = {}
     for name in MODELS:
         torch.manual_seed(spec["seed"])
-        model = MoEGPT(cfg) if name == "moe" else GPT(cfg.dense())
+        model = (MoEGPT(cfg, ep_group=ExpertParallel.from_topology()) if name == "moe"
+                 else GPT(cfg.dense()))
         model = nbtrain.wrap(model.to(device))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6, weight_decay=0.01)
         models[name] = (model, opt)

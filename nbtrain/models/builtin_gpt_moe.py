@@ -4,8 +4,8 @@
              parallel=ParallelConfig(ep_size=2))
 
 model_config holds MoEGPTConfig fields, with "preset" picking the GPT's size. With
-`ParallelConfig(ep_size=E)` each MoE layer splits its experts over the topology's ep group
-(carved from the data-parallel ranks) and `wrap` shards them over the ranks holding the
+`ParallelConfig(ep_size=E)` each MoE layer splits its experts over the topology's ep group,
+given to the model as `ExpertParallel.from_topology()` (carved from the data-parallel ranks) and `wrap` shards them over the ranks holding the
 same experts. The runtime's loss is the token loss: the layers' auxiliary balance loss
 is not added, so balance through the runtime with `"balance": "bias"` (loss-free).
 Tensor parallelism does not split experts: tp must be 1.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ..comm.topology import ALONE
 from ..context_parallel import ContextParallel
+from ..moe import ExpertParallel
 from . import builtin_gpt as _gpt
 from .builtin_gpt import hf_names, load_hf_weights, make_forward_step  # noqa: F401
 from .builtin_gpt import pp_stages  # noqa: F401 (the GPT's layers, MoE MLPs inside)
@@ -29,7 +30,7 @@ def build_model(config: MoEGPTConfig, parallel=None) -> MoEGPT:
     """The MoE GPT: every expert here (parallel None or ep 1: the reference), or this
     rank's experts of the topology's ep group (ep > 1)."""
     ep = getattr(parallel, "ep_size", 1)
-    model = MoEGPT(config, ep_group=None if ep > 1 else ALONE)
+    model = MoEGPT(config, ep_group=ExpertParallel.from_topology() if ep > 1 else ALONE)
     if getattr(parallel, "cp_size", 1) > 1:  # the runtime has made the topology for this layout
         model.context_parallel = ContextParallel.from_topology()
     return model

@@ -1,8 +1,10 @@
 """The GPT with mixture-of-experts MLPs (nbtrain.moe.MoE): a routing idea at notebook scale.
 
 `MoEGPT(MoEGPTConfig(num_experts=4, top_k=2))` is nbtrain's GPT whose MLP, in every
-`moe_every`-th layer, is a MoE layer over the topology's expert-parallel group
-(`init_distributed(ep_size=...)`). By default each expert's inner width is the dense
+`moe_every`-th layer, is a MoE layer. Its experts split over the expert-parallel group
+the caller gives, `MoEGPT(cfg, ep_group=ExpertParallel.from_topology())` for the one of
+`init_distributed(ep_size=...)`; without one every expert is local, whatever the topology
+(the same computation as ep 1). By default each expert's inner width is the dense
 MLP's divided by top_k, so a token meets as many MLP parameters as in the dense GPT of
 the same config (equal active parameters), while the model holds num_experts / top_k
 times as many.
@@ -62,6 +64,8 @@ class MoEGPTConfig(GPTConfig):
 
 class MoEGPT(GPT):
     """nbtrain's GPT with MoE MLPs. Token ids (B, T) [+ position_ids] -> logits.
+    `ep_group`: the experts' layout, each MoE layer's `group=` (an `ExpertParallel`,
+    `ExpertParallel.from_topology()` for nbtrain's ep group; None: every expert local).
     `context_parallel` as the GPT's (None: whole sequences)."""
 
     def __init__(self, cfg: MoEGPTConfig, ep_group=None, context_parallel=None):

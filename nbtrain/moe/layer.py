@@ -23,8 +23,9 @@ Parameters and their gradients:
                    (the "edp" group), where their gradients are reduced: they already
                    hold every ep rank's tokens, so wrap divides them by ep_size first.
 
-With `group=None` the layer takes the topology's "ep" group (`init_distributed(ep_size=)`)
-when torch.distributed is initialised.
+The layout is the caller's: `group=ExpertParallel.from_topology()` splits the experts
+over the ep group of `init_distributed(ep_size=...)`; without a group every expert is
+local, whatever the topology (the same computation as ep 1).
 """
 from __future__ import annotations
 
@@ -55,8 +56,9 @@ class MoE(nn.Module, FullStateDict):
         ffn_hidden: each expert's inner width.
         num_experts: E, a multiple of the ep group size P.
         top_k: experts per token (1 <= top_k <= E).
-        group: the ep group; None = the topology's "ep" group (the world when
-            nbtrain has made none), `topology.ALONE` = this rank alone.
+        group: the ep layout: an `ExpertParallel` (`ExpertParallel.from_topology()`
+            for nbtrain's ep group) or a process group; None (the default, whatever
+            the topology) or `topology.ALONE`: every expert on this rank.
         capacity_factor: None = dropless. Else each expert keeps at most
             ceil(capacity_factor * T * top_k / E) assignments from each source rank,
             T = that rank's tokens, first come first kept in token order;

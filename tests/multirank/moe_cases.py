@@ -47,10 +47,10 @@ def crafted_tokens():
 
 def _layer(top_k, **kw):
     import nbtrain
-    from nbtrain.moe import MoE
+    from nbtrain.moe import ExpertParallel, MoE
 
     router, w_in, w_out = full_weights()
-    moe = MoE(HIDDEN, FFN, EXPERTS, top_k=top_k, **kw)
+    moe = MoE(HIDDEN, FFN, EXPERTS, top_k=top_k, group=ExpertParallel.from_topology(), **kw)
     lo, hi = moe.first_expert, moe.first_expert + moe.local_experts
     with torch.no_grad():
         moe.router.weight.copy_(router)
@@ -145,11 +145,30 @@ def _alone():
             "local": moe.local_experts}
 
 
-def _uneven_split_error():
+def _no_layout():
+    """A layer built without a group under init_distributed(ep_size=world): every expert
+    here, nothing sent, and the warnings its build gave."""
+    import warnings
+
+    from nbtrain.comm.collectives import COUNTERS
     from nbtrain.moe import MoE
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        moe = MoE(HIDDEN, FFN, EXPERTS, top_k=2)
+    x, _ = rank_tokens(0)
+    COUNTERS.reset()
+    with torch.no_grad():
+        moe(x)
+    return {"local": moe.local_experts, "bytes": COUNTERS.snapshot()["total_bytes"],
+            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+def _uneven_split_error():
+    from nbtrain.moe import ExpertParallel, MoE
+
     try:
-        MoE(HIDDEN, FFN, 5)
+        MoE(HIDDEN, FFN, 5, group=ExpertParallel.from_topology())
     except ValueError as err:
         return str(err)
     return None
@@ -157,9 +176,10 @@ def _uneven_split_error():
 
 def all_cases():
     """Every case on this rank, in one launch: {name: result}. The world is the ep
-    group (MoE's default group is the topology's)."""
+    group, given to each layer as ExpertParallel.from_topology()."""
     import nbtrain
 
     nbtrain.init_distributed(ep_size=nbtrain.world_size())
     return {"top1": _routed(1), "top2": _routed(2), "capacity": _capacity(), "bias": _bias(),
-            "alone": _alone(), "uneven_split_error": _uneven_split_error()}
+            "alone": _alone(), "no_layout": _no_layout(),
+            "uneven_split_error": _uneven_split_error()}

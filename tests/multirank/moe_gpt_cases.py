@@ -25,19 +25,27 @@ def _optimizer(kind, params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def train(ep_size: int, kind: str, steps: int, zero_level: int = 3):
+def train(ep_size: int, kind: str, steps: int, zero_level: int = 3, layout: bool = True):
     """(sharded losses per step (mean over ranks), reference losses, final state dicts
-    of both, router stats, all_to_all bytes of one forward, what the routing counted)."""
+    of both, router stats, all_to_all bytes of one forward, what the routing counted,
+    the warnings of the build). `layout`: the model is given the topology's ep group
+    (ExpertParallel.from_topology()); False: none (every expert local)."""
+    import warnings
+
     import nbtrain
     from nbtrain.comm.collectives import COUNTERS
     from nbtrain.comm.topology import ALONE
     from nbtrain.models.gpt_moe import MoEGPT, router_stats
+    from nbtrain.moe import ExpertParallel
     from nbtrain.optim import OptimManager
 
     nbtrain.init_distributed(ep_size=ep_size)
     world, rank = nbtrain.world_size(), nbtrain.rank()
     torch.manual_seed(0)
-    model = nbtrain.wrap(MoEGPT(config()), zero_level=zero_level)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        built = MoEGPT(config(), ep_group=ExpertParallel.from_topology() if layout else None)
+    model = nbtrain.wrap(built, zero_level=zero_level)
     manager = OptimManager()
     manager.add_optimizer(_optimizer(kind, list(model.parameters())))
     data = batches(world, steps)
@@ -67,7 +75,8 @@ def train(ep_size: int, kind: str, steps: int, zero_level: int = 3):
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref_state = ref_model.state_dict() if ref_model is not None else None
     return dict(losses=losses, reference=reference, state=state, ref_state=ref_state,
-                stats=stats, a2a=a2a, local_experts=model.layers[0].mlp.local_experts)
+                stats=stats, a2a=a2a, local_experts=model.layers[0].mlp.local_experts,
+                warnings=[str(w.message) for w in caught])
 
 
 def save_and_load(ep_size: int, path: str):
@@ -75,14 +84,15 @@ def save_and_load(ep_size: int, path: str):
     a fresh one at the same ep size: (state before, state after, file keys' shapes)."""
     import nbtrain
     from nbtrain.models.gpt_moe import MoEGPT
+    from nbtrain.moe import ExpertParallel
 
     nbtrain.init_distributed(ep_size=ep_size)
     torch.manual_seed(3)
-    model = nbtrain.wrap(MoEGPT(config()))
+    model = nbtrain.wrap(MoEGPT(config(), ep_group=ExpertParallel.from_topology()))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     nbtrain.save(model, path)
     torch.manual_seed(4)
-    fresh = nbtrain.wrap(MoEGPT(config()))
+    fresh = nbtrain.wrap(MoEGPT(config(), ep_group=ExpertParallel.from_topology()))
     nbtrain.load(fresh, path)
     after = {k: v.clone() for k, v in fresh.state_dict().items()}
     try:
@@ -100,13 +110,15 @@ def bias_with_checkpointing(steps: int = 3):
     import nbtrain
     from nbtrain.comm import events
     from nbtrain.models.gpt_moe import MoEGPT
+    from nbtrain.moe import ExpertParallel
 
     nbtrain.init_distributed(ep_size=nbtrain.world_size())
     rank, out, recorded = nbtrain.rank(), [], []
     events.subscribe(lambda e: recorded.append(e) if e.get("type") == "metric" else None)
     for use_checkpoint in (False, True):
         torch.manual_seed(0)
-        model = nbtrain.wrap(MoEGPT(config(balance="bias", bias_update_rate=0.1)),
+        model = nbtrain.wrap(MoEGPT(config(balance="bias", bias_update_rate=0.1),
+                                    ep_group=ExpertParallel.from_topology()),
                              use_checkpoint=use_checkpoint)
         recorded.clear()
         for step in range(steps):
@@ -123,11 +135,12 @@ def meta_build(steps: int = 2):
     rank (moe_inits): (expert weights' std and bound, losses of a few steps)."""
     import nbtrain
     from nbtrain.models.gpt_moe import MoEGPT, moe_inits
+    from nbtrain.moe import ExpertParallel
 
     nbtrain.init_distributed(ep_size=nbtrain.world_size())
     cfg = config()
     with nbtrain.empty_parameters():
-        model = MoEGPT(cfg)
+        model = MoEGPT(cfg, ep_group=ExpertParallel.from_topology())
     nbtrain.assign_inits(model, moe_inits(cfg))
     model = nbtrain.wrap(model)
     nbtrain.init_parameters(model)

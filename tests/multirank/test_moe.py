@@ -7,8 +7,9 @@ ranks' tokens in one process:
 - the bytes counted for the all_to_alls equal what the routing sends to other ranks;
 - capacity: a crafted routing drops the assignments worked out by hand, and they
   contribute nothing;
-- an ep group of one rank (`ALONE`) holds every expert and sends nothing; 5 experts
-  over 2 or 3 ranks are refused;
+- an ep group of one rank (`ALONE`) holds every expert and sends nothing; so does a
+  layer given no group under init_distributed(ep_size=world), warning that it no
+  longer follows the topology; 5 experts over 2 or 3 ranks are refused;
 - balance="bias" moves the bias towards underloaded experts, the same on every rank,
   and steers selection only; balance="aux" gives the formula's loss, differentiable.
 """
@@ -150,6 +151,18 @@ def test_an_ep_group_of_one_rank_keeps_every_expert_and_sends_nothing(runs, worl
     for r in (r["alone"] for r in runs[world]):
         assert r["local"] == EXPERTS and r["bytes"] == 0
         assert _err(r["out"], moe_reference(r["x"], router, w_in, w_out, 2)) < TOL
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_a_layer_given_no_group_keeps_every_expert_whatever_the_topology(runs, world):
+    for r in (r["no_layout"] for r in runs[world]):
+        assert r["local"] == EXPERTS and r["bytes"] == 0
+        if world == 1:  # the ep group was this rank alone: nothing changed, no warning
+            assert r["warnings"] == []
+        else:
+            (message,) = r["warnings"]
+            assert message.startswith("UserWarning") and f"ep_size={world}" in message
+            assert "ExpertParallel.from_topology()" in message
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -8,6 +8,10 @@ Each rank's loss is over its own tokens (cross-entropy plus its auxiliary balanc
 loss); the reference averages the same per-rank losses. Expert gradients arrive as a
 sum over the ep ranks' tokens and must be divided by ep_size: SGD catches a wrong
 scale, AdamW would not. State dicts hold all experts, gathered over ep.
+
+The layout is the caller's: given no ep group, a MoE GPT under
+init_distributed(ep_size=2) keeps every expert on every rank, sends nothing, trains
+equal to the one process too (plain data parallelism), and warns once at its build.
 """
 import pytest
 import torch
@@ -36,6 +40,25 @@ def test_moe_gpt_at_ep_equals_one_process(world, ep, kind):
     assert sum(load) == 2 * ROWS * SEQ * ep and first["stats"]["moe.0.dropped"] == 0
     assert first["stats"]["moe.0.balance"] >= 1.0
     assert all(o["a2a"] > 0 for o in out)
+    assert all(o["warnings"] == [] for o in out)  # the layout was given
+
+
+def test_moe_gpt_given_no_layout_keeps_every_expert_local_and_equals_one_process():
+    out = run_ranks(train, 2, 2, "sgd", STEPS, 3, False, timeout_s=300)
+    first = out[0]
+    assert len(set(round(x, 5) for x in first["reference"])) == STEPS  # it trains
+    assert first["losses"] == pytest.approx(first["reference"], abs=1e-5)
+    for key, ref in first["ref_state"].items():
+        for o in out:
+            assert torch.allclose(o["state"][key], ref, atol=1e-5), key
+    for o in out:
+        assert o["local_experts"] == 4 and o["a2a"] == 0
+        # this rank's own tokens only, top-2: nothing summed over an ep group
+        assert sum(o["stats"]["moe.0.load"]) == 2 * ROWS * SEQ
+        assert len(o["warnings"]) == 2  # one per MoE layer, on every rank
+        assert all("ep_size=2" in w and "ExpertParallel.from_topology()" in w
+                   for w in o["warnings"])
+    assert out[0]["stats"] != out[1]["stats"]  # each rank routed its own batch
 
 
 def test_moe_gpt_save_holds_every_expert_and_loads_back(tmp_path):
