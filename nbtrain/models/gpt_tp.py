@@ -10,6 +10,11 @@ replicated. Activations between layers are replicated (Megatron's layout) or, wi
 layers then sum their gradients over tp). `model(idx)` and `model.loss(idx, target)`
 keep their meaning: every rank passes the whole batch of its replica and the logits
 come back full-width.
+
+The plan is the layout, and applying it is the caller's choice: a `GPT(cfg)` stays
+plain under `init_distributed(tp_size=2)` until `parallelize` applies `gpt_plan`. The
+plan's layers split over the process's tp group, as BMTrain's `bmt.nn` layers split
+over `config["tp_comm"]` (nbtrain.nn.parallel).
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ from .gpt import GPTConfig, causal_attention
 
 
 class TensorParallelAttention(nn.Module):
-    """The GPT's attention with its heads split over the tp ranks (same names)."""
+    """The GPT's attention with its heads split over the tp ranks (same names): the
+    tp group of `init_distributed(tp_size=...)`, as nbtrain.nn's tensor-parallel layers."""
 
     def __init__(self, attention: nn.Module, sequence_parallel: bool = False):
         super().__init__()

@@ -1,5 +1,10 @@
 """Tensor-parallel layers under BMTrain's names and flags (`bmt.nn`).
 
+As BMTrain's layers read `config["tp_comm"]`, these split over the process's tp group
+(`init_distributed(tp_size=...)`): building one, or applying a plan with
+`nbtrain.parallelize`, is the caller's choice of tensor parallelism. nbtrain's models
+never make that choice themselves: a `GPT(cfg)` is plain whatever tp_size is.
+
 Each layer keeps its slice of the weight as a plain parameter tagged with the
 dimension it splits (`param.tp_split_dim`: 0 = rows, 1 = columns) and the full
 shape (`param.tp_full_shape`); replicated parameters (a row-parallel bias) have
