@@ -33,6 +33,9 @@ from .watchdog import Watchdog
 from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 
 _STOP_GRACE_S = 5.0
+# Request ids the ipyparallel Client keeps (`client.history` gains one per rank per cell,
+# status query or pull, for as long as the cluster runs): trimmed to this many.
+HISTORY_KEPT = 1000
 _JOB_END_S = 20.0  # a cancelled job's steps end within Slurm's KillWait (2 s in the tests)
 
 
@@ -126,6 +129,11 @@ class Cluster:
             n=n, engines=engine_launcher(self.launcher), controller_ip=self.controller_ip,
             cluster_id=f"nbtrain-{os.getpid()}-{int(time.time() * 1000) % 10**8}",
             engine_timeout=int(self.start_timeout_s), log_level=40,
+            # The hub's default in-memory store keeps the last 1024 requests (up to 1 GB)
+            # with their output and published telemetry: the controller grew 35 KB per
+            # 3-rank training cell of tests/stress/soak_session.py, and a cell that prints
+            # much keeps much. nbtrain never reads results back from the hub.
+            controller_args=["--nodb"],
             config=engine_config(self.launcher, self.slurm), **kwargs)
         _LIVE.add(self)
         self._watchdog = Watchdog()
@@ -290,10 +298,25 @@ class Cluster:
             raise DistributedError("an earlier cell is still running on some ranks and did not "
                                    "respond to an interrupt; run `%nbtrain restart`")
         self._stuck = None
+        self._forget_finished()
         dead = self.dead_ranks(range(self.world_size))
         if dead:
             raise RankDiedError(dead)
         return ranks
+
+    def _forget_finished(self) -> None:
+        """Bound what the client keeps per request: an hours-long session sends
+        thousands. ipyparallel drops a finished request's result and metadata itself
+        (since 9.0; `purge_local_results` does it for older versions) but keeps its id
+        in `client.history` for good."""
+        client = self.client
+        if len(client.history) <= 2 * HISTORY_KEPT:
+            return
+        old = client.history[:-HISTORY_KEPT]
+        finished = [msg_id for msg_id in old if msg_id not in client.outstanding]
+        if finished:
+            client.purge_local_results(jobs=finished)
+        del client.history[:-HISTORY_KEPT]
 
     def submit(self, code: str, targets=None, timeout: float | None = None,
                stream: bool = True) -> PendingCell:
