@@ -9,7 +9,8 @@ forward the module sees full tensors: views into the gathered buffer.
 
 Lifecycle of one training step (ZeRO-3):
   forward:  gather (or wait for the prefetch started by the previous block),
-            start the next block's gather, compute, release.
+            start the next block's gather, compute, release (the last block of
+            a list stays gathered: its backward comes next).
   backward: `_BlockExit` runs first: re-gather (or wait for the prefetch the
             next block started), start the previous block's gather; the module's
             backward runs; `_GatherFlat` reduce-scatters the gradient
@@ -320,7 +321,7 @@ class Block(nn.Module):
         if not (torch.is_grad_enabled() and needs_grad):
             self.release()  # no backward will come for this call
             return out
-        if self.zero_level == ZeroLevel.FULLY_SHARDED:
+        if self.zero_level == ZeroLevel.FULLY_SHARDED and not self._last_in_list():
             self.release()
         exits = _BlockExit.apply(self, *[flat[i] for i in needs_grad])
         for i, t in zip(needs_grad, exits):
@@ -339,6 +340,12 @@ class Block(nn.Module):
                 for entry in group.entries:
                     for mod, pname in entry.owners:
                         mod.__dict__[pname] = entry.rest
+
+    def _last_in_list(self) -> bool:
+        """The last block of a list stays gathered from its forward into its backward:
+        backward starts with it, so releasing and gathering it again would only add
+        an all-gather a step."""
+        return self._next_block is None and self._prev_block is not None
 
     # -- backward ---------------------------------------------------------------
     def _begin_backward(self) -> None:
