@@ -104,6 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="with --mfu: the device's dense bf16 peak, where the built-in table "
                         "does not know it")
+    p.add_argument("--profile", action="store_true",
+                   help="after the timed rounds, one more launch per engine with rank 0's "
+                        "steps under torch.profiler: a table of where each engine's step "
+                        "time goes (matmuls, collectives, copies, optimizer, Python outside "
+                        "operators) and its top operators")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default=None,
                    help="fp32 (default), or bf16: bf16 weights and activations, fp32 "
                         "gradient reduction and fp32 master weights in AdamW, each engine "
@@ -130,6 +135,7 @@ def _settings(args) -> dict:
         "timeout_s": 300.0, "tp": args.tp_size, "pp": args.pipe_size,
         "micro_batches": args.num_micro_batches, "dtype": args.dtype or "fp32",
         "compile": {"backend": args.compile_backend} if args.compile else None,
+        "profile": args.profile,
     }
 
 
@@ -149,6 +155,14 @@ def run(ranks: int, settings: dict, log=print) -> dict:
                                             backend=backend, timeout_s=spec["timeout_s"]))
             log(f"round {k + 1}/{settings['rounds']} {engine}: "
                 f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+    profiles = {}
+    if settings.get("profile") and tp == 1 and pp == 1:
+        for engine in names:  # apart from the rounds: the profiler slows what it watches
+            spec = {**settings, "engine": engine, "profile": True}
+            backend = "nccl" if spec["device"] == "cuda" else "gloo"
+            profiles[engine] = run_ranks(worker, ranks, spec, seed=spec["seed"],
+                                         backend=backend, timeout_s=spec["timeout_s"])[0]["profile"]
+            log(f"profiled {engine}", file=sys.stderr)
     if pp > 1:
         return _pp_result(ranks, settings, rounds, names)
     if tp > 1:
@@ -165,7 +179,7 @@ def run(ranks: int, settings: dict, log=print) -> dict:
     runs = {e: report.summarize(e, rounds[e], ranks, dtype=dtype) for e in names}
     report.add_parity(runs, dtype=dtype)
     return {"settings": {**settings, "ranks": ranks}, "runs": runs,
-            "ratios": report.ratios(runs)}
+            "ratios": report.ratios(runs), "profile": profiles}
 
 
 def _pp_result(ranks: int, settings: dict, rounds: dict, names) -> dict:
@@ -216,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.compile and (others or args.mfu):
         raise SystemExit("--compile is for the ZeRO/FSDP2/DDP comparison (--mfu always runs "
                          "compiled engines beside eager ones)")
+    if args.profile and (others or args.mfu):
+        raise SystemExit("--profile is for the ZeRO/FSDP2/DDP comparison; drop it, or drop "
+                         "--memory/--moe/--ring/--mfu/--tp/--pp")
     if args.mfu:
         from . import mfu
 
@@ -254,5 +271,10 @@ def main(argv: list[str] | None = None) -> int:
               "first warm-up step less the median step, lowest-highest over the launches "
               "(inductor's cache serves later launches)")
     print(report.table(result["runs"], result["ratios"], compile_column=bool(s["compile"])))
+    if result.get("profile"):
+        from .profile import table as profile_table
+
+        print()
+        print(profile_table(result["profile"]))
     write_json(args.json, result)
     return 0 if all(r["parity"] for r in result["runs"].values()) else 1

@@ -19,6 +19,7 @@ from nbtrain.telemetry.overlap import comm_overlap
 
 from . import engines
 from . import tp as tp_bench
+from .profile import StepProfile
 
 
 def _rss_bytes(field: str) -> int:
@@ -98,6 +99,7 @@ def _train(spec: dict, rank: int, world: int) -> dict:
     _reset_peak(device)
     times, warmup, losses, wire, hidden = [], [], [], [], []
     functional = None  # DTensor's bytes, counted in the first (untimed) step
+    prof = StepProfile() if spec.get("profile") and rank == 0 else None
     for step in range(total):
         x, y = xs[step, lo:hi].to(device), ys[step, lo:hi].to(device)
         dist.barrier()
@@ -106,15 +108,19 @@ def _train(spec: dict, rank: int, world: int) -> dict:
         counting = contextlib.nullcontext()
         if engine == "dtensor_tp" and functional is None:
             counting = functional = tp_bench.FunctionalCollectiveBytes(tp)
-        start = time.perf_counter()
-        with counting:
-            opt.zero_grad(set_to_none=True)
-            loss = engines.loss_of(model, x, y)
-            loss.backward()
-            opt.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        elapsed = time.perf_counter() - start
+        profiling = prof is not None and step >= spec["warmup"]
+        with prof.step() if profiling else contextlib.nullcontext():
+            start = time.perf_counter()
+            with counting:
+                opt.zero_grad(set_to_none=True)
+                loss = engines.loss_of(model, x, y)
+                loss.backward()
+                opt.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - start
+        if profiling:
+            prof.add_wall(elapsed)
         moved = functional.total if functional is not None else engines.wire_bytes(engine)
         stats = torch.tensor([elapsed, loss.item()], dtype=torch.float64, device=device)
         slowest = stats[:1].clone()
@@ -129,7 +135,8 @@ def _train(spec: dict, rank: int, world: int) -> dict:
             if telemetry.enabled():
                 hidden.append(hidden_fraction(telemetry.RECORDER.snapshot()))
     telemetry.set_enabled(True)
-    return {"step_s": times, "warmup_s": warmup, "loss": losses, "wire_bytes": wire,
+    return {"profile": prof.summary() if prof is not None else None,
+            "step_s": times, "warmup_s": warmup, "loss": losses, "wire_bytes": wire,
             "hidden": hidden,
             "peak_mem": _peak(device), "baseline_mem": baseline,
             "state": engines.state_bytes(model, opt),

@@ -23,7 +23,7 @@ def _quick_bench(tmp_path, *flags):
 
 
 def test_quick_bench_runs_and_losses_agree(tmp_path):
-    result, stdout = _quick_bench(tmp_path)
+    result, stdout = _quick_bench(tmp_path, "--profile")
     assert set(result["runs"]) == ENGINES
     for name, run in result["runs"].items():
         assert run["parity"], (name, run["loss_max_abs_diff_vs_ddp"])
@@ -36,6 +36,14 @@ def test_quick_bench_runs_and_losses_agree(tmp_path):
     assert set(result["ratios"]) == {"zero3_step_vs_fsdp2", "zero3_step_vs_ddp",
                                      "zero3_state_mem_vs_theory", "zero3_bytes_vs_theory"}
     assert "zero3" in stdout and "hidden %" in stdout
+    # --profile: one more launch per engine under torch.profiler, a table per kind
+    assert set(result["profile"]) == ENGINES and "where the time goes" in stdout
+    for name, prof in result["profile"].items():
+        kinds = prof["kinds_ms"]
+        assert kinds["matmul"] > 0 and prof["step_ms"] > 0, (name, kinds)
+        assert 0 <= kinds["outside ops"] < prof["step_ms"], (name, kinds)
+        assert prof["top"], name
+    assert result["profile"]["ddp"]["kinds_ms"]["collectives"] > 0  # its bucket all-reduce
 
 
 def _plain_losses(settings, tie=True, rows=None):
