@@ -157,6 +157,7 @@ class OptimManager:
                           device=ctx.device)
         dp_rank, tp_rank = ctx.topology.dp_rank, ctx.topology.tp_rank
         edp_rank = ctx.topology.edp_rank
+        parts: tuple[list, list] = ([], [])  # [0]: summed over every rank, [1]: rank 0's
         for p in params:
             g = param_grad(p)
             if g is None or getattr(p, "_nbtrain_norm_skip", False):
@@ -177,13 +178,17 @@ class OptimManager:
                 part = 0
             else:
                 part = 1
-            g = g.detach().float()
+            parts[part].append(g.detach())
+        for part, grads in enumerate(parts):
+            if not grads:
+                continue
             if norm_type == 0:  # how many elements are not zero (padding never is)
-                out[part] += torch.count_nonzero(g).double()
-            elif math.isinf(norm_type):
-                out[part] = torch.maximum(out[part], g.abs().max())
-            else:
-                out[part] += g.abs().pow(norm_type).sum()
+                out[part] = sum(torch.count_nonzero(g).double() for g in grads)
+                continue
+            # One multi-tensor kernel per part, accumulated in float32 whatever the
+            # gradients' dtype (as torch.nn.utils.clip_grad_norm_ computes it).
+            norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+            out[part] = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
         if ctx.rank != 0:
             out[1] = 0.0  # replicated parameters: every rank holds the same gradient
         return out
