@@ -162,8 +162,11 @@ def fully_shard_gpt(model: GPT, mesh, mp_policy=None) -> nn.Module:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = {"mp_policy": mp_policy or MixedPrecisionPolicy()}
-    for layer in model.layers:  # one group per layer, as nbtrain's one Block per layer
-        fully_shard(layer, mesh=mesh, **policy)
+    last = len(model.layers) - 1
+    for i, layer in enumerate(model.layers):  # one group per layer, as nbtrain's Blocks
+        # The last layer stays gathered into backward, which starts with it: the
+        # recipe torchtitan uses, and what nbtrain's last Block of a list does.
+        fully_shard(layer, mesh=mesh, reshard_after_forward=i < last, **policy)
     return fully_shard(model, mesh=mesh, **policy)
 
 
