@@ -149,7 +149,7 @@ def run(ranks: int, settings: dict, log=print) -> dict:
         order = names[k % len(names):] + names[:k % len(names)]
         for engine in order:
             start = time.perf_counter()
-            spec = {**settings, "engine": engine}
+            spec = {**settings, "engine": engine, "profile": False}
             backend = "nccl" if spec["device"] == "cuda" else "gloo"
             rounds[engine].append(run_ranks(worker, ranks, spec, seed=spec["seed"],
                                             backend=backend, timeout_s=spec["timeout_s"]))
