@@ -14,6 +14,7 @@ this module owns the public functions and the one dispatch rule:
 Importing `nbtrain` does not import this module (nor triton); only
 `import nbtrain.kernels` does.
 """
+
 from . import adam as _adam
 from . import cross_entropy as _ce
 from . import layer_norm as _ln
@@ -23,8 +24,16 @@ from ._triton import HAS_TRITON, INTERPRETED
 
 IMPLS = ("auto", "triton", "torch")
 
-__all__ = ["adam_step_", "cross_entropy", "linear_cross_entropy", "rms_norm", "layer_norm",
-           "pick_impl", "HAS_TRITON", "INTERPRETED"]
+__all__ = [
+    "adam_step_",
+    "cross_entropy",
+    "linear_cross_entropy",
+    "rms_norm",
+    "layer_norm",
+    "pick_impl",
+    "HAS_TRITON",
+    "INTERPRETED",
+]
 
 
 def pick_impl(impl, *tensors, op="kernel"):
@@ -48,16 +57,33 @@ def pick_impl(impl, *tensors, op="kernel"):
     if impl == "auto":
         return "triton" if on_cuda and HAS_TRITON and not INTERPRETED else "torch"
     if not HAS_TRITON:
-        raise RuntimeError(f"{op}: impl='triton' needs the triton package "
-                           "(pip install 'nbtrain[gpu]'); impl='torch' runs without it")
+        raise RuntimeError(
+            f"{op}: impl='triton' needs the triton package "
+            "(pip install 'nbtrain[gpu]'); impl='torch' runs without it"
+        )
     if not on_cuda and not INTERPRETED:
-        raise RuntimeError(f"{op}: impl='triton' on CPU tensors needs Triton's interpreter: "
-                           "set TRITON_INTERPRET=1 before the first `import nbtrain.kernels`")
+        raise RuntimeError(
+            f"{op}: impl='triton' on CPU tensors needs Triton's interpreter: "
+            "set TRITON_INTERPRET=1 before the first `import nbtrain.kernels`"
+        )
     return "triton"
 
 
-def adam_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay,
-               step, model_copy=None, impl="auto"):
+def adam_step_(
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    model_copy=None,
+    impl="auto",
+):
     """One in-place AdamW step (decoupled weight decay, bias correction).
 
     Matches `torch.optim.AdamW` for one step with the same hyper-parameters.
@@ -79,12 +105,24 @@ def adam_step_(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weigh
     _adam.check_adam_inputs(param, grad, exp_avg, exp_avg_sq, model_copy, step)
     which = pick_impl(impl, param, grad, exp_avg, exp_avg_sq, model_copy, op="adam_step_")
     run = _adam.adam_step_triton if which == "triton" else _adam.adam_step_torch
-    run(param, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-        weight_decay=weight_decay, step=step, model_copy=model_copy)
+    run(
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=eps,
+        weight_decay=weight_decay,
+        step=step,
+        model_copy=model_copy,
+    )
 
 
-def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  impl="auto"):
+def cross_entropy(
+    logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, impl="auto"
+):
     """Cross-entropy over the last dimension of `logits`, autograd-aware.
 
     Same value as `F.cross_entropy(logits.float().reshape(-1, V), target.reshape(-1), ...)`.
@@ -112,9 +150,17 @@ def cross_entropy(logits, target, ignore_index=-100, reduction="mean", label_smo
     return _ce.cross_entropy_triton(logits, target, ignore_index, reduction, label_smoothing)
 
 
-def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100,
-                         reduction="mean", label_smoothing=0.0, chunk_tokens=None,
-                         impl="auto"):
+def linear_cross_entropy(
+    hidden,
+    weight,
+    target,
+    bias=None,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+    chunk_tokens=None,
+    impl="auto",
+):
     """`cross_entropy(hidden @ weight.T + bias, target)` without materialising all logits.
 
     The Triton path walks the tokens in chunks of `chunk_tokens`: per chunk it forms
@@ -137,10 +183,12 @@ def linear_cross_entropy(hidden, weight, target, bias=None, ignore_index=-100,
     """
     _lce.check_lce_inputs(hidden, weight, bias, target, reduction, label_smoothing)
     if pick_impl(impl, hidden, weight, bias, target, op="linear_cross_entropy") == "torch":
-        return _lce.linear_cross_entropy_torch(hidden, weight, bias, target, ignore_index,
-                                               reduction, label_smoothing)
-    return _lce.linear_cross_entropy_triton(hidden, weight, bias, target, ignore_index,
-                                            reduction, label_smoothing, chunk_tokens)
+        return _lce.linear_cross_entropy_torch(
+            hidden, weight, bias, target, ignore_index, reduction, label_smoothing
+        )
+    return _lce.linear_cross_entropy_triton(
+        hidden, weight, bias, target, ignore_index, reduction, label_smoothing, chunk_tokens
+    )
 
 
 def rms_norm(x, weight, eps=1e-6, impl="auto"):

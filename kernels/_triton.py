@@ -5,6 +5,7 @@ op files must still import, so that `impl="auto"` on CPU can fall back to the to
 references; `triton.jit` then leaves the kernel body as a plain function that is
 never launched, because the dispatcher in `nbtrain.kernels` refuses `impl="triton"`.
 """
+
 import os
 
 try:

@@ -5,6 +5,7 @@ back (28 bytes per parameter with an fp32 grad), plus 2 bytes when the bf16/fp16
 model copy is refreshed in the same pass instead of by a second `copy_` kernel that
 would read the 4-byte master weight again.
 """
+
 import math
 
 import torch
@@ -17,9 +18,22 @@ COPY_DTYPES = (torch.float16, torch.bfloat16)
 
 
 @triton.jit
-def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, n_elements,
-                 decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-                 HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+def _adam_kernel(
+    param_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    copy_ptr,
+    n_elements,
+    decay,
+    beta1,
+    beta2,
+    eps,
+    step_size,
+    bias_correction2_sqrt,
+    HAS_COPY: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # int64 offsets: one shard may hold more than 2**31 elements.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offsets < n_elements
@@ -44,13 +58,14 @@ def _adam_kernel(param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, copy_ptr, n_e
 
 def _hyper(lr, beta1, beta2, weight_decay, step):
     """Host-side scalars in float64, so kernel and reference round the same way."""
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2 = 1.0 - beta2 ** step
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2 = 1.0 - beta2**step
     return 1.0 - lr * weight_decay, lr / bias_correction1, math.sqrt(bias_correction2)
 
 
-def adam_step_triton(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-                     weight_decay, step, model_copy=None):
+def adam_step_triton(
+    param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, model_copy=None
+):
     """Launcher: one program per BLOCK elements; inputs already checked."""
     n_elements = param.numel()
     if n_elements == 0:
@@ -61,14 +76,28 @@ def adam_step_triton(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
     decay, step_size, bias_correction2_sqrt = _hyper(lr, beta1, beta2, weight_decay, step)
     grid = (triton.cdiv(n_elements, block),)
     _adam_kernel[grid](
-        param, grad, exp_avg, exp_avg_sq, model_copy if model_copy is not None else param,
-        n_elements, decay, beta1, beta2, eps, step_size, bias_correction2_sqrt,
-        HAS_COPY=model_copy is not None, BLOCK=block, num_warps=4)
+        param,
+        grad,
+        exp_avg,
+        exp_avg_sq,
+        model_copy if model_copy is not None else param,
+        n_elements,
+        decay,
+        beta1,
+        beta2,
+        eps,
+        step_size,
+        bias_correction2_sqrt,
+        HAS_COPY=model_copy is not None,
+        BLOCK=block,
+        num_warps=4,
+    )
 
 
 @torch.no_grad()
-def adam_step_torch(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps,
-                    weight_decay, step, model_copy=None):
+def adam_step_torch(
+    param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, model_copy=None
+):
     """Reference: the single-tensor torch.optim.AdamW update, in place."""
     decay, step_size, bias_correction2_sqrt = _hyper(lr, beta1, beta2, weight_decay, step)
     grad = grad.float()
@@ -91,18 +120,28 @@ def check_adam_inputs(param, grad, exp_avg, exp_avg_sq, model_copy, step):
     tensors = {"param": param, "grad": grad, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     if model_copy is not None:
         tensors["model_copy"] = model_copy
-    allowed = {"param": PARAM_DTYPES, "grad": GRAD_DTYPES, "exp_avg": PARAM_DTYPES,
-               "exp_avg_sq": PARAM_DTYPES, "model_copy": COPY_DTYPES}
+    allowed = {
+        "param": PARAM_DTYPES,
+        "grad": GRAD_DTYPES,
+        "exp_avg": PARAM_DTYPES,
+        "exp_avg_sq": PARAM_DTYPES,
+        "model_copy": COPY_DTYPES,
+    }
     for name, tensor in tensors.items():
         if tensor.dtype not in allowed[name]:
-            raise TypeError(f"adam_step_: {name} has dtype {tensor.dtype}; supported: "
-                            f"{', '.join(str(d) for d in allowed[name])}")
+            raise TypeError(
+                f"adam_step_: {name} has dtype {tensor.dtype}; supported: "
+                f"{', '.join(str(d) for d in allowed[name])}"
+            )
         if tensor.numel() != param.numel():
-            raise ValueError(f"adam_step_: {name} has {tensor.numel()} elements, "
-                             f"param has {param.numel()}")
+            raise ValueError(
+                f"adam_step_: {name} has {tensor.numel()} elements, param has {param.numel()}"
+            )
         if not tensor.is_contiguous():
-            raise ValueError(f"adam_step_: {name} is not contiguous; the update is in place, "
-                             "so pass contiguous tensors (copy back after a .contiguous())")
+            raise ValueError(
+                f"adam_step_: {name} is not contiguous; the update is in place, "
+                "so pass contiguous tensors (copy back after a .contiguous())"
+            )
         if tensor.device != param.device:
             raise ValueError(f"adam_step_: {name} is on {tensor.device}, param on {param.device}")
     if step < 1:

@@ -13,6 +13,7 @@ GEMMs (9.2 ms of 11 ms at H = 2048), so the cross-entropy's 1 ms is all there is
 win; and at H = 4096 the weight gradient alone is a third of torch's peak.
 Needs one CUDA GPU with ~40 GB free for the defaults; takes about a minute.
 """
+
 import argparse
 import sys
 
@@ -47,12 +48,18 @@ def peak_extra_bytes(fn):
 
 
 def report(name, ours_ms, torch_ms, ours_bytes=None, torch_bytes=None):
-    line = f"{name:<44} ours {ours_ms:8.2f} ms  torch {torch_ms:8.2f} ms  speed-up {torch_ms / ours_ms:5.2f}x"
+    line = (
+        f"{name:<44} ours {ours_ms:8.2f} ms  torch {torch_ms:8.2f} ms  "
+        f"speed-up {torch_ms / ours_ms:5.2f}x"
+    )
     if ours_bytes is not None:
         line += f"  peak ours {ours_bytes / 2**20:8.0f} MiB  torch {torch_bytes / 2**20:8.0f} MiB"
         # Under 1 MiB is the in-place kernel's loss rows: a ratio to that says nothing.
-        line += ("  (in place)" if ours_bytes < 2**20
-                 else f"  ({torch_bytes / max(ours_bytes, 1):5.2f}x less)")
+        line += (
+            "  (in place)"
+            if ours_bytes < 2**20
+            else f"  ({torch_bytes / max(ours_bytes, 1):5.2f}x less)"
+        )
     print(line, flush=True)
     return torch_ms / ours_ms, (None if ours_bytes is None else torch_bytes / max(ours_bytes, 1))
 
@@ -73,8 +80,14 @@ def bench_adam(kernels, numel, iters):
     torch_param = torch.nn.Parameter(param.clone())
     torch_param.grad = grad
     del exp_avg, exp_avg_sq, param
-    opt = torch.optim.AdamW([torch_param], lr=hyper["lr"], betas=(hyper["beta1"], hyper["beta2"]),
-                            eps=hyper["eps"], weight_decay=hyper["weight_decay"], fused=True)
+    opt = torch.optim.AdamW(
+        [torch_param],
+        lr=hyper["lr"],
+        betas=(hyper["beta1"], hyper["beta2"]),
+        eps=hyper["eps"],
+        weight_decay=hyper["weight_decay"],
+        fused=True,
+    )
     torch_ms = timed_ms(opt.step, iters)
     speed_up, _ = report(f"AdamW step, {numel / 1e9:.2f}B fp32 params", ours_ms, torch_ms)
     del opt, torch_param, grad
@@ -92,19 +105,25 @@ def bench_cross_entropy(kernels, tokens, vocab, iters):
     def reference():
         return torch.autograd.grad(F.cross_entropy(logits, target), logits)
 
-    result = report(f"cross-entropy fwd+bwd, {tokens}x{vocab} bf16",
-                    timed_ms(ours, iters), timed_ms(reference, iters),
-                    peak_extra_bytes(ours), peak_extra_bytes(reference))
+    result = report(
+        f"cross-entropy fwd+bwd, {tokens}x{vocab} bf16",
+        timed_ms(ours, iters),
+        timed_ms(reference, iters),
+        peak_extra_bytes(ours),
+        peak_extra_bytes(reference),
+    )
     del logits
     torch.cuda.empty_cache()
     return result
 
 
 def bench_linear_cross_entropy(kernels, tokens, vocab, hidden_size, iters):
-    hidden = torch.randn(tokens, hidden_size, device="cuda", dtype=torch.bfloat16,
-                         requires_grad=True)
-    weight = (torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16)
-              / hidden_size ** 0.5).requires_grad_()
+    hidden = torch.randn(
+        tokens, hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True
+    )
+    weight = (
+        torch.randn(vocab, hidden_size, device="cuda", dtype=torch.bfloat16) / hidden_size**0.5
+    ).requires_grad_()
     target = torch.randint(0, vocab, (tokens,), device="cuda")
 
     def ours():
@@ -112,8 +131,9 @@ def bench_linear_cross_entropy(kernels, tokens, vocab, hidden_size, iters):
         return torch.autograd.grad(loss, (hidden, weight))
 
     def composition():
-        return torch.autograd.grad(F.cross_entropy(F.linear(hidden, weight), target),
-                                   (hidden, weight))
+        return torch.autograd.grad(
+            F.cross_entropy(F.linear(hidden, weight), target), (hidden, weight)
+        )
 
     def linear_then_our_ce():
         loss = kernels.cross_entropy(F.linear(hidden, weight), target, impl="triton")
@@ -121,11 +141,16 @@ def bench_linear_cross_entropy(kernels, tokens, vocab, hidden_size, iters):
 
     ours_ms, ours_bytes = timed_ms(ours, iters), peak_extra_bytes(ours)
     torch_ms, torch_bytes = timed_ms(composition, iters), peak_extra_bytes(composition)
-    result = report(f"linear+CE fwd+bwd, H={hidden_size}, fused", ours_ms, torch_ms,
-                    ours_bytes, torch_bytes)
-    report(f"linear+CE fwd+bwd, H={hidden_size}, linear + our CE",
-           timed_ms(linear_then_our_ce, iters), torch_ms,
-           peak_extra_bytes(linear_then_our_ce), torch_bytes)
+    result = report(
+        f"linear+CE fwd+bwd, H={hidden_size}, fused", ours_ms, torch_ms, ours_bytes, torch_bytes
+    )
+    report(
+        f"linear+CE fwd+bwd, H={hidden_size}, linear + our CE",
+        timed_ms(linear_then_our_ce, iters),
+        torch_ms,
+        peak_extra_bytes(linear_then_our_ce),
+        torch_bytes,
+    )
     del hidden, weight
     torch.cuda.empty_cache()
     return result
@@ -145,8 +170,10 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     if not torch.cuda.is_available():
-        sys.exit("nbtrain.kernels.bench needs a CUDA GPU and none is visible "
-                 "(torch.cuda.is_available() is False); the CPU tests are in tests/kernels.")
+        sys.exit(
+            "nbtrain.kernels.bench needs a CUDA GPU and none is visible "
+            "(torch.cuda.is_available() is False); the CPU tests are in tests/kernels."
+        )
     import nbtrain.kernels as kernels
 
     if not kernels.HAS_TRITON:
@@ -157,8 +184,10 @@ def main(argv=None):
 
     adam = bench_adam(kernels, args.adam_numel, args.iters)
     bench_cross_entropy(kernels, args.tokens, args.vocab, args.iters)
-    fused = {h: bench_linear_cross_entropy(kernels, args.tokens, args.vocab, h, args.iters)
-             for h in args.hidden}
+    fused = {
+        h: bench_linear_cross_entropy(kernels, args.tokens, args.vocab, h, args.iters)
+        for h in args.hidden
+    }
 
     print("goals:")
     verdict("AdamW vs torch fused (speed)", adam, 1.0)

@@ -7,6 +7,7 @@ that buffer, and no second (rows x vocab) tensor is ever allocated: at 4096 x 12
 in bf16 that is 1 GiB that F.cross_entropy needs for log_softmax and again for its
 gradient.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -18,10 +19,21 @@ REDUCTIONS = ("mean", "sum", "none")
 
 
 @triton.jit
-def _ce_kernel(logits_ptr, row_stride, target_ptr, loss_ptr, n_valid_ptr, row_scale_ptr,
-               n_cols, ignore_index, label_smoothing,
-               WRITE_GRAD: tl.constexpr, MEAN: tl.constexpr, HAS_ROW_SCALE: tl.constexpr,
-               BLOCK: tl.constexpr):
+def _ce_kernel(
+    logits_ptr,
+    row_stride,
+    target_ptr,
+    loss_ptr,
+    n_valid_ptr,
+    row_scale_ptr,
+    n_cols,
+    ignore_index,
+    label_smoothing,
+    WRITE_GRAD: tl.constexpr,
+    MEAN: tl.constexpr,
+    HAS_ROW_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     row_ptr = logits_ptr + row * row_stride
     target = tl.load(target_ptr + row).to(tl.int64)
@@ -31,8 +43,11 @@ def _ce_kernel(logits_ptr, row_stride, target_ptr, loss_ptr, n_valid_ptr, row_sc
         if WRITE_GRAD:
             for start in range(0, n_cols, BLOCK):
                 cols = start + tl.arange(0, BLOCK)
-                tl.store(row_ptr + cols, tl.zeros([BLOCK], tl.float32).to(
-                    logits_ptr.dtype.element_ty), mask=cols < n_cols)
+                tl.store(
+                    row_ptr + cols,
+                    tl.zeros([BLOCK], tl.float32).to(logits_ptr.dtype.element_ty),
+                    mask=cols < n_cols,
+                )
         return
     tl.device_assert((target >= 0) & (target < n_cols), "target out of [0, n_classes)")
 
@@ -73,8 +88,9 @@ def _ce_kernel(logits_ptr, row_stride, target_ptr, loss_ptr, n_valid_ptr, row_sc
 
 
 @triton.jit
-def _scale_kernel(x_ptr, row_stride, n_cols, n_col_blocks, scale_ptr, scale_stride,
-                  BLOCK: tl.constexpr):
+def _scale_kernel(
+    x_ptr, row_stride, n_cols, n_col_blocks, scale_ptr, scale_stride, BLOCK: tl.constexpr
+):
     pid = tl.program_id(0).to(tl.int64)
     row = pid // n_col_blocks
     cols = (pid % n_col_blocks) * BLOCK + tl.arange(0, BLOCK)
@@ -101,20 +117,24 @@ def scale_(x, scale):
     else:
         rows, scale_stride = x, 1
         if x.dim() != 2 or x.stride(-1) != 1 or scale.numel() != x.shape[0]:
-            raise ValueError(f"scale_: {scale.numel()} scales for a tensor of shape "
-                             f"{tuple(x.shape)} (expected one, or one per row of a 2-D tensor)")
+            raise ValueError(
+                f"scale_: {scale.numel()} scales for a tensor of shape "
+                f"{tuple(x.shape)} (expected one, or one per row of a 2-D tensor)"
+            )
     n_rows, n_cols = rows.shape
     if rows.numel() == 0:
         return x
     block = min(next_power_of_2(n_cols), 65536 if INTERPRETED else 4096)
     n_col_blocks = triton.cdiv(n_cols, block)
-    _scale_kernel[(n_rows * n_col_blocks,)](rows, rows.stride(0), n_cols, n_col_blocks,
-                                            scale, scale_stride, BLOCK=block, num_warps=8)
+    _scale_kernel[(n_rows * n_col_blocks,)](
+        rows, rows.stride(0), n_cols, n_col_blocks, scale, scale_stride, BLOCK=block, num_warps=8
+    )
     return x
 
 
-def ce_rows_triton(logits, target, n_valid, *, ignore_index, label_smoothing, mean,
-                   write_grad, row_scale=None):
+def ce_rows_triton(
+    logits, target, n_valid, *, ignore_index, label_smoothing, mean, write_grad, row_scale=None
+):
     """Launcher: per-row fp32 loss; with `write_grad`, `logits` becomes its gradient.
 
     Args:
@@ -137,10 +157,21 @@ def ce_rows_triton(logits, target, n_valid, *, ignore_index, label_smoothing, me
     # the interpreter pays per trip, not per element, so it gets wider chunks.
     block = min(next_power_of_2(n_cols), 65536 if INTERPRETED else 8192)
     _ce_kernel[(n_rows,)](
-        logits, logits.stride(0), target, loss, n_valid,
-        row_scale if row_scale is not None else loss, n_cols, ignore_index,
-        float(label_smoothing), WRITE_GRAD=write_grad, MEAN=mean,
-        HAS_ROW_SCALE=row_scale is not None, BLOCK=block, num_warps=16 if block >= 8192 else 8)
+        logits,
+        logits.stride(0),
+        target,
+        loss,
+        n_valid,
+        row_scale if row_scale is not None else loss,
+        n_cols,
+        ignore_index,
+        float(label_smoothing),
+        WRITE_GRAD=write_grad,
+        MEAN=mean,
+        HAS_ROW_SCALE=row_scale is not None,
+        BLOCK=block,
+        num_warps=16 if block >= 8192 else 8,
+    )
     return loss
 
 
@@ -162,9 +193,15 @@ class CrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, ignore_index, reduction, label_smoothing):
         n_valid = (target != ignore_index).sum(dtype=torch.float32).reshape(1)
-        loss_rows = ce_rows_triton(logits, target, n_valid, ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing,
-                                   mean=reduction == "mean", write_grad=True)
+        loss_rows = ce_rows_triton(
+            logits,
+            target,
+            n_valid,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            mean=reduction == "mean",
+            write_grad=True,
+        )
         # Triton wrote behind autograd's back: bump the version so any other node that
         # saved these logits fails loudly in backward instead of using the gradient.
         torch.autograd.graph.increment_version(logits)
@@ -184,36 +221,53 @@ def cross_entropy_triton(logits, target, ignore_index, reduction, label_smoothin
     rows = as_rows(logits)
     flat_target = target.reshape(-1).contiguous()
     if logits.requires_grad and torch.is_grad_enabled():
-        loss = CrossEntropyFunction.apply(rows, flat_target, ignore_index, reduction,
-                                          label_smoothing)
+        loss = CrossEntropyFunction.apply(
+            rows, flat_target, ignore_index, reduction, label_smoothing
+        )
     else:
         n_valid = (flat_target != ignore_index).sum(dtype=torch.float32).reshape(1)
-        loss_rows = ce_rows_triton(rows, flat_target, n_valid, ignore_index=ignore_index,
-                                   label_smoothing=label_smoothing, mean=False,
-                                   write_grad=False)
+        loss_rows = ce_rows_triton(
+            rows,
+            flat_target,
+            n_valid,
+            ignore_index=ignore_index,
+            label_smoothing=label_smoothing,
+            mean=False,
+            write_grad=False,
+        )
         loss = reduce_rows(loss_rows, n_valid, reduction)
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def cross_entropy_torch(logits, target, ignore_index, reduction, label_smoothing):
     """Reference: F.cross_entropy in fp32 (never writes to logits)."""
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), target.reshape(-1).long(),
-                           ignore_index=ignore_index, reduction=reduction,
-                           label_smoothing=label_smoothing)
+    loss = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        target.reshape(-1).long(),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
     return loss.reshape(target.shape) if reduction == "none" else loss
 
 
 def check_ce_inputs(logits, target, reduction, label_smoothing, op):
     """Raises TypeError/ValueError naming the problem and what is supported."""
     if logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"{op}: logits have dtype {logits.dtype}; supported: "
-                        f"{', '.join(str(d) for d in LOGIT_DTYPES)}")
+        raise TypeError(
+            f"{op}: logits have dtype {logits.dtype}; supported: "
+            f"{', '.join(str(d) for d in LOGIT_DTYPES)}"
+        )
     if target.dtype not in TARGET_DTYPES:
-        raise TypeError(f"{op}: target has dtype {target.dtype}; supported: "
-                        f"{', '.join(str(d) for d in TARGET_DTYPES)}")
+        raise TypeError(
+            f"{op}: target has dtype {target.dtype}; supported: "
+            f"{', '.join(str(d) for d in TARGET_DTYPES)}"
+        )
     if logits.dim() < 1 or logits.shape[:-1] != target.shape:
-        raise ValueError(f"{op}: logits {tuple(logits.shape)} must be target's shape "
-                         f"{tuple(target.shape)} plus a class dimension")
+        raise ValueError(
+            f"{op}: logits {tuple(logits.shape)} must be target's shape "
+            f"{tuple(target.shape)} plus a class dimension"
+        )
     check_loss_options(op, reduction, label_smoothing)
 
 

@@ -4,6 +4,7 @@ Same plan as rms_norm.py: forward is one program per row and saves mean and 1/st
 (8 bytes per row); backward runs one program per SM over bands of rows, keeping
 partial d weight and d bias in registers.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -12,8 +13,19 @@ from .rms_norm import as_rows, backward_programs, norm_launch_config
 
 
 @triton.jit
-def _layer_norm_fwd_kernel(x_ptr, x_row_stride, w_ptr, b_ptr, y_ptr, mean_ptr, rstd_ptr,
-                           n_cols, eps, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _layer_norm_fwd_kernel(
+    x_ptr,
+    x_row_stride,
+    w_ptr,
+    b_ptr,
+    y_ptr,
+    mean_ptr,
+    rstd_ptr,
+    n_cols,
+    eps,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -31,9 +43,21 @@ def _layer_norm_fwd_kernel(x_ptr, x_row_stride, w_ptr, b_ptr, y_ptr, mean_ptr, r
 
 
 @triton.jit
-def _layer_norm_bwd_kernel(dy_ptr, x_ptr, x_row_stride, w_ptr, mean_ptr, rstd_ptr, dx_ptr,
-                           dw_partial_ptr, db_partial_ptr, n_rows, n_cols, rows_per_program,
-                           BLOCK: tl.constexpr):
+def _layer_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    x_row_stride,
+    w_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    db_partial_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -67,8 +91,19 @@ def layer_norm_forward(x2d, weight, bias, eps):
     block, num_warps = norm_launch_config(n_cols)
     if n_rows:
         _layer_norm_fwd_kernel[(n_rows,)](
-            x2d, x2d.stride(0), weight, bias if bias is not None else weight, y, mean, rstd,
-            n_cols, eps, HAS_BIAS=bias is not None, BLOCK=block, num_warps=num_warps)
+            x2d,
+            x2d.stride(0),
+            weight,
+            bias if bias is not None else weight,
+            y,
+            mean,
+            rstd,
+            n_cols,
+            eps,
+            HAS_BIAS=bias is not None,
+            BLOCK=block,
+            num_warps=num_warps,
+        )
     return y, mean, rstd
 
 
@@ -81,8 +116,21 @@ def layer_norm_backward(dy, x2d, weight, mean, rstd):
     block, num_warps = norm_launch_config(n_cols)
     if n_rows:
         _layer_norm_bwd_kernel[(programs,)](
-            dy, x2d, x2d.stride(0), weight, mean, rstd, dx, dw_partial, db_partial,
-            n_rows, n_cols, triton.cdiv(n_rows, programs), BLOCK=block, num_warps=num_warps)
+            dy,
+            x2d,
+            x2d.stride(0),
+            weight,
+            mean,
+            rstd,
+            dx,
+            dw_partial,
+            db_partial,
+            n_rows,
+            n_cols,
+            triton.cdiv(n_rows, programs),
+            BLOCK=block,
+            num_warps=num_warps,
+        )
     return dx, dw_partial.sum(0), db_partial.sum(0)
 
 
@@ -108,6 +156,7 @@ def layer_norm_triton(x, weight, bias, eps):
 
 def layer_norm_torch(x, weight, bias, eps):
     """Reference, in fp32 then cast back to x.dtype like the kernel."""
-    y = F.layer_norm(x.float(), (x.shape[-1],), weight.float(),
-                     None if bias is None else bias.float(), eps)
+    y = F.layer_norm(
+        x.float(), (x.shape[-1],), weight.float(), None if bias is None else bias.float(), eps
+    )
     return y.to(x.dtype)

@@ -6,6 +6,7 @@ of programs (one per SM on a GPU) each take a contiguous band of rows and keep t
 partial d weight in registers, so d weight costs (programs x H) fp32 of scratch rather
 than an atomic add per row.
 """
+
 import torch
 
 from ._triton import INTERPRETED, next_power_of_2, tl, triton
@@ -15,8 +16,9 @@ MAX_HIDDEN = 65536  # one row must fit in one program's registers
 
 
 @triton.jit
-def _rms_norm_fwd_kernel(x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr, n_cols, eps,
-                         BLOCK: tl.constexpr):
+def _rms_norm_fwd_kernel(
+    x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -28,8 +30,19 @@ def _rms_norm_fwd_kernel(x_ptr, x_row_stride, w_ptr, y_ptr, rstd_ptr, n_cols, ep
 
 
 @triton.jit
-def _rms_norm_bwd_kernel(dy_ptr, x_ptr, x_row_stride, w_ptr, rstd_ptr, dx_ptr, dw_partial_ptr,
-                         n_rows, n_cols, rows_per_program, BLOCK: tl.constexpr):
+def _rms_norm_bwd_kernel(
+    dy_ptr,
+    x_ptr,
+    x_row_stride,
+    w_ptr,
+    rstd_ptr,
+    dx_ptr,
+    dw_partial_ptr,
+    n_rows,
+    n_cols,
+    rows_per_program,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -68,8 +81,9 @@ def rms_norm_forward(x2d, weight, eps):
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x2d.device)
     block, num_warps = norm_launch_config(n_cols)
     if n_rows:
-        _rms_norm_fwd_kernel[(n_rows,)](x2d, x2d.stride(0), weight, y, rstd, n_cols, eps,
-                                        BLOCK=block, num_warps=num_warps)
+        _rms_norm_fwd_kernel[(n_rows,)](
+            x2d, x2d.stride(0), weight, y, rstd, n_cols, eps, BLOCK=block, num_warps=num_warps
+        )
     return y, rstd
 
 
@@ -80,9 +94,20 @@ def rms_norm_backward(dy, x2d, weight, rstd):
     dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x2d.device)
     block, num_warps = norm_launch_config(n_cols)
     if n_rows:
-        _rms_norm_bwd_kernel[(programs,)](dy, x2d, x2d.stride(0), weight, rstd, dx, dw_partial,
-                                          n_rows, n_cols, triton.cdiv(n_rows, programs),
-                                          BLOCK=block, num_warps=num_warps)
+        _rms_norm_bwd_kernel[(programs,)](
+            dy,
+            x2d,
+            x2d.stride(0),
+            weight,
+            rstd,
+            dx,
+            dw_partial,
+            n_rows,
+            n_cols,
+            triton.cdiv(n_rows, programs),
+            BLOCK=block,
+            num_warps=num_warps,
+        )
     return dx, dw_partial.sum(0).to(weight.dtype)
 
 

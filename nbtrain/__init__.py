@@ -5,6 +5,7 @@ BMTrain-compatible names: change `import bmtrain as bmt` to `import nbtrain as b
 Importing nbtrain imports neither triton, ipywidgets nor ipyparallel; the notebook
 layer (`Cluster`, the magics, the dashboard) loads on first use.
 """
+
 import functools
 
 from . import comm, telemetry
@@ -37,6 +38,7 @@ def init_distributed(*args, **kwargs):
     # subscribes nothing.
     telemetry.record()
     return comm.init_distributed(*args, **kwargs)
+
 
 __version__ = "0.1.0"
 

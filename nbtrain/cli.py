@@ -3,6 +3,7 @@
 Each subcommand lives in its own module; this file only dispatches, so
 `nbtrain --help` stays fast (no torch import until a subcommand runs).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -12,16 +13,22 @@ import textwrap
 
 COMMANDS = {
     "demo": ("nbtrain.demo", "train a small GPT with ZeRO-3 on local ranks"),
-    "bench": ("nbtrain.bench", "measure nbtrain against its torch peer in one run: ZeRO-3/2 "
-                               "against FSDP2 and DDP; --tp-size against DTensor, "
-                               "--pipe-size against torch pipelining; --memory, --moe, "
-                               "--ring, --mfu, --compile, --dtype bf16"),
+    "bench": (
+        "nbtrain.bench",
+        "measure nbtrain against its torch peer in one run: ZeRO-3/2 "
+        "against FSDP2 and DDP; --tp-size against DTensor, "
+        "--pipe-size against torch pipelining; --memory, --moe, "
+        "--ring, --mfu, --compile, --dtype bf16",
+    ),
     "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
-    "validate": ("nbtrain.runtime.validate", "train a layout (--tp-size, --pipe-size, "
-                                             "--zero-level, --num-micro-batches; any "
-                                             "registered model or a Hugging Face folder) "
-                                             "beside one plain process, step by step; exit 1 "
-                                             "beyond --tolerance"),
+    "validate": (
+        "nbtrain.runtime.validate",
+        "train a layout (--tp-size, --pipe-size, "
+        "--zero-level, --num-micro-batches; any "
+        "registered model or a Hugging Face folder) "
+        "beside one plain process, step by step; exit 1 "
+        "beyond --tolerance",
+    ),
 }
 
 
@@ -40,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="command")
     for name, (module, doc) in COMMANDS.items():
         own = importlib.import_module(module).build_parser()
-        commands.add_parser(name, parents=[own], add_help=False, help=doc,
-                            description=own.description)
+        commands.add_parser(
+            name, parents=[own], add_help=False, help=doc, description=own.description
+        )
     return parser
 
 

@@ -7,6 +7,7 @@
 Each process (rank) has its own; nothing is communicated. nbtrain.inspect's
 `inspect_tensor` does not use it.
 """
+
 from __future__ import annotations
 
 from typing import Any

@@ -5,6 +5,7 @@ standard library, byte-level, so nothing is downloaded. The run shows a progress
 bar, writes a checkpoint, per-rank telemetry and a report picture into the
 output folder, and prints where they are.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,12 @@ import time
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nbtrain demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--ranks", type=int, default=None,
-                   help="local ranks (default: one per GPU, else 2 CPU ranks)")
+    p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="local ranks (default: one per GPU, else 2 CPU ranks)",
+    )
     p.add_argument("--model-size", choices=["tiny", "small", "medium"], default="tiny")
     p.add_argument("--steps", type=int, default=1000, help="optimizer steps (default 1000)")
     p.add_argument("--batch-per-rank", type=int, default=8)
@@ -25,9 +30,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--out", default="nbtrain-out", help="output folder (default ./nbtrain-out)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                   help="fp32 (default), or bf16 weights and activations with fp32 "
-                        "gradient reduction and fp32 master weights in the optimizer")
+    p.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fp32 (default), or bf16 weights and activations with fp32 "
+        "gradient reduction and fp32 master weights in the optimizer",
+    )
     return p
 
 
@@ -48,29 +57,32 @@ def _train(args: argparse.Namespace) -> None:
     if args.dtype == "bf16":
         # bf16 Blocks reduce their gradients in fp32 (each shard's main_grad), and
         # AdamOptimizer keeps fp32 master weights of bf16 parameters.
-        model = nbt.wrap(GPT(cfg).to(ctx.device, torch.bfloat16), zero_level=3,
-                         reduce_dtype=torch.float32)
+        model = nbt.wrap(
+            GPT(cfg).to(ctx.device, torch.bfloat16), zero_level=3, reduce_dtype=torch.float32
+        )
     else:
         model = nbt.wrap(GPT(cfg).to(ctx.device), zero_level=3)
     optimizer = nbt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.01)
-    scheduler = nbt.lr_scheduler.Cosine(optimizer, start_lr=args.lr,
-                                        warmup_iter=max(1, args.steps // 20),
-                                        end_iter=args.steps)
+    scheduler = nbt.lr_scheduler.Cosine(
+        optimizer, start_lr=args.lr, warmup_iter=max(1, args.steps // 20), end_iter=args.steps
+    )
     manager = nbt.optim.OptimManager()
     manager.add_optimizer(optimizer, scheduler)
     # Every step's memory sample counts this rank's model state (the report's panel).
     telemetry.watch(model, optimizer)
 
-    sampler = BatchSampler(stdlib_corpus(), cfg.seq_len,
-                           args.batch_per_rank * ctx.world_size, seed=args.seed)
+    sampler = BatchSampler(
+        stdlib_corpus(), cfg.seq_len, args.batch_per_rank * ctx.world_size, seed=args.seed
+    )
     losses = []
     for step in progress(range(args.steps), desc="nbtrain demo", unit="step"):
         x, y = sampler.local_batch(step)
         telemetry.metric(tokens=x.numel())  # this rank's tokens: the report's tokens/s
         manager.zero_grad()
         logits = model(x).float()  # the loss in fp32 whatever the weights' dtype
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                               y.to(logits.device).reshape(-1))
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), y.to(logits.device).reshape(-1)
+        )
         manager.backward(loss)
         manager.clip_grad_norm(optimizer.param_groups, max_norm=1.0)
         manager.step()
@@ -82,9 +94,16 @@ def _train(args: argparse.Namespace) -> None:
     telemetry.stop()
     if ctx.rank == 0:
         with open(os.path.join(args.out, "losses.json"), "w") as f:
-            json.dump({"world_size": ctx.world_size, "backend": ctx.backend,
-                       "model_size": args.model_size, "dtype": args.dtype,
-                       "losses": losses}, f)
+            json.dump(
+                {
+                    "world_size": ctx.world_size,
+                    "backend": ctx.backend,
+                    "model_size": args.model_size,
+                    "dtype": args.dtype,
+                    "losses": losses,
+                },
+                f,
+            )
 
 
 def summarise(losses: list[float]) -> tuple[float, float]:
@@ -102,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--ranks={ranks} and --steps={args.steps} must be positive")
     args.out = os.path.abspath(args.out)
     os.makedirs(args.out, exist_ok=True)
-    print(f"nbtrain demo: {args.model_size} GPT, ZeRO-3, {args.dtype}, {ranks} rank(s), "
-          f"{args.steps} steps, output in {args.out}", flush=True)
+    print(
+        f"nbtrain demo: {args.model_size} GPT, ZeRO-3, {args.dtype}, {ranks} rank(s), "
+        f"{args.steps} steps, output in {args.out}",
+        flush=True,
+    )
     start = time.perf_counter()
     run_ranks(_train, ranks, args, seed=args.seed, timeout_s=24 * 3600)
     elapsed = time.perf_counter() - start
@@ -115,8 +137,10 @@ def main(argv: list[str] | None = None) -> int:
 
     report = os.path.join(args.out, "report.png")
     report_cli.main([os.path.join(args.out, "telemetry"), "-o", report])
-    print(f"\nloss {first:.3f} -> {last:.3f} (first vs last 10% of steps; "
-          f"uniform guessing is {math.log(256):.3f})")
+    print(
+        f"\nloss {first:.3f} -> {last:.3f} (first vs last 10% of steps; "
+        f"uniform guessing is {math.log(256):.3f})"
+    )
     print(f"done in {elapsed:.0f} s on {result['world_size']} {result['backend']} rank(s)")
     print(f"  checkpoint : {os.path.join(args.out, 'checkpoint')}")
     print(f"  weights    : {os.path.join(args.out, 'model.safetensors')}")

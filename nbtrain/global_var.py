@@ -5,6 +5,7 @@
 `nbtrain.rank` and `nbtrain.world_size`. BMTrain's config is a mutable dict that
 answers rank 0 of 1 before initialisation; these raise a RuntimeError then.
 """
+
 from .comm.config import config
 from .comm.context import rank, world_size
 

@@ -26,6 +26,7 @@ What one rank holds and did, all local (no communication):
     g.peak_blocks, g.peak_bytes     # most blocks (and their bytes) gathered at once
     last_step()                     # the last finished step: time, overlap, timeline
 """
+
 from __future__ import annotations
 
 import copy
@@ -86,12 +87,14 @@ def _reduce_stats(parts: list[torch.Tensor | None]) -> list[dict | None]:
             squares[i] = (p.to(device, torch.float64) - means[i]).square().sum()
     C.all_reduce(squares, op="sum", label="inspect.var")
     out = []
-    for (count, _), mean, sq, (mx, neg_mn) in zip(sums.tolist(), means.tolist(),
-                                                  squares.tolist(), extremes.tolist()):
+    for (count, _), mean, sq, (mx, neg_mn) in zip(
+        sums.tolist(), means.tolist(), squares.tolist(), extremes.tolist()
+    ):
         count = int(count)
         std = math.sqrt(sq / (count - 1)) if count > 1 else math.nan  # as torch.std
-        out.append({"count": count, "mean": mean, "std": std, "max": mx, "min": -neg_mn}
-                   if count else None)
+        out.append(
+            {"count": count, "mean": mean, "std": std, "max": mx, "min": -neg_mn} if count else None
+        )
     return out
 
 
@@ -100,7 +103,7 @@ def _summaries(items: list[tuple]) -> tuple[list[dict], list[int]]:
     count of each (over all ranks). Collective."""
     stats = _reduce_stats([v for _, _, v, _ in items] + [g for _, _, _, g in items])
     out, counts = [], []
-    for (name, shape, _, _), value, grad in zip(items, stats, stats[len(items):]):
+    for (name, shape, _, _), value, grad in zip(items, stats, stats[len(items) :]):
         entry = {"name": name, "shape": shape}
         entry.update((k, value[k] if value else math.nan) for k in _STATS)
         if grad is not None:
@@ -174,9 +177,11 @@ class TensorInspector:
     def _record(self, x: torch.Tensor, name: str) -> None:
         record = {"name": name, "value": x.detach(), "grad": None}
         if x.requires_grad:
+
             def keep_grad(grad, record=record):
                 record["grad"] = grad.detach()
                 self._stale = True
+
             x.register_hook(keep_grad)
         self._records.append(record)
         self._stale = True
@@ -192,10 +197,13 @@ class TensorInspector:
             count = torch.tensor([n, -n], device=get_context().device)
             C.all_reduce(count, op="max", label="inspect.count")
             if count.tolist() != [n, -n]:  # every rank raises
-                raise RuntimeError(f"inspect_tensor: ranks recorded {-int(count[1])} to "
-                                   f"{int(count[0])} tensors; each must record the same ones")
-            items = [(r["name"], tuple(r["value"].shape), r["value"], r["grad"])
-                     for r in self._records]
+                raise RuntimeError(
+                    f"inspect_tensor: ranks recorded {-int(count[1])} to "
+                    f"{int(count[0])} tensors; each must record the same ones"
+                )
+            items = [
+                (r["name"], tuple(r["value"].shape), r["value"], r["grad"]) for r in self._records
+            ]
             self._summary, counts = _summaries(items)
             for entry, total in zip(self._summary, counts):  # shape after concatenation
                 shape = entry["shape"] or (1,)  # 0-d: one element per rank
@@ -206,8 +214,9 @@ class TensorInspector:
 
     get_summary = summary  # BMTrain's name
 
-    def get_tensor(self, name: str, group: str | None = None,
-                   index: int | None = None) -> torch.Tensor | None:
+    def get_tensor(
+        self, name: str, group: str | None = None, index: int | None = None
+    ) -> torch.Tensor | None:
         """A recorded tensor (detached) by the name and group it was recorded with:
         the first so recorded, or with `index` the index-th (from 0). None if there
         is none. Local."""
@@ -238,8 +247,9 @@ def record_tensor(x: torch.Tensor, name: str, group: str | None = None) -> torch
     record keeps its name, one summary row per record in recording order.
     """
     if isinstance(x, nn.Parameter):
-        raise TypeError("record_tensor: a Parameter cannot be recorded; use "
-                        "inspect_model for parameters")
+        raise TypeError(
+            "record_tensor: a Parameter cannot be recorded; use inspect_model for parameters"
+        )
     if group is not None:
         name = f"{group}.{name}"
     task = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -264,8 +274,11 @@ def format_summary(summary: list[dict]) -> str:
     None value leaves its cell empty. Local.
     """
     columns = ["max", "min", "std", "mean"]
-    columns += [c for c in ("grad_std", "grad_mean", "grad_max", "grad_min")
-                if any(s.get(c) is not None for s in summary)]
+    columns += [
+        c
+        for c in ("grad_std", "grad_mean", "grad_max", "grad_min")
+        if any(s.get(c) is not None for s in summary)
+    ]
     shapes = [str(tuple(s["shape"])) for s in summary]
     name_w = max([len("name")] + [len(s["name"]) for s in summary])
     shape_w = max([len("shape")] + [len(s) for s in shapes])
@@ -361,8 +374,10 @@ class GatherTracker:
         events.subscribe(self)
         if not events.active():
             events.unsubscribe(self)
-            raise RuntimeError("track_gathered: engine events are switched off on this rank "
-                               "(nbtrain.telemetry.set_enabled(False)); turn them on first")
+            raise RuntimeError(
+                "track_gathered: engine events are switched off on this rank "
+                "(nbtrain.telemetry.set_enabled(False)); turn them on first"
+            )
         return self
 
     def __exit__(self, *exc) -> None:

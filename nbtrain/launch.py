@@ -10,6 +10,7 @@ Results travel back by value (torch.save), so a rank may exit before the parent
 reads them. A rank still alive after a failure or the deadline is killed through
 its own process handle, never by name.
 """
+
 from __future__ import annotations
 
 import io
@@ -45,8 +46,9 @@ def default_world_size() -> int:
 def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, results):
     # One compute thread per rank: 2 ranks on 2 cores otherwise fight gloo's
     # threads for the cores.
-    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
     import torch.distributed as dist
 
     import nbtrain
@@ -56,9 +58,13 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
     torch.set_num_threads(1)
     try:
         with links.recording():  # recovery can close the group's connections
-            dist.init_process_group(pick_backend(backend), init_method=f"file://{init_file}",
-                                    rank=rank, world_size=world_size,
-                                    timeout=timedelta(seconds=pg_timeout_s))
+            dist.init_process_group(
+                pick_backend(backend),
+                init_method=f"file://{init_file}",
+                rank=rank,
+                world_size=world_size,
+                timeout=timedelta(seconds=pg_timeout_s),
+            )
             # init_process_group is no barrier: a rank whose function fails at once
             # would close its side of gloo's mesh while a peer still connects to it.
             dist.barrier()
@@ -75,8 +81,15 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
         nbtrain.comm.shutdown(barrier=False)
 
 
-def run_ranks(fn, world_size: int, *args, seed: int = 0, backend: str | None = None,
-              timeout_s: float = 600.0, pg_timeout_s: float | None = None) -> list:
+def run_ranks(
+    fn,
+    world_size: int,
+    *args,
+    seed: int = 0,
+    backend: str | None = None,
+    timeout_s: float = 600.0,
+    pg_timeout_s: float | None = None,
+) -> list:
     """Runs `fn(*args)` on ranks 0..world_size-1; returns the results by rank.
 
     Args:
@@ -94,8 +107,15 @@ def run_ranks(fn, world_size: int, *args, seed: int = 0, backend: str | None = N
     """
     pg_timeout_s = pg_timeout_s or min(timeout_s, 60.0)
     with tempfile.TemporaryDirectory(prefix="nbtrain-ranks-") as tmp:
-        procs, results = spawn_ranks(fn, world_size, *args, init_file=os.path.join(tmp, "rdv"),
-                                     seed=seed, backend=backend, pg_timeout_s=pg_timeout_s)
+        procs, results = spawn_ranks(
+            fn,
+            world_size,
+            *args,
+            init_file=os.path.join(tmp, "rdv"),
+            seed=seed,
+            backend=backend,
+            pg_timeout_s=pg_timeout_s,
+        )
         try:
             return _collect(procs, results, timeout_s)
         finally:
@@ -106,8 +126,15 @@ def run_ranks(fn, world_size: int, *args, seed: int = 0, backend: str | None = N
                     p.join()
 
 
-def spawn_ranks(fn, world_size: int, *args, init_file: str, seed: int = 0,
-                backend: str | None = None, pg_timeout_s: float = 60.0):
+def spawn_ranks(
+    fn,
+    world_size: int,
+    *args,
+    init_file: str,
+    seed: int = 0,
+    backend: str | None = None,
+    pg_timeout_s: float = 60.0,
+):
     """Starts the ranks and returns (processes, results queue) without waiting.
 
     The building block of `run_ranks`, for callers that watch or end ranks
@@ -118,9 +145,14 @@ def spawn_ranks(fn, world_size: int, *args, init_file: str, seed: int = 0,
         raise ValueError(f"world_size={world_size}: need at least one rank")
     ctx = _context()
     results = ctx.Queue()
-    procs = [ctx.Process(target=_child, args=(fn, r, world_size, init_file, backend, seed,
-                                              pg_timeout_s, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(fn, r, world_size, init_file, backend, seed, pg_timeout_s, args, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     return procs, results
@@ -133,16 +165,25 @@ def _collect(procs, results, timeout_s: float) -> list:
     while len(out) + len(errors) < world_size:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(out))} "
-                               f"did not finish within {timeout_s} s")
+            raise TimeoutError(
+                f"ranks {sorted(set(range(world_size)) - set(out))} "
+                f"did not finish within {timeout_s} s"
+            )
         try:
             rank, status, value = results.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
-            dead = [r for r, p in enumerate(procs) if not p.is_alive()
-                    and p.exitcode not in (None, 0) and r not in out and r not in errors]
+            dead = [
+                r
+                for r, p in enumerate(procs)
+                if not p.is_alive()
+                and p.exitcode not in (None, 0)
+                and r not in out
+                and r not in errors
+            ]
             if dead:
-                raise RuntimeError(f"rank(s) {dead} died with exit codes "
-                                   f"{[procs[r].exitcode for r in dead]}") from None
+                raise RuntimeError(
+                    f"rank(s) {dead} died with exit codes {[procs[r].exitcode for r in dead]}"
+                ) from None
             continue
         if status == "ok":
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)

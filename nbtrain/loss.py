@@ -3,6 +3,7 @@
 `import nbtrain.loss` and `from nbtrain.loss import FusedCrossEntropy` work as in
 BMTrain; the classes are nbtrain.nn.loss's own.
 """
+
 from .nn.loss import FusedCrossEntropy, parallel_cross_entropy
 
 __all__ = ["FusedCrossEntropy", "parallel_cross_entropy"]

@@ -8,6 +8,7 @@
 Also the synchronisation points of BMTrain's `bmt.synchronize` module that are not
 `synchronize` itself: `wait_loader` and the deprecated `gather_result`.
 """
+
 from __future__ import annotations
 
 import re
@@ -19,9 +20,20 @@ import torch
 
 from .comm.context import get_context, is_initialized, print_rank
 
-__all__ = ["ROW_WIDTH", "AverageRecorder", "check_torch_version", "gather_result",
-           "load_nccl_pypi", "print_block", "print_dict", "print_rank", "round_up",
-           "see_memory", "tp_split_tensor", "wait_loader"]
+__all__ = [
+    "ROW_WIDTH",
+    "AverageRecorder",
+    "check_torch_version",
+    "gather_result",
+    "load_nccl_pypi",
+    "print_block",
+    "print_dict",
+    "print_rank",
+    "round_up",
+    "see_memory",
+    "tp_split_tensor",
+    "wait_loader",
+]
 
 ROW_WIDTH = 60  # characters of print_block's title line and print_dict's rows
 
@@ -56,7 +68,7 @@ def print_dict(title: str, content: dict[str, Any], file=None) -> None:
         text = str(value) or " "
         rows.append(key + " :" + " " * (key_width - len(key) - 2) + text[:value_width] + "\n")
         for start in range(value_width, len(text), value_width):
-            rows.append(" " * key_width + text[start:start + value_width] + "\n")
+            rows.append(" " * key_width + text[start : start + value_width] + "\n")
     print_block(title, "".join(rows), file)
 
 
@@ -71,12 +83,11 @@ def _device() -> torch.device:
 
 
 def _gib(nbytes: float) -> float:
-    return round(nbytes / 1024 ** 3, 2)
+    return round(nbytes / 1024**3, 2)
 
 
 # /proc/self/status lines `see_memory(detail=True)` prints on CPU.
-_STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmSize", "VmPeak",
-                "VmSwap")
+_STATUS_KEYS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem", "VmSize", "VmPeak", "VmSwap")
 
 
 def _process_memory() -> dict[str, int]:
@@ -125,8 +136,7 @@ def see_memory(message: str, detail: bool = False) -> None:
             lines.append(torch.cuda.memory_summary(device))
         else:
             lines.append(f"memory_allocated {_gib(torch.cuda.memory_allocated(device))} GB")
-            lines.append(f"max_memory_allocated "
-                         f"{_gib(torch.cuda.max_memory_allocated(device))} GB")
+            lines.append(f"max_memory_allocated {_gib(torch.cuda.max_memory_allocated(device))} GB")
         torch.cuda.reset_peak_memory_stats(device)
     else:
         memory = _process_memory()
@@ -146,10 +156,12 @@ def see_memory(message: str, detail: bool = False) -> None:
 def check_torch_version(version_str: str) -> int:
     """torch's version minus `version_str`, each read as major*10000 + minor*100 +
     patch: >= 0 when the installed torch is at least that version."""
+
     def as_int(text: str) -> int:
         parts = [int(re.match(r"\d*", p).group() or 0) for p in text.split("+")[0].split(".")]
         parts = (parts + [0, 0, 0])[:3]
         return parts[0] * 10000 + parts[1] * 100 + parts[2]
+
     return as_int(torch.__version__) - as_int(version_str)
 
 
@@ -190,7 +202,7 @@ class AverageRecorder:
     def value(self) -> float:
         if self._steps <= 0:
             return self._value
-        return self._value / (1 - self.alpha ** self._steps)
+        return self._value / (1 - self.alpha**self._steps)
 
 
 def wait_loader() -> None:
@@ -214,8 +226,12 @@ def gather_result(result: torch.Tensor) -> torch.Tensor:
     stacks instead (shape (world, *result.shape)) and carries gradients.
     Collective: every rank calls it with the same shape.
     """
-    warnings.warn("nbtrain.gather_result is deprecated (as bmtrain.gather_result is); use "
-                  "nbtrain.distributed.all_gather instead", DeprecationWarning, stacklevel=2)
+    warnings.warn(
+        "nbtrain.gather_result is deprecated (as bmtrain.gather_result is); use "
+        "nbtrain.distributed.all_gather instead",
+        DeprecationWarning,
+        stacklevel=2,
+    )
     from .distributed import all_gather
 
     rows = result.detach().reshape(1) if result.dim() == 0 else result.detach()

@@ -5,9 +5,11 @@
 1. Start: `%nbtrain start -n N` until ready, against a bare
    `ipp.Cluster(n=N).start_and_connect_sync()` plus the same torch work on every
    engine (import torch, init the gloo group). Goal: within 2 s of the bare path.
-2. Empty cell (body `pass`; IPython refuses a truly empty cell magic): `%%distributed` against ipyparallel's own `%%px` on the same
-   engines, median over interleaved runs. Goal: at most 1.2x.
+2. Empty cell (body `pass`; IPython refuses a truly empty cell magic): `%%distributed`
+   against ipyparallel's own `%%px` on the same engines, median over interleaved runs.
+   Goal: at most 1.2x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,14 +95,24 @@ def main(argv=None) -> dict:
         cell_ours, cell_px = empty_cell_s(shell, args.cells)
     finally:
         shell.run_line_magic("nbtrain", "stop")
-    result = {"ranks": args.ranks, "bare_start_s": bare, "nbtrain_start_s": ours,
-              "start_gap_s": ours - bare, "empty_cell_ms": cell_ours * 1e3,
-              "empty_px_ms": cell_px * 1e3, "cell_ratio": cell_ours / cell_px}
-    print(f"start, {args.ranks} ranks:  bare ipyparallel + torch init {bare:6.2f} s   "
-          f"%nbtrain start {ours:6.2f} s   gap {ours - bare:+.2f} s  (goal: <= +2 s)")
-    print(f"empty cell (median of {args.cells}):  %%px {cell_px * 1e3:6.2f} ms   "
-          f"%%distributed {cell_ours * 1e3:6.2f} ms   ratio {cell_ours / cell_px:.2f}x  "
-          f"(goal: <= 1.2x)")
+    result = {
+        "ranks": args.ranks,
+        "bare_start_s": bare,
+        "nbtrain_start_s": ours,
+        "start_gap_s": ours - bare,
+        "empty_cell_ms": cell_ours * 1e3,
+        "empty_px_ms": cell_px * 1e3,
+        "cell_ratio": cell_ours / cell_px,
+    }
+    print(
+        f"start, {args.ranks} ranks:  bare ipyparallel + torch init {bare:6.2f} s   "
+        f"%nbtrain start {ours:6.2f} s   gap {ours - bare:+.2f} s  (goal: <= +2 s)"
+    )
+    print(
+        f"empty cell (median of {args.cells}):  %%px {cell_px * 1e3:6.2f} ms   "
+        f"%%distributed {cell_ours * 1e3:6.2f} ms   ratio {cell_ours / cell_px:.2f}x  "
+        f"(goal: <= 1.2x)"
+    )
     return result
 
 

@@ -18,6 +18,7 @@ twice that for an all-reduce): nbtrain's own collectives count themselves
 torch.distributed functions it calls; DDP's by a communication hook on its
 gradient buckets. All three are measured, none is the theory.
 """
+
 from __future__ import annotations
 
 import threading
@@ -70,10 +71,19 @@ def _count_torch_collectives(world: int) -> None:
     names. Wrap one name of each pair, so nothing is counted twice.
     """
     ring = (world - 1) / world
-    gather_name = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
-    scatter_name = ("reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
-                    else "reduce_scatter_tensor")
-    gather, scatter, reduce = getattr(dist, gather_name), getattr(dist, scatter_name), dist.all_reduce
+    gather_name = (
+        "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+    )
+    scatter_name = (
+        "reduce_scatter_single"
+        if hasattr(dist, "reduce_scatter_single")
+        else "reduce_scatter_tensor"
+    )
+    gather, scatter, reduce = (
+        getattr(dist, gather_name),
+        getattr(dist, scatter_name),
+        dist.all_reduce,
+    )
 
     def all_gather_flat(output, input, *a, **kw):
         WIRE.add(_nbytes(output) * ring)
@@ -100,6 +110,7 @@ def _ddp_counting_hook(world: int):
     def hook(state, bucket):
         WIRE.add(2 * _nbytes(bucket.buffer()) * ring)
         return allreduce_hook(state, bucket)
+
     return hook
 
 
@@ -114,6 +125,7 @@ def _ddp_fp32_hook(world: int):
         WIRE.add(2 * _nbytes(wide) * ring)
         fut = dist.all_reduce(wide, group=state, async_op=True).get_future()
         return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
     return hook
 
 
@@ -179,8 +191,9 @@ def compile_layers(layers: nn.ModuleList, options: dict) -> None:
         layers[i] = torch.compile(layer, **options)
 
 
-def build(engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32",
-          compile: dict | None = None) -> nn.Module:
+def build(
+    engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32", compile: dict | None = None
+) -> nn.Module:
     """The model for `engine`, sharded or replicated over the default group, in the
     engine's recipe for `dtype` ("fp32" or "bf16", see the module docstring). With
     `compile` (torch.compile's keywords) each transformer layer is compiled, the same
@@ -205,8 +218,11 @@ def build(engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32",
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         _count_torch_collectives(ctx.world_size)
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                      reduce_dtype=torch.float32) if half else None
+        policy = (
+            MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if half
+            else None
+        )
         return fully_shard_gpt(model, fsdp2_mesh(), policy)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP

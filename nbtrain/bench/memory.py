@@ -22,6 +22,7 @@ AdamW's two moments (8P/N) to it, 16P/N in all, plus activations and the blocks
 gathered in flight; saving gathers one parameter at a time, at most one transformer
 block (the theory shown; FSDP2's DCP save writes each rank's shards where they lie).
 """
+
 from __future__ import annotations
 
 import sys
@@ -65,8 +66,13 @@ def run_rank(spec: dict) -> dict:
     nbtrain.load(_gpt(tiny, "empty"), warm)
     with Phase(ctx.device) as empty:  # the runtime's baseline: an empty model's build
         _gpt(tiny, "meta")
-    cfg = GPTConfig(vocab_size=256, hidden=spec["hidden"], heads=spec["heads"],
-                    layers=spec["layers"], seq_len=64)
+    cfg = GPTConfig(
+        vocab_size=256,
+        hidden=spec["hidden"],
+        heads=spec["heads"],
+        layers=spec["layers"],
+        seq_len=64,
+    )
     out = {"baseline": empty.host}
     with Phase(ctx.device) as build:
         model = _gpt(cfg, spec["path"])
@@ -140,8 +146,17 @@ def _gpt_meta_params(cfg):
         return list(GPT(cfg).parameters())
 
 
-def measure(ranks: int, hidden: int, layers: int, heads: int, steps: int, batch: int,
-            backend: str | None = None, log=print, offload: bool = False) -> dict:
+def measure(
+    ranks: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    steps: int,
+    batch: int,
+    backend: str | None = None,
+    log=print,
+    offload: bool = False,
+) -> dict:
     """Every path, each in its own launch: {"meta": per-rank dicts, "whole": ...,
     "fsdp2": ...}. An FSDP2 launch that fails is {"error": ...}, not a number."""
     from ..launch import run_ranks
@@ -151,12 +166,20 @@ def measure(ranks: int, hidden: int, layers: int, heads: int, steps: int, batch:
     with tempfile.TemporaryDirectory(prefix="nbtrain-memory-") as folder:
         for path in ("meta", "whole", "fsdp2") + (("offload",) if offload else ()):
             start = time.perf_counter()
-            spec = {"path": path, "hidden": hidden, "layers": layers, "heads": heads,
-                    "steps": steps, "batch": batch, "folder": folder}
+            spec = {
+                "path": path,
+                "hidden": hidden,
+                "layers": layers,
+                "heads": heads,
+                "steps": steps,
+                "batch": batch,
+                "folder": folder,
+            }
             if path == "fsdp2":
                 try:
-                    out[path] = run_ranks(memory_fsdp.run_rank, ranks, spec,
-                                          backend=backend, timeout_s=3600)
+                    out[path] = run_ranks(
+                        memory_fsdp.run_rank, ranks, spec, backend=backend, timeout_s=3600
+                    )
                 except (AssertionError, RuntimeError, TimeoutError) as exc:
                     out[path] = {"error": str(exc).strip().splitlines()[-1][:200]}
             else:
@@ -166,8 +189,9 @@ def measure(ranks: int, hidden: int, layers: int, heads: int, steps: int, batch:
 
 
 def _row(name, phase, peak, theory, ratio, seconds) -> str:
-    return (f"{name:<6} {phase:<6} {peak / MB:>9.1f} {theory / MB:>11.1f} {ratio:>6.2f} "
-            f"{seconds:>8.1f}")
+    return (
+        f"{name:<6} {phase:<6} {peak / MB:>9.1f} {theory / MB:>11.1f} {ratio:>6.2f} {seconds:>8.1f}"
+    )
 
 
 def table(result: dict, ranks: int) -> tuple[str, dict]:
@@ -182,13 +206,21 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
     theory = {"build": shard, "train": 3 * shard, "save": block, "load": shard}
     ratios = {}
     where = "GPU" if meta[0]["build"][1] is not None else "host"
-    lines = [(f"GPT of {params / 1e6:.1f} M parameters ({4 * params / MB:.0f} MiB fp32) on "
-             f"{ranks} ranks, ZeRO-3; runtime baseline {baseline / MB:.1f} MiB"),
-             f"peaks per rank ({where} memory, the worst rank)",
-             (f"{'path':<6} {'phase':<6} {'peak MiB':>9} {'theory MiB':>11} {'ratio':>6} "
-             f"{'seconds':>8}")]
-    paths = [("meta", meta, ("build", "train", "save", "load")),
-             ("whole", whole, ("build", "train"))]
+    lines = [
+        (
+            f"GPT of {params / 1e6:.1f} M parameters ({4 * params / MB:.0f} MiB fp32) on "
+            f"{ranks} ranks, ZeRO-3; runtime baseline {baseline / MB:.1f} MiB"
+        ),
+        f"peaks per rank ({where} memory, the worst rank)",
+        (
+            f"{'path':<6} {'phase':<6} {'peak MiB':>9} {'theory MiB':>11} {'ratio':>6} "
+            f"{'seconds':>8}"
+        ),
+    ]
+    paths = [
+        ("meta", meta, ("build", "train", "save", "load")),
+        ("whole", whole, ("build", "train")),
+    ]
     if "offload" in result:  # on a GPU its device peaks are the point; on a CPU, equal
         paths.append(("offload", result["offload"], ("build", "train")))
     for name, per_rank, phases in paths:
@@ -199,18 +231,24 @@ def table(result: dict, ranks: int) -> tuple[str, dict]:
             ratios[f"{name}_{phase}_vs_theory"] = ratio
             lines.append(_row(name, phase, peak, theory[phase], ratio, seconds))
     lines += _fsdp2_rows(result, theory, meta, ratios)
-    lines.append("theory (the rise above what the rank held): build/load 4P/N, train 12P/N "
-                 "(gradients and AdamW's moments; + activations), save one block; "
-                 "ratio = peak / (theory + baseline)")
+    lines.append(
+        "theory (the rise above what the rank held): build/load 4P/N, train 12P/N "
+        "(gradients and AdamW's moments; + activations), save one block; "
+        "ratio = peak / (theory + baseline)"
+    )
     ratio, still = max(r["async"][0] for r in meta), all(r["async"][1] for r in meta)
-    lines.append(f"step time with a background save in flight / without: {ratio:.2f} "
-                 f"({'still writing after the steps' if still else 'the write ended first'})")
+    lines.append(
+        f"step time with a background save in flight / without: {ratio:.2f} "
+        f"({'still writing after the steps' if still else 'the write ended first'})"
+    )
     ratios["async_save_step_time_ratio"] = ratio
-    ratios["naive_build_vs_meta_build"] = \
-        max(r["build"][0] for r in whole) / max(r["build"][0] for r in meta)
+    ratios["naive_build_vs_meta_build"] = max(r["build"][0] for r in whole) / max(
+        r["build"][0] for r in meta
+    )
     if "offload" in result:
-        ratios["offload_train_vs_meta_train"] = \
+        ratios["offload_train_vs_meta_train"] = (
             ratios["offload_train_vs_theory"] / ratios["meta_train_vs_theory"]
+        )
     return "\n".join(lines), ratios
 
 
@@ -228,11 +266,20 @@ def _fsdp2_rows(result: dict, theory: dict, meta: list, ratios: dict) -> list:
     base = max(r["baseline"] for r in fsdp2)
     shard = max(r.get("shard", 0) for r in fsdp2)
     loaded = [r.get("load_matches_save") for r in fsdp2]
-    load = ("no load" if None in loaded else "the load read the saved values" if all(loaded)
-            else "the load did NOT read the saved values")
-    return [(f"torch {fsdp2[0]['torch']} FSDP2 (meta device, fully_shard per layer and root, "
+    load = (
+        "no load"
+        if None in loaded
+        else "the load read the saved values"
+        if all(loaded)
+        else "the load did NOT read the saved values"
+    )
+    return [
+        (
+            f"torch {fsdp2[0]['torch']} FSDP2 (meta device, fully_shard per layer and root, "
             f"to_empty, DCP): baseline {base / MB:.1f} MiB, shard {shard / MB:.1f} MiB, "
-            f"{load}")] + rows
+            f"{load}"
+        )
+    ] + rows
 
 
 def main(args) -> int:
@@ -243,12 +290,12 @@ def main(args) -> int:
     ranks = args.ranks
     backend = backend_of(args)
     print(f"nbtrain bench --memory: {ranks} ranks, {backend}", flush=True)
-    result = measure(ranks, hidden, layers, 8, steps=2, batch=2, backend=backend,
-                     offload=args.offload)
+    result = measure(
+        ranks, hidden, layers, 8, steps=2, batch=2, backend=backend, offload=args.offload
+    )
     text, ratios = table(result, ranks)
     print(text)
     for key, value in ratios.items():
         print(f"{key}: {value:.3f}")
     write_json(args.json, {"result": result, "ratios": ratios})
     return 0
-

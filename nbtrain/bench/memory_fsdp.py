@@ -13,6 +13,7 @@ Each phase is measured as nbtrain's are (phase.Phase), in a launch of its own, a
 the same warm-up (a tiny model built, saved and loaded once). A phase that raises is
 recorded as {"error": ...} with the phases after it, not as a number.
 """
+
 from __future__ import annotations
 
 import math
@@ -111,8 +112,13 @@ def run_rank(spec: dict) -> dict:
     load_dcp(tiny, mesh, device, warm)
     with Phase(device) as empty:  # FSDP2's baseline: an empty model's build
         build_fsdp2(tiny, mesh, device)
-    cfg = GPTConfig(vocab_size=256, hidden=spec["hidden"], heads=spec["heads"],
-                    layers=spec["layers"], seq_len=64)
+    cfg = GPTConfig(
+        vocab_size=256,
+        hidden=spec["hidden"],
+        heads=spec["heads"],
+        layers=spec["layers"],
+        seq_len=64,
+    )
     out = {"baseline": empty.host, "torch": torch.__version__}
     failed = None
     try:
@@ -161,8 +167,10 @@ def rows(per_rank: list, theory: dict, fmt, meta: list) -> tuple[list, dict]:
         errors = [r[phase] for r in per_rank if isinstance(r[phase], dict) or r[phase] is None]
         if errors:
             why = next((e["error"] for e in errors if e), "not reached")
-            lines.append(f"{'fsdp2':<6} {phase:<6} {'-':>9} {theory[phase] / MB:>11.1f} "
-                         f"{'-':>6} {'-':>8}  not measured: {why}")
+            lines.append(
+                f"{'fsdp2':<6} {phase:<6} {'-':>9} {theory[phase] / MB:>11.1f} "
+                f"{'-':>6} {'-':>8}  not measured: {why}"
+            )
             continue
         peak = peak_of(per_rank, phase)
         seconds = max(r[phase][2] for r in per_rank)
@@ -170,6 +178,7 @@ def rows(per_rank: list, theory: dict, fmt, meta: list) -> tuple[list, dict]:
         ours = peak_of(meta, phase) / peak if peak > 0 else float("nan")
         ratios[f"fsdp2_{phase}_vs_theory"] = ratio
         ours_ratios[f"meta_{phase}_vs_fsdp2"] = ours
-        lines.append(fmt("fsdp2", phase, peak, theory[phase], ratio, seconds)
-                     + f"  nbtrain/FSDP2 {ours:.2f}")
+        lines.append(
+            fmt("fsdp2", phase, peak, theory[phase], ratio, seconds) + f"  nbtrain/FSDP2 {ours:.2f}"
+        )
     return lines, {**ratios, **ours_ratios}

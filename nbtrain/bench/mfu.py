@@ -23,6 +23,7 @@ counted without the causal half: the usual convention). MFU = tokens/s x FLOPs p
 / the device's dense bf16 peak (PEAK_BF16_TFLOPS, by device name; `--peak-tflops`
 overrides). With no peak known (a CPU) it prints tokens/s and says so.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -38,9 +39,9 @@ import time
 PEAK_BF16_TFLOPS = (
     (r"NVL", None),
     (r"H100.*PCIe", 756.0),
-    (r"H100", 989.0),     # SXM5 ("NVIDIA H100 80GB HBM3")
-    (r"H200", 989.0),     # SXM (and GH200: the same Hopper GPU)
-    (r"A100", 312.0),     # SXM4 and PCIe alike
+    (r"H100", 989.0),  # SXM5 ("NVIDIA H100 80GB HBM3")
+    (r"H200", 989.0),  # SXM (and GH200: the same Hopper GPU)
+    (r"A100", 312.0),  # SXM4 and PCIe alike
     (r"L40S", 362.0),
     (r"\bL4\b", 121.0),
     (r"\bA10\b", 125.0),  # not the A10G
@@ -48,12 +49,26 @@ PEAK_BF16_TFLOPS = (
 
 SIZES = {
     # ~1B: 18 x 51.4 M (attention 4 d^2, SwiGLU 3 d x 5632) + 2 x 65.5 M (embedding, head)
-    "1b": {"config": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 5632,
-                      "num_hidden_layers": 18, "num_attention_heads": 16},
-           "seq_len": 2048},
-    "tiny": {"config": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176,
-                        "num_hidden_layers": 2, "num_attention_heads": 4},
-             "seq_len": 64},
+    "1b": {
+        "config": {
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_hidden_layers": 18,
+            "num_attention_heads": 16,
+        },
+        "seq_len": 2048,
+    },
+    "tiny": {
+        "config": {
+            "vocab_size": 256,
+            "hidden_size": 64,
+            "intermediate_size": 176,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+        },
+        "seq_len": 64,
+    },
 }
 ADAMW = {"lr": 1e-4, "eps": 1e-8, "weight_decay": 0.1}
 
@@ -88,10 +103,12 @@ def flops_per_token(cfg, seq_len: int) -> tuple[float, str]:
     """Training FLOPs per token, and the formula with its numbers filled in."""
     _, n = param_count(cfg)
     attn = 12 * cfg.num_hidden_layers * cfg.hidden_size * seq_len
-    text = (f"FLOPs/token = 6 N + 12 L d T = 6 x {n / 1e6:.4g} M + 12 x "
-            f"{cfg.num_hidden_layers} x {cfg.hidden_size} x {seq_len} = "
-            f"{(6 * n + attn) / 1e9:.4g} GFLOP (N: parameters less the input embedding; "
-            "PaLM, Chowdhery et al. 2022, appendix B)")
+    text = (
+        f"FLOPs/token = 6 N + 12 L d T = 6 x {n / 1e6:.4g} M + 12 x "
+        f"{cfg.num_hidden_layers} x {cfg.hidden_size} x {seq_len} = "
+        f"{(6 * n + attn) / 1e9:.4g} GFLOP (N: parameters less the input embedding; "
+        "PaLM, Chowdhery et al. 2022, appendix B)"
+    )
     return 6 * n + attn, text
 
 
@@ -104,7 +121,8 @@ def nbtrain_compiles() -> bool:
 
 def engines() -> tuple[str, ...]:
     return ("nbtrain", "torch", "torch_compile") + (
-        ("nbtrain_compile",) if nbtrain_compiles() else ())
+        ("nbtrain_compile",) if nbtrain_compiles() else ()
+    )
 
 
 def build(engine: str, cfg, seed: int, device, backend: str):
@@ -166,9 +184,15 @@ def run_rank(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    return {"step_s": times[spec["warmup"]:], "warmup_s": times[:spec["warmup"]],
-            "loss": losses, "peak_mem": _peak(device), "build_s": build_s,
-            "device_name": name, "torch": torch.__version__}
+    return {
+        "step_s": times[spec["warmup"] :],
+        "warmup_s": times[: spec["warmup"]],
+        "loss": losses,
+        "peak_mem": _peak(device),
+        "build_s": build_s,
+        "device_name": name,
+        "torch": torch.__version__,
+    }
 
 
 def _measure(r: dict, tokens: int, flops: float, peak: float | None) -> None:
@@ -196,63 +220,101 @@ def run(settings: dict, log=print) -> dict:
         start = time.perf_counter()
         spec = {**settings, "engine": engine}
         try:
-            r = run_ranks(run_rank, 1, spec, seed=settings["seed"], backend=backend,
-                          timeout_s=settings["timeout_s"])[0]
+            r = run_ranks(
+                run_rank,
+                1,
+                spec,
+                seed=settings["seed"],
+                backend=backend,
+                timeout_s=settings["timeout_s"],
+            )[0]
         except (AssertionError, RuntimeError, TimeoutError) as e:
             lines = [line for line in str(e).splitlines() if line.strip()]
             runs[engine] = {"error": lines[-1] if lines else type(e).__name__}
-            log(f"{engine}: FAILED after {time.perf_counter() - start:.1f} s: {e}",
-                file=sys.stderr)
+            log(f"{engine}: FAILED after {time.perf_counter() - start:.1f} s: {e}", file=sys.stderr)
             continue
         device_name = device_name or r["device_name"]
         peak = peak or peak_tflops(device_name)
         _measure(r, tokens, flops, peak)
         runs[engine] = r
-        log(f"{engine}: {time.perf_counter() - start:.1f} s in all, step "
+        log(
+            f"{engine}: {time.perf_counter() - start:.1f} s in all, step "
             f"{1e3 * r['step_time_s']:.1f} ms, {r['tokens_per_s']:.0f} tokens/s, first step "
-            f"{r['warmup_s'][0]:.1f} s", flush=True)
+            f"{r['warmup_s'][0]:.1f} s",
+            flush=True,
+        )
     done = {e: r for e, r in runs.items() if "error" not in r}
     ratios = {f"{e}_mfu": r["mfu"] for e, r in done.items() if r["mfu"] is not None}
     for ours in ("nbtrain", "nbtrain_compile"):
         for peer in ("torch", "torch_compile"):
             if ours in done and peer in done:
-                ratios[f"{ours}_tokens_per_s_vs_{peer}"] = (done[ours]["tokens_per_s"]
-                                                            / done[peer]["tokens_per_s"])
+                ratios[f"{ours}_tokens_per_s_vs_{peer}"] = (
+                    done[ours]["tokens_per_s"] / done[peer]["tokens_per_s"]
+                )
     for e, r in done.items():
         if e.endswith("_compile"):
             ratios[f"{e}_compile_s"] = r["first_step_minus_median_s"]
-    return {"settings": settings, "device_name": device_name or "?", "peak_tflops": peak,
-            "params": params, "flops_per_token": flops, "formula": formula,
-            "tokens_per_step": tokens, "runs": runs, "ratios": ratios}
+    return {
+        "settings": settings,
+        "device_name": device_name or "?",
+        "peak_tflops": peak,
+        "params": params,
+        "flops_per_token": flops,
+        "formula": formula,
+        "tokens_per_step": tokens,
+        "runs": runs,
+        "ratios": ratios,
+    }
 
 
 def table(result: dict) -> str:
     """The Markdown table, the peak (or that none is known) and the ratio lines."""
-    mib = 2 ** 20
-    head = ("engine", "step ms", "tokens/s", "TFLOPS", "MFU", "first step s", "compile s",
-            "peak MiB", "loss first", "loss last")
+    mib = 2**20
+    head = (
+        "engine",
+        "step ms",
+        "tokens/s",
+        "TFLOPS",
+        "MFU",
+        "first step s",
+        "compile s",
+        "peak MiB",
+        "loss first",
+        "loss last",
+    )
     rows = [head]
     for name, r in result["runs"].items():
         if "error" in r:
             rows.append((name, f"FAILED: {r['error'][:80]}") + ("",) * (len(head) - 2))
             continue
         compiled = name.endswith("_compile")
-        rows.append((name, f"{1e3 * r['step_time_s']:.1f}", f"{r['tokens_per_s']:.0f}",
-                     f"{r['tflops']:.2f}", "n/a" if r["mfu"] is None else f"{r['mfu']:.3f}",
-                     f"{r['warmup_s'][0]:.1f}",
-                     f"{r['first_step_minus_median_s']:.1f}" if compiled else "-",
-                     f"{r['peak_mem'] / mib:.0f}", f"{r['loss'][0]:.4f}",
-                     f"{r['loss'][-1]:.4f}"))
+        rows.append(
+            (
+                name,
+                f"{1e3 * r['step_time_s']:.1f}",
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['tflops']:.2f}",
+                "n/a" if r["mfu"] is None else f"{r['mfu']:.3f}",
+                f"{r['warmup_s'][0]:.1f}",
+                f"{r['first_step_minus_median_s']:.1f}" if compiled else "-",
+                f"{r['peak_mem'] / mib:.0f}",
+                f"{r['loss'][0]:.4f}",
+                f"{r['loss'][-1]:.4f}",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines.append("")
     if result["peak_tflops"] is None:
-        lines.append(f"no peak known for this device ({result['device_name']}): tokens/s "
-                     "and TFLOPS only (--peak-tflops gives one)")
+        lines.append(
+            f"no peak known for this device ({result['device_name']}): tokens/s "
+            "and TFLOPS only (--peak-tflops gives one)"
+        )
     else:
-        lines.append(f"peak: {result['peak_tflops']:.0f} TFLOPS dense bf16 "
-                     f"({result['device_name']})")
+        lines.append(
+            f"peak: {result['peak_tflops']:.0f} TFLOPS dense bf16 ({result['device_name']})"
+        )
     lines += [f"{k}: {v:.3f}" for k, v in result["ratios"].items()]
     return "\n".join(lines)
 
@@ -266,32 +328,42 @@ def main(args) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("nbtrain bench --mfu --device cuda needs a CUDA GPU and none is "
-                         "visible")
+        raise SystemExit("nbtrain bench --mfu --device cuda needs a CUDA GPU and none is visible")
     size = "tiny" if args.quick or device == "cpu" else "1b"
     settings = {
-        "device": device, "size": size, "seed": args.seed,
-        "batch": args.batch_per_rank, "backend": args.compile_backend,
+        "device": device,
+        "size": size,
+        "seed": args.seed,
+        "batch": args.batch_per_rank,
+        "backend": args.compile_backend,
         "steps": args.steps or (3 if size == "tiny" else 10),
         "warmup": max(1, args.warmup if args.warmup is not None else 3),
-        "engines": engines(), "peak_tflops": args.peak_tflops, "timeout_s": 600.0,
+        "engines": engines(),
+        "peak_tflops": args.peak_tflops,
+        "timeout_s": 600.0,
     }
     cfg = config(size)
     seq = SIZES[size]["seq_len"]
     params, _ = param_count(cfg)
     _, formula = flops_per_token(cfg, seq)
-    print(f"nbtrain bench --mfu: world 1, {device}, Llama {size} ({params / 1e6:.1f} M "
-          f"parameters: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}, "
-          f"{cfg.num_attention_heads} heads, MLP {cfg.intermediate_size}, vocabulary "
-          f"{cfg.vocab_size}), seq {seq}, {settings['batch']} seq/step, bf16 weights and "
-          f"activations, fp32 master weights and loss, {settings['steps']} timed steps "
-          f"(+{settings['warmup']} warm-up)", flush=True)
+    print(
+        f"nbtrain bench --mfu: world 1, {device}, Llama {size} ({params / 1e6:.1f} M "
+        f"parameters: {cfg.num_hidden_layers} layers, width {cfg.hidden_size}, "
+        f"{cfg.num_attention_heads} heads, MLP {cfg.intermediate_size}, vocabulary "
+        f"{cfg.vocab_size}), seq {seq}, {settings['batch']} seq/step, bf16 weights and "
+        f"activations, fp32 master weights and loss, {settings['steps']} timed steps "
+        f"(+{settings['warmup']} warm-up)",
+        flush=True,
+    )
     print(formula)
-    print("engines: nbtrain = wrap(zero_level=3, reduce_dtype=fp32) + AdamOptimizer; torch "
-          "= plain model + AdamW on fp32 masters; *_compile = each decoder layer compiled "
-          f"(torch.compile, backend {args.compile_backend}); compile s = the first step "
-          "less the median step (a later compiled engine may find inductor's on-disk cache "
-          "warm)", flush=True)
+    print(
+        "engines: nbtrain = wrap(zero_level=3, reduce_dtype=fp32) + AdamOptimizer; torch "
+        "= plain model + AdamW on fp32 masters; *_compile = each decoder layer compiled "
+        f"(torch.compile, backend {args.compile_backend}); compile s = the first step "
+        "less the median step (a later compiled engine may find inductor's on-disk cache "
+        "warm)",
+        flush=True,
+    )
     if not nbtrain_compiles():
         print("nbtrain_compile: not run (this nbtrain's wrap takes no compile=)")
     result = run(settings)

@@ -6,6 +6,7 @@ reset at the start) above what the process held when the phase began, and the GP
 peak allocation beside it; `fix_mmap_threshold()` makes freed large blocks go back to
 the system, so each phase's peak is its own.
 """
+
 from __future__ import annotations
 
 import gc
@@ -47,8 +48,11 @@ class Phase:
 
         self.seconds = time.perf_counter() - self.start
         self.host = _status_kib("VmHWM") * 1024 - self.base
-        self.gpu = (torch.cuda.max_memory_allocated() - self.gpu_base
-                    if self.device.type == "cuda" else None)
+        self.gpu = (
+            torch.cuda.max_memory_allocated() - self.gpu_base
+            if self.device.type == "cuda"
+            else None
+        )
         return False
 
 

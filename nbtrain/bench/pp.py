@@ -8,11 +8,13 @@ engines run the same stage modules with 1F1B. Reported besides the usual columns
 the measured bubble of nbtrain's schedule (per stage, 1 - compute time / schedule
 time, from its telemetry spans, averaged over stages) against the theory
 (P - 1) / (M + P - 1) and against torch's, measured the same way (its stage's
-forward_one_chunk and backward_one_chunk timed), and the point-to-point bytes of all ranks per step against the
-activation count 2 (P - 1) x batch x seq x hidden x 4 (activations forward, their
-gradients back). torch's sends are counted by wrapping the torch.distributed calls
+forward_one_chunk and backward_one_chunk timed), and the point-to-point bytes of all
+ranks per step against the activation count 2 (P - 1) x batch x seq x hidden x 4
+(activations forward, their gradients back). torch's sends are counted by wrapping the
+torch.distributed calls
 its schedule makes.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,6 +54,7 @@ def _count_torch_sends() -> None:
                 if op.op is dist.isend:
                     engines.WIRE.add(op.tensor.numel() * op.tensor.element_size())
             return post(p2p_ops, *a, **kw)
+
         return wrapped
 
     for name in ("_batch_p2p", "_sorted_batch_p2p"):
@@ -59,8 +62,11 @@ def _count_torch_sends() -> None:
 
 
 def _bubble(events: list[dict], span: float) -> float | None:
-    busy = sum(e["end"] - e["start"] for e in events
-               if e["type"] == "compute" and e["label"].startswith("stage"))
+    busy = sum(
+        e["end"] - e["start"]
+        for e in events
+        if e["type"] == "compute" and e["label"].startswith("stage")
+    )
     return None if span <= 0 or not busy else max(0.0, 1.0 - busy / span)
 
 
@@ -76,6 +82,7 @@ def _time_torch_chunks(torch_stage) -> list[float]:
                 return method(*args, **kwargs)
             finally:
                 busy[0] += time.perf_counter() - start
+
         return run
 
     for name in ("forward_one_chunk", "backward_one_chunk"):
@@ -135,8 +142,11 @@ def run_rank(spec: dict) -> dict:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         elapsed = time.perf_counter() - start
-        sent = COUNTERS.snapshot()["bytes"].get("p2p", 0) if engine == "nbtrain_pp" \
+        sent = (
+            COUNTERS.snapshot()["bytes"].get("p2p", 0)
+            if engine == "nbtrain_pp"
             else engines.WIRE.total
+        )
         stats = torch.tensor([elapsed, sent], dtype=torch.float64, device=device)
         slowest = stats[:1].clone()
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -150,12 +160,17 @@ def run_rank(spec: dict) -> dict:
             elif engine == "torch_pp" and span > 0:  # the same measure, from its chunks
                 bubbles.append(max(0.0, 1.0 - busy[0] / span))
     telemetry.set_enabled(True)
-    return {"step_s": times, "loss": losses, "wire_bytes": wire, "hidden": [],
-            "bubble": [b for b in bubbles if b is not None],
-            "peak_mem": _peak(device), "baseline_mem": 0,
-            "state": engines.state_bytes(stage, opt),
-            "param_numel": sum(p.numel() for p in
-                               engines.plain_gpt(cfg, 0, "cpu").parameters())}
+    return {
+        "step_s": times,
+        "loss": losses,
+        "wire_bytes": wire,
+        "hidden": [],
+        "bubble": [b for b in bubbles if b is not None],
+        "peak_mem": _peak(device),
+        "baseline_mem": 0,
+        "state": engines.state_bytes(stage, opt),
+        "param_numel": sum(p.numel() for p in engines.plain_gpt(cfg, 0, "cpu").parameters()),
+    }
 
 
 def theory(cfg: GPTConfig, batch: int, pipe: int, param_numel: int) -> dict:

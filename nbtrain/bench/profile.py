@@ -9,6 +9,7 @@ step spends outside any of these. The
 profiler's own cost slows those launches, so their step times stay out of the main
 table; the profile is read side by side, engine against engine.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -19,18 +20,56 @@ TOP = 8  # operators listed per engine
 
 # First match wins; matched against the profiler's operator name.
 KINDS = (
-    ("collectives", ("gloo", "nccl", "c10d", "all_gather", "reduce_scatter", "allreduce",
-                     "all_reduce", "alltoall", "all_to_all", "broadcast", "send", "recv")),
+    (
+        "collectives",
+        (
+            "gloo",
+            "nccl",
+            "c10d",
+            "all_gather",
+            "reduce_scatter",
+            "allreduce",
+            "all_reduce",
+            "alltoall",
+            "all_to_all",
+            "broadcast",
+            "send",
+            "recv",
+        ),
+    ),
     ("optimizer", ("_foreach", "adam", "Optimizer.")),
     ("attention", ("scaled_dot_product", "flash", "_efficient_attention", "softmax")),
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear",
-                "aten::baddbmm")),
-    ("copies", ("aten::copy_", "aten::cat", "aten::clone", "aten::to", "aten::_to_copy",
-                "aten::contiguous", "aten::zero_", "aten::fill_", "aten::empty",
-                "aten::resize_", "aten::split_with_sizes")),
+    (
+        "matmul",
+        ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm"),
+    ),
+    (
+        "copies",
+        (
+            "aten::copy_",
+            "aten::cat",
+            "aten::clone",
+            "aten::to",
+            "aten::_to_copy",
+            "aten::contiguous",
+            "aten::zero_",
+            "aten::fill_",
+            "aten::empty",
+            "aten::resize_",
+            "aten::split_with_sizes",
+        ),
+    ),
 )
-ORDER = ("matmul", "attention", "optimizer", "collectives", "copies", "other ops",
-         "Python ranges", "outside ops")
+ORDER = (
+    "matmul",
+    "attention",
+    "optimizer",
+    "collectives",
+    "copies",
+    "other ops",
+    "Python ranges",
+    "outside ops",
+)
 
 
 def kind_of(name: str) -> str:
@@ -85,24 +124,38 @@ class StepProfile:
         step_ms = self.wall_s * 1e3 / n
         kinds["outside ops"] = max(step_ms - sum(self_ms.values()), 0.0)
         top = sorted(self_ms.items(), key=lambda kv: -kv[1])[:TOP]
-        return {"step_ms": step_ms, "kinds_ms": kinds, "device_ms": self.device_us / 1e3 / n,
-                "top": [(name, ms, self.calls[name] / n) for name, ms in top]}
+        return {
+            "step_ms": step_ms,
+            "kinds_ms": kinds,
+            "device_ms": self.device_us / 1e3 / n,
+            "top": [(name, ms, self.calls[name] / n) for name, ms in top],
+        }
 
 
 def table(profiles: dict[str, dict]) -> str:
     """Kinds by engine, then each engine's top operators."""
     engines = list(profiles)
-    lines = ["where the time goes (rank 0, ms per step under the profiler):", "",
-             "| kind | " + " | ".join(engines) + " |",
-             "|------|" + "|".join("-" * (len(e) + 2) for e in engines) + "|"]
+    lines = [
+        "where the time goes (rank 0, ms per step under the profiler):",
+        "",
+        "| kind | " + " | ".join(engines) + " |",
+        "|------|" + "|".join("-" * (len(e) + 2) for e in engines) + "|",
+    ]
     for kind in ORDER:
-        lines.append(f"| {kind} | " + " | ".join(
-            f"{profiles[e]['kinds_ms'][kind]:.1f}" for e in engines) + " |")
-    lines.append("| step (wall) | " + " | ".join(
-        f"{profiles[e]['step_ms']:.1f}" for e in engines) + " |")
+        lines.append(
+            f"| {kind} | "
+            + " | ".join(f"{profiles[e]['kinds_ms'][kind]:.1f}" for e in engines)
+            + " |"
+        )
+    lines.append(
+        "| step (wall) | " + " | ".join(f"{profiles[e]['step_ms']:.1f}" for e in engines) + " |"
+    )
     if any(p["device_ms"] for p in profiles.values()):
-        lines.append("| device kernels | " + " | ".join(
-            f"{profiles[e]['device_ms']:.1f}" for e in engines) + " |")
+        lines.append(
+            "| device kernels | "
+            + " | ".join(f"{profiles[e]['device_ms']:.1f}" for e in engines)
+            + " |"
+        )
     for e in engines:
         lines += ["", f"{e}: top operators by self time (ms/step, calls/step)"]
         lines += [f"  {ms:7.2f}  {n:6.1f}  {name}" for name, ms, n in profiles[e]["top"]]

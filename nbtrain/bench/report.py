@@ -1,4 +1,5 @@
 """Aggregate per-rank results into runs, theory ratios, a table and JSON."""
+
 from __future__ import annotations
 
 import math
@@ -22,20 +23,22 @@ def theory(engine: str, param_numel: int, world: int, dtype: str = "fp32") -> di
     """
     ring = (world - 1) / world
     if dtype == "bf16":
-        state = {"zero3": 16 / world, "fsdp2": 16 / world, "zero2": 2 + 14 / world,
-                 "ddp": 16}[engine] * param_numel
-        per_param = {"zero3": 2 + 2 + 4, "fsdp2": 2 + 2 + 4, "zero2": 2 + 4,
-                     "ddp": 2 * 4}[engine]
+        state = {"zero3": 16 / world, "fsdp2": 16 / world, "zero2": 2 + 14 / world, "ddp": 16}[
+            engine
+        ] * param_numel
+        per_param = {"zero3": 2 + 2 + 4, "fsdp2": 2 + 2 + 4, "zero2": 2 + 4, "ddp": 2 * 4}[engine]
         return {"state_bytes": state, "wire_bytes": per_param * param_numel * ring}
     p_bytes = param_numel * BYTES_PER_ELEMENT
-    state = {"zero3": 16 / world, "fsdp2": 16 / world, "zero2": 4 + 12 / world,
-             "ddp": 16}[engine] * param_numel
+    state = {"zero3": 16 / world, "fsdp2": 16 / world, "zero2": 4 + 12 / world, "ddp": 16}[
+        engine
+    ] * param_numel
     wire = (3 if engine in ("zero3", "fsdp2") else 2) * p_bytes * ring
     return {"state_bytes": state, "wire_bytes": wire}
 
 
-def summarize(engine: str, rounds: list[list[dict]], world: int, th: dict | None = None,
-              dtype: str = "fp32") -> dict:
+def summarize(
+    engine: str, rounds: list[list[dict]], world: int, th: dict | None = None, dtype: str = "fp32"
+) -> dict:
     """One engine's run from its rounds (each a list of per-rank results), against the
     theory `th` (state_bytes, wire_bytes; default: the ZeRO paper's for `engine` in
     `dtype`)."""
@@ -62,8 +65,11 @@ def summarize(engine: str, rounds: list[list[dict]], world: int, th: dict | None
         "param_numel": numel,
         # per round (a fresh launch): the first warm-up step less the timed median, which
         # is the compile time where the model is compiled
-        "first_step_extra_s": [ranks[0]["warmup_s"][0] - statistics.median(ranks[0]["step_s"])
-                               for ranks in rounds if ranks[0].get("warmup_s")],
+        "first_step_extra_s": [
+            ranks[0]["warmup_s"][0] - statistics.median(ranks[0]["step_s"])
+            for ranks in rounds
+            if ranks[0].get("warmup_s")
+        ],
     }
 
 
@@ -101,8 +107,7 @@ def tp_ratios(runs: dict) -> dict:
     return {
         "tp_step_vs_dtensor": ours["step_time_s"] / peer["step_time_s"],
         "tp_bytes_vs_megatron": _ratio(ours["wire_bytes_per_step"], ours["wire_theory_bytes"]),
-        "dtensor_bytes_vs_megatron": _ratio(peer["wire_bytes_per_step"],
-                                            peer["wire_theory_bytes"]),
+        "dtensor_bytes_vs_megatron": _ratio(peer["wire_bytes_per_step"], peer["wire_theory_bytes"]),
         "tp_state_mem_vs_theory": ours["state_bytes"] / ours["state_theory_bytes"],
         "tp_loss_max_abs_diff_vs_dtensor": ours["loss_max_abs_diff_vs_ddp"],
     }
@@ -111,23 +116,41 @@ def tp_ratios(runs: dict) -> dict:
 def table(runs: dict, ratio: dict, compile_column: bool = False) -> str:
     """The Markdown table and the ratio lines; `compile_column` adds "compile s": per
     launch, the first warm-up step less the median step (lowest-highest over rounds)."""
-    mib = 2 ** 20
+    mib = 2**20
     reference = next(iter(runs.values())).get("reference", "ddp").replace("_tp", "")
-    head = ("engine", "step ms", "rounds ms", "peak MiB", "state MiB", "state/th",
-            "wire MiB", "wire/th", "hidden %", f"loss |d| vs {reference}")
+    head = (
+        "engine",
+        "step ms",
+        "rounds ms",
+        "peak MiB",
+        "state MiB",
+        "state/th",
+        "wire MiB",
+        "wire/th",
+        "hidden %",
+        f"loss |d| vs {reference}",
+    )
     if compile_column:
         head = head[:3] + ("compile s",) + head[3:]
     rows = [head]
     for name, r in runs.items():
-        spread = "-".join(f"{1e3 * t:.0f}" for t in (min(r["step_time_round_medians_s"]),
-                                                    max(r["step_time_round_medians_s"])))
+        spread = "-".join(
+            f"{1e3 * t:.0f}"
+            for t in (min(r["step_time_round_medians_s"]), max(r["step_time_round_medians_s"]))
+        )
         hidden = "n/a" if r["hidden_comm_pct"] is None else f"{r['hidden_comm_pct']:.0f}"
-        row = (name, f"{1e3 * r['step_time_s']:.1f}", spread,
-               f"{r['peak_mem_bytes'] / mib:.0f}", f"{r['state_bytes'] / mib:.2f}",
-               f"{r['state_bytes'] / r['state_theory_bytes']:.3f}",
-               f"{r['wire_bytes_per_step'] / mib:.2f}",
-               f"{_ratio(r['wire_bytes_per_step'], r['wire_theory_bytes']):.3f}", hidden,
-               f"{r['loss_max_abs_diff_vs_ddp']:.1e} {'ok' if r['parity'] else 'DIFFER'}")
+        row = (
+            name,
+            f"{1e3 * r['step_time_s']:.1f}",
+            spread,
+            f"{r['peak_mem_bytes'] / mib:.0f}",
+            f"{r['state_bytes'] / mib:.2f}",
+            f"{r['state_bytes'] / r['state_theory_bytes']:.3f}",
+            f"{r['wire_bytes_per_step'] / mib:.2f}",
+            f"{_ratio(r['wire_bytes_per_step'], r['wire_theory_bytes']):.3f}",
+            hidden,
+            f"{r['loss_max_abs_diff_vs_ddp']:.1e} {'ok' if r['parity'] else 'DIFFER'}",
+        )
         if compile_column:
             extra = r.get("first_step_extra_s") or [float("nan")]
             row = row[:3] + ("-".join(f"{t:.1f}" for t in (min(extra), max(extra))),) + row[3:]
@@ -136,6 +159,7 @@ def table(runs: dict, ratio: dict, compile_column: bool = False) -> str:
     lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |" for row in rows]
     lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
     lines.append("")
-    lines += [f"{k}: {v:.3f}" if abs(v) >= 1e-3 or v == 0 else f"{k}: {v:.1e}"
-              for k, v in ratio.items()]
+    lines += [
+        f"{k}: {v:.3f}" if abs(v) >= 1e-3 or v == 0 else f"{k}: {v:.1e}" for k, v in ratio.items()
+    ]
     return "\n".join(lines)

@@ -38,6 +38,7 @@ copy of the attention math here can drift from the real one. W is also split by
 exchange (forward K/V, backward K/V, dK/dV on the way, dK/dV home: the last hop, which
 nothing is left to hide) in the JSON and the table.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -69,8 +70,7 @@ def _rings():
 
         def exchange(self, sends, recvs, tags, label):
             kind = _exchange_kind(label, self.size)
-            return [_TimedWork(w, self, kind)
-                    for w in super().exchange(sends, recvs, tags, label)]
+            return [_TimedWork(w, self, kind) for w in super().exchange(sends, recvs, tags, label)]
 
     class ComputeOnly(Ring):
         def exchange(self, sends, recvs, tags, label):
@@ -104,8 +104,8 @@ def run_rank(spec: dict) -> dict:
     import torch.nn.functional as F
 
     import nbtrain
-    from nbtrain.comm.collectives import COUNTERS
     from nbtrain import context_parallel as ra
+    from nbtrain.comm.collectives import COUNTERS
 
     world = dist.get_world_size()
     ctx = nbtrain.init_distributed(cp_size=world)
@@ -121,18 +121,19 @@ def run_rank(spec: dict) -> dict:
         def build(**kwargs):  # ring_attention's `ring=` factory: keeps each ring built
             rings.append(cls(**kwargs))
             return rings[-1]
-        return lambda q, k, v: ra.ring_attention(q, k, v, causal=True, group=group,
-                                                 ring=build)
+
+        return lambda q, k, v: ra.ring_attention(q, k, v, causal=True, group=group, ring=build)
 
     calls = {
         "ring": (ring_call(timed_ring), local),
         "compute": (ring_call(compute_ring), local),
         "comm": (ring_call(comm_ring), local),
-        "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                 full),
+        "sdpa": (lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), full),
     }
-    leaves = {name: [x.clone().requires_grad_(True) for x in tensors[:3]]
-              for name, (_, tensors) in calls.items()}
+    leaves = {
+        name: [x.clone().requires_grad_(True) for x in tensors[:3]]
+        for name, (_, tensors) in calls.items()
+    }
 
     def once(name):
         fn, tensors = calls[name]
@@ -145,17 +146,20 @@ def run_rank(spec: dict) -> dict:
 
     # Exact first: ring_attention's output is this rank's rows of full attention, and so
     # is the timed ring's.
-    reference = ra.shard_sequence(F.scaled_dot_product_attention(*full[:3], is_causal=True),
-                                  2, group)
-    diff = max((ra.ring_attention(*local[:3], causal=True, group=group) - reference).abs().max(),
-               (once("ring").detach() - reference).abs().max()).item()
+    reference = ra.shard_sequence(
+        F.scaled_dot_product_attention(*full[:3], is_causal=True), 2, group
+    )
+    diff = max(
+        (ra.ring_attention(*local[:3], causal=True, group=group) - reference).abs().max(),
+        (once("ring").detach() - reference).abs().max(),
+    ).item()
     COUNTERS.reset()
     once("ring")
     p2p = COUNTERS.snapshot()["bytes"].get("p2p", 0)
     times = {name: [] for name in VARIANTS}
     waits = []  # per timed "ring" call: {exchange kind: seconds blocked}
     for it in range(spec["warmup"] + spec["iters"]):
-        order = VARIANTS[it % len(VARIANTS):] + VARIANTS[:it % len(VARIANTS)]
+        order = VARIANTS[it % len(VARIANTS) :] + VARIANTS[: it % len(VARIANTS)]
         for name in order:
             dist.barrier()
             rings.clear()
@@ -163,19 +167,32 @@ def run_rank(spec: dict) -> dict:
             once(name)
             if ctx.device.type == "cuda":
                 torch.cuda.synchronize(ctx.device)
-            slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64,
-                                   device=ctx.device)
+            slowest = torch.tensor(
+                [time.perf_counter() - start], dtype=torch.float64, device=ctx.device
+            )
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if it >= spec["warmup"]:
                 times[name].append(slowest.item())
                 if name == "ring":  # forward and backward share the ring object
-                    waits.append({kind: sum(r.waited.get(kind, 0.0) for r in rings)
-                                  for kind in EXCHANGES})
+                    waits.append(
+                        {kind: sum(r.waited.get(kind, 0.0) for r in rings) for kind in EXCHANGES}
+                    )
     fused = ra.uses_fused_kernel(local[0])
-    kernel = {"cpu": "fused: aten flash attention for CPU", "cuda": "fused: aten memory-"
-              "efficient attention"}.get(ctx.device.type) if fused else "math (float32)"
-    return {"times": times, "waits": waits, "p2p_bytes": p2p, "max_abs_diff": diff,
-            "kernel": kernel}
+    kernel = (
+        {
+            "cpu": "fused: aten flash attention for CPU",
+            "cuda": "fused: aten memory-efficient attention",
+        }.get(ctx.device.type)
+        if fused
+        else "math (float32)"
+    )
+    return {
+        "times": times,
+        "waits": waits,
+        "p2p_bytes": p2p,
+        "max_abs_diff": diff,
+        "kernel": kernel,
+    }
 
 
 def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> dict:
@@ -183,14 +200,15 @@ def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> di
     from ..launch import run_ranks
 
     start = time.perf_counter()
-    per_rank = run_ranks(run_rank, ranks, spec, seed=spec["seed"], backend=backend,
-                         timeout_s=900.0)
+    per_rank = run_ranks(run_rank, ranks, spec, seed=spec["seed"], backend=backend, timeout_s=900.0)
     log(f"ring bench: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     times = per_rank[0]["times"]  # every rank holds the same all-reduced maxima
     med = {name: statistics.median(times[name]) for name in VARIANTS}
     waited = max(statistics.median(sum(w.values()) for w in r["waits"]) for r in per_rank)
-    by_kind = {kind: max(statistics.median(w[kind] for w in r["waits"]) for r in per_rank)
-               for kind in EXCHANGES}
+    by_kind = {
+        kind: max(statistics.median(w[kind] for w in r["waits"]) for r in per_rank)
+        for kind in EXCHANGES
+    }
     t_ring, t_comp, t_comm, t_full = (med[n] for n in VARIANTS)
     hidden = _hidden(t_ring, t_comp, t_comm)
     ratios = {
@@ -203,13 +221,18 @@ def measure(ranks: int, spec: dict, backend: str | None = None, log=print) -> di
         "compute_only_vs_full_sdpa": t_comp / t_full,
         "ideal_vs_full_sdpa": 1.0 / ranks,
     }
-    return {"settings": {**spec, "ranks": ranks}, "median_s": med, "times_s": times,
-            "exposed_wait_s": waited, "exposed_wait_by_exchange_s": by_kind,
-            "waits_s": [r["waits"] for r in per_rank],
-            "p2p_bytes_per_call": max(r["p2p_bytes"] for r in per_rank),
-            "max_abs_diff_vs_sdpa": max(r["max_abs_diff"] for r in per_rank),
-            "block_kernel": per_rank[0]["kernel"],
-            "ratios": ratios}
+    return {
+        "settings": {**spec, "ranks": ranks},
+        "median_s": med,
+        "times_s": times,
+        "exposed_wait_s": waited,
+        "exposed_wait_by_exchange_s": by_kind,
+        "waits_s": [r["waits"] for r in per_rank],
+        "p2p_bytes_per_call": max(r["p2p_bytes"] for r in per_rank),
+        "max_abs_diff_vs_sdpa": max(r["max_abs_diff"] for r in per_rank),
+        "block_kernel": per_rank[0]["kernel"],
+        "ratios": ratios,
+    }
 
 
 def _hidden(t_ring: float, t_comp: float, t_comm: float) -> float:
@@ -218,23 +241,39 @@ def _hidden(t_ring: float, t_comp: float, t_comm: float) -> float:
 
 def table(result: dict) -> str:
     med, times = result["median_s"], result["times_s"]
-    names = {"ring": "ring (comm + compute)", "compute": "compute only (local copies)",
-             "comm": "comm only (no blocks)", "sdpa": "full-sequence SDPA, one rank"}
+    names = {
+        "ring": "ring (comm + compute)",
+        "compute": "compute only (local copies)",
+        "comm": "comm only (no blocks)",
+        "sdpa": "full-sequence SDPA, one rank",
+    }
     lines = [f"{'variant':<30} {'median ms':>10} {'min ms':>8} {'max ms':>8}"]
     for name in VARIANTS:
-        lines.append(f"{names[name]:<30} {1e3 * med[name]:>10.1f} "
-                     f"{1e3 * min(times[name]):>8.1f} {1e3 * max(times[name]):>8.1f}")
-    lines.append(f"{'ring: blocked in waits (W)':<30} {1e3 * result['exposed_wait_s']:>10.1f}"
-                 f"   (the rank that waited most)")
-    lines.append("  W by exchange: " + ", ".join(
-        f"{kind} {1e3 * t:.1f}" for kind, t in result["exposed_wait_by_exchange_s"].items())
-        + " ms (medians, the rank that waited most on each)")
+        lines.append(
+            f"{names[name]:<30} {1e3 * med[name]:>10.1f} "
+            f"{1e3 * min(times[name]):>8.1f} {1e3 * max(times[name]):>8.1f}"
+        )
+    lines.append(
+        f"{'ring: blocked in waits (W)':<30} {1e3 * result['exposed_wait_s']:>10.1f}"
+        f"   (the rank that waited most)"
+    )
+    lines.append(
+        "  W by exchange: "
+        + ", ".join(
+            f"{kind} {1e3 * t:.1f}" for kind, t in result["exposed_wait_by_exchange_s"].items()
+        )
+        + " ms (medians, the rank that waited most on each)"
+    )
     lines.append(f"block kernel: {result['block_kernel']}")
-    lines.append(f"p2p bytes per rank per forward+backward: "
-                 f"{result['p2p_bytes_per_call'] / 2 ** 20:.2f} MiB; ring vs SDPA max |diff| "
-                 f"{result['max_abs_diff_vs_sdpa']:.1e}")
-    lines.append("hidden share = (T_comm + T_comp - T_ring) / T_comm, clipped to [0, 1] "
-                 "(medians); _from_waits: 1 - W / T_comm")
+    lines.append(
+        f"p2p bytes per rank per forward+backward: "
+        f"{result['p2p_bytes_per_call'] / 2**20:.2f} MiB; ring vs SDPA max |diff| "
+        f"{result['max_abs_diff_vs_sdpa']:.1e}"
+    )
+    lines.append(
+        "hidden share = (T_comm + T_comp - T_ring) / T_comm, clipped to [0, 1] "
+        "(medians); _from_waits: 1 - W / T_comm"
+    )
     lines += [f"{key}: {value:.3f}" for key, value in result["ratios"].items()]
     return "\n".join(lines)
 
@@ -244,20 +283,30 @@ def main(args) -> int:
 
     quick = args.quick
     backend = backend_of(args)
-    spec = {"batch": 1, "heads": 4 if quick else 8, "head_dim": 64,
-            "seq": 1024 if quick else 2048, "seed": args.seed,
-            "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
-            "iters": args.steps or (3 if quick else 25)}
+    spec = {
+        "batch": 1,
+        "heads": 4 if quick else 8,
+        "head_dim": 64,
+        "seq": 1024 if quick else 2048,
+        "seed": args.seed,
+        "warmup": args.warmup if args.warmup is not None else (1 if quick else 2),
+        "iters": args.steps or (3 if quick else 25),
+    }
     if args.ranks < 2:
         raise SystemExit("--ring: a ring needs --ranks 2 or more (one rank is plain attention)")
     if spec["seq"] % (2 * args.ranks):
-        raise SystemExit(f"--ring: the {spec['seq']}-token sequence does not split into "
-                         f"2 x {args.ranks} zigzag chunks; use --ranks dividing {spec['seq'] // 2}")
-    print(f"nbtrain bench --ring: {args.ranks} ranks (cp {args.ranks}, zigzag), {backend}, "
-          f"batch {spec['batch']}, {spec['heads']} heads x {spec['head_dim']}, causal "
-          f"sequence of {spec['seq']} tokens ({spec['seq'] // args.ranks} per rank), "
-          f"float32, forward + backward, {spec['iters']} timed (+{spec['warmup']} warm-up) "
-          f"per variant", flush=True)
+        raise SystemExit(
+            f"--ring: the {spec['seq']}-token sequence does not split into "
+            f"2 x {args.ranks} zigzag chunks; use --ranks dividing {spec['seq'] // 2}"
+        )
+    print(
+        f"nbtrain bench --ring: {args.ranks} ranks (cp {args.ranks}, zigzag), {backend}, "
+        f"batch {spec['batch']}, {spec['heads']} heads x {spec['head_dim']}, causal "
+        f"sequence of {spec['seq']} tokens ({spec['seq'] // args.ranks} per rank), "
+        f"float32, forward + backward, {spec['iters']} timed (+{spec['warmup']} warm-up) "
+        f"per variant",
+        flush=True,
+    )
     result = measure(args.ranks, spec, backend)
     print(table(result))
     write_json(args.json, result)

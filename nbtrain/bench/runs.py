@@ -1,4 +1,5 @@
 """What every `nbtrain bench` mode shares: the backend its ranks use and its --json file."""
+
 from __future__ import annotations
 
 import json

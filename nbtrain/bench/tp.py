@@ -16,6 +16,7 @@ step (the step is the same each time). Both are compared with the Megatron count
 per layer two all-reduces of the activations forward and two backward, one for
 the embedding and one for the head's input, and the all-gather of the logits.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,8 +54,7 @@ class _LocalHeads(nn.Module):
         self.qkv, self.proj = attention.qkv, attention.proj
         weight = attention.qkv.weight.data
         with torch.no_grad():
-            self.qkv.weight.copy_(torch.cat([cut(weight, 0, tp, r, groups=3)
-                                             for r in range(tp)]))
+            self.qkv.weight.copy_(torch.cat([cut(weight, 0, tp, r, groups=3) for r in range(tp)]))
 
     def forward(self, x):
         return local_heads_attention(self, x)
@@ -74,12 +74,24 @@ def _dtensor(model: nn.Module, cfg: GPTConfig, tp: int, device: torch.device) ->
     mesh = init_device_mesh(device.type, (tp,))
     for layer in model.layers:
         layer.attn = _LocalHeads(layer.attn, tp)
-        parallelize_module(layer, mesh, {"attn.qkv": ColwiseParallel(),
-                                         "attn.proj": RowwiseParallel(),
-                                         "mlp.0": ColwiseParallel(),
-                                         "mlp.2": RowwiseParallel()})
-    parallelize_module(model, mesh, {"tok": RowwiseParallel(input_layouts=Replicate()),
-                                     "head": ColwiseParallel(output_layouts=Replicate())})
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "attn.qkv": ColwiseParallel(),
+                "attn.proj": RowwiseParallel(),
+                "mlp.0": ColwiseParallel(),
+                "mlp.2": RowwiseParallel(),
+            },
+        )
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok": RowwiseParallel(input_layouts=Replicate()),
+            "head": ColwiseParallel(output_layouts=Replicate()),
+        },
+    )
     if cfg.tie_embeddings:  # each module got its own copy; tie them again
         model.head.weight = model.tok.weight
     return model
@@ -97,9 +109,9 @@ class FunctionalCollectiveBytes(TorchDispatchMode):
         name = str(func)
         if "_c10d_functional." in name and args and torch.is_tensor(args[0]):
             nbytes, world = args[0].numel() * args[0].element_size(), self.world
-            if "all_reduce" in name:       # the buffer, twice (N-1)/N
+            if "all_reduce" in name:  # the buffer, twice (N-1)/N
                 self.total += 2 * nbytes * (world - 1) / world
-            elif "all_gather" in name:     # the input is one rank's shard
+            elif "all_gather" in name:  # the input is one rank's shard
                 self.total += nbytes * (world - 1)
             elif "reduce_scatter" in name:  # the input is the full buffer
                 self.total += nbytes * (world - 1) / world
@@ -117,5 +129,7 @@ def megatron_bytes(cfg: GPTConfig, batch: int, tp: int) -> float:
 
 def theory(cfg: GPTConfig, batch: int, tp: int, dp: int, param_numel: int) -> dict:
     """Model state at rest (16 bytes x params / (tp x dp)) and the Megatron wire count."""
-    return {"state_bytes": 16 * param_numel / (tp * dp),
-            "wire_bytes": megatron_bytes(cfg, batch, tp)}
+    return {
+        "state_bytes": 16 * param_numel / (tp * dp),
+        "wire_bytes": megatron_bytes(cfg, batch, tp),
+    }

@@ -3,6 +3,7 @@
 Every step is bracketed by a barrier so a slow rank's lag is not carried into
 the next step, and its time is the slowest rank's (an all-reduce of max).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,16 +57,20 @@ def hidden_fraction(events: list[dict]) -> float | None:
     (embedding, head, loss, optimizer) has none, so comm under it counts as
     exposed and the share is a lower bound.
     """
-    return comm_overlap([(e["start"], e["end"]) for e in events if e["type"] == "comm"],
-                        [(e["start"], e["end"]) for e in events if e["type"] == "compute"])
+    return comm_overlap(
+        [(e["start"], e["end"]) for e in events if e["type"] == "comm"],
+        [(e["start"], e["end"]) for e in events if e["type"] == "compute"],
+    )
 
 
 def batches(cfg: GPTConfig, steps: int, batch_per_rank: int, world: int, seed: int):
     """(x, y), each (steps, world * batch_per_rank, seq_len) int64; same on every rank."""
     g = torch.Generator().manual_seed(seed + 1)
     shape = (steps, world * batch_per_rank, cfg.seq_len)
-    return (torch.randint(0, cfg.vocab_size, shape, generator=g),
-            torch.randint(0, cfg.vocab_size, shape, generator=g))
+    return (
+        torch.randint(0, cfg.vocab_size, shape, generator=g),
+        torch.randint(0, cfg.vocab_size, shape, generator=g),
+    )
 
 
 def run_rank(spec: dict) -> dict:
@@ -135,9 +140,15 @@ def _train(spec: dict, rank: int, world: int) -> dict:
             if telemetry.enabled():
                 hidden.append(hidden_fraction(telemetry.RECORDER.snapshot()))
     telemetry.set_enabled(True)
-    return {"profile": prof.summary() if prof is not None else None,
-            "step_s": times, "warmup_s": warmup, "loss": losses, "wire_bytes": wire,
-            "hidden": hidden,
-            "peak_mem": _peak(device), "baseline_mem": baseline,
-            "state": engines.state_bytes(model, opt),
-            "param_numel": sum(p.numel() for p in engines.plain_gpt(cfg, 0, "cpu").parameters())}
+    return {
+        "profile": prof.summary() if prof is not None else None,
+        "step_s": times,
+        "warmup_s": warmup,
+        "loss": losses,
+        "wire_bytes": wire,
+        "hidden": hidden,
+        "peak_mem": _peak(device),
+        "baseline_mem": baseline,
+        "state": engines.state_bytes(model, opt),
+        "param_numel": sum(p.numel() for p in engines.plain_gpt(cfg, 0, "cpu").parameters()),
+    }

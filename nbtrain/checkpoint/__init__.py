@@ -1,7 +1,8 @@
 """The checkpoint layer: one consolidated safetensors file, or sharded and reshardable N -> M
 across data-parallel, tensor-parallel and pipeline layouts."""
-from .consolidated import load, save
+
 from .asynchronous import wait
+from .consolidated import load, save
 from .reader import load_checkpoint
 from .writer import save_checkpoint
 

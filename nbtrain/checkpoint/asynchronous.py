@@ -16,6 +16,7 @@ error (a failed write here, or a rank that failed or never finished within
 `save_checkpoint` and `load_checkpoint` call it first; the end of the process waits
 for this rank's own writes.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -26,7 +27,7 @@ import time
 from .layout import write_tensors
 
 MARKER_TIMEOUT_S = 600.0  # how long rank 0 waits for the other ranks' files
-PAUSE_S = 0.0             # tests: a pause before writing, a window to kill a rank in
+PAUSE_S = 0.0  # tests: a pause before writing, a window to kill a rank in
 
 _pending: list["_Save"] = []
 _lock = threading.Lock()
@@ -75,15 +76,19 @@ class _Save(threading.Thread):
                 failed = self._marker(rank, "failed")
                 if os.path.exists(failed):
                     with open(failed) as f:
-                        raise RuntimeError(f"save_checkpoint({self.path!r}): rank {rank} failed "
-                                           f"to write its shards ({f.read()}); meta.json "
-                                           "still names the previous checkpoint")
+                        raise RuntimeError(
+                            f"save_checkpoint({self.path!r}): rank {rank} failed "
+                            f"to write its shards ({f.read()}); meta.json "
+                            "still names the previous checkpoint"
+                        )
                 if os.path.exists(self._marker(rank, "done")):
                     waiting.discard(rank)
             if waiting and time.monotonic() > deadline:
-                raise TimeoutError(f"save_checkpoint({self.path!r}): rank(s) {sorted(waiting)} "
-                                   f"did not finish writing within {self.timeout_s:g} s (did "
-                                   "they die?); meta.json still names the previous checkpoint")
+                raise TimeoutError(
+                    f"save_checkpoint({self.path!r}): rank(s) {sorted(waiting)} "
+                    f"did not finish writing within {self.timeout_s:g} s (did "
+                    "they die?); meta.json still names the previous checkpoint"
+                )
             if waiting:
                 time.sleep(0.02)
 

@@ -12,6 +12,7 @@ With pipeline stages (`nbtrain.pipeline.stage_of`, whose names are the plain
 `nn.Sequential(*layers)`'s) each stage's first rank writes its stage's tensors and
 rank 0 joins them into the file; `load` gives each stage the tensors of its own layers.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,14 +49,16 @@ def save(model, path: str) -> None:
     def start():
         nonlocal writer
         if not os.path.isdir(folder):
-            raise FileNotFoundError(f"nbtrain.save({path!r}): the folder {folder!r} does not "
-                                    "exist; create it first")
+            raise FileNotFoundError(
+                f"nbtrain.save({path!r}): the folder {folder!r} does not exist; create it first"
+            )
         if writes:
             try:
                 writer = stream.PartWriter(part)
             except OSError as err:
-                raise OSError(f"nbtrain.save({path!r}): cannot write beside it "
-                              f"({err.strerror}: {part!r})") from err
+                raise OSError(
+                    f"nbtrain.save({path!r}): cannot write beside it ({err.strerror}: {part!r})"
+                ) from err
 
     agreed(f"nbtrain.save({path!r})", start)
     try:
@@ -124,9 +127,11 @@ def load(model, path: str, strict: bool = True):
             model.load_state_dict({key: stream.read_one(source, key)}, strict=False)
     missing = [k for k in wanted if k not in present]
     expected = set(wanted)
-    unexpected = [] if get_context().topology.pipe_size > 1 else \
-        [k for k in in_file if k not in expected]  # the other stages' layers
+    unexpected = (
+        [] if get_context().topology.pipe_size > 1 else [k for k in in_file if k not in expected]
+    )  # the other stages' layers
     if strict and (missing or unexpected):
-        raise RuntimeError(f"nbtrain.load({path!r}): missing keys {missing}, "
-                           f"unexpected keys {unexpected}")
+        raise RuntimeError(
+            f"nbtrain.load({path!r}): missing keys {missing}, unexpected keys {unexpected}"
+        )
     return _IncompatibleKeys(missing, unexpected)

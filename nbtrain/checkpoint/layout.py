@@ -32,6 +32,7 @@ Atomicity: each file is written to a temporary name, fsynced and renamed; meta.j
 is replaced last. A save that dies anywhere before that rename leaves the previous
 meta.json pointing at the previous, untouched version folder.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,6 +50,7 @@ FORMAT_VERSION = 1
 
 
 # -- atomic files ------------------------------------------------------------------
+
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -102,11 +104,11 @@ def agreed(what: str, fn, run_here: bool = True):
 
 # -- what each rank stores ------------------------------------------------------------
 
+
 class Entry:
     """One local parameter: its name, where its real elements sit, how it is laid out."""
 
-    def __init__(self, name, param, numel, kind, begin, end, layout_info, tp=False,
-                 shard=None):
+    def __init__(self, name, param, numel, kind, begin, end, layout_info, tp=False, shard=None):
         self.name, self.param, self.numel, self.kind = name, param, numel, kind
         self.begin, self.end = begin, min(end, numel)  # real elements held here
         self.layout_info = layout_info  # JSON: the shapes a loader must match
@@ -130,8 +132,14 @@ class Entry:
         """This rank's part of the entry's meta.json record (writer.merge_params joins
         the ranks' parts)."""
         topo = get_context().topology
-        return {"kind": self.kind, "numel": self.numel, "shapes": self.layout_info,
-                "tp": self.tp, "shard": self.shard, "tp_slot": topo.tp_rank if self.tp else 0}
+        return {
+            "kind": self.kind,
+            "numel": self.numel,
+            "shapes": self.layout_info,
+            "tp": self.tp,
+            "shard": self.shard,
+            "tp_slot": topo.tp_rank if self.tp else 0,
+        }
 
 
 def slot_info(name: str, shape, tp_meta=None) -> list:
@@ -139,8 +147,13 @@ def slot_info(name: str, shape, tp_meta=None) -> list:
     its split dimension, part count and full shape."""
     info = [name, list(shape)]
     if tp_meta is not None:
-        info.append({"dim": tp_meta.tp_split_dim, "groups": getattr(tp_meta, "tp_groups", 1),
-                     "full": list(tp_meta.tp_full_shape)})
+        info.append(
+            {
+                "dim": tp_meta.tp_split_dim,
+                "groups": getattr(tp_meta, "tp_groups", 1),
+                "full": list(tp_meta.tp_full_shape),
+            }
+        )
     return info
 
 
@@ -164,13 +177,17 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
     topo = get_context().topology
     buffers = {id(b.shard): b for b in flat_buffers(model)}
     experts = [n for n, p in model.named_parameters() if slice_kind(p) == "ep"] + [
-        m.names[0] for b in buffers.values() for m in b.members
-        if m.tp is not None and slice_kind(m.tp) == "ep"]
+        m.names[0]
+        for b in buffers.values()
+        for m in b.members
+        if m.tp is not None and slice_kind(m.tp) == "ep"
+    ]
     if experts and topo.ep_size > 1:
         raise NotImplementedError(
             f"sharded checkpoints do not store experts split over ep_size {topo.ep_size} "
             f"yet ({experts[0]!r}): save with nbtrain.save(model, path) and load with "
-            "nbtrain.load, whose one file holds every expert")
+            "nbtrain.load, whose one file holds every expert"
+        )
     aliases = _tie_aliases(model)
     sharded = {id(s.param): s for s in shards(model) if s.kind is ShardKind.PARAMETER}
     out = []
@@ -179,10 +196,19 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
         if buffer is not None:
             slots = [slot_info(m.names[0], m.shape, m.tp) for m in buffer.members]
             ranks = buffer.ranks
-            out.append(Entry(name, p, buffer.numel, "flat", buffer.start,
-                             buffer.start + buffer.shard.numel(), slots,
-                             tp=any(m.tp is not None for m in buffer.members),
-                             shard=(ranks.rank, ranks.size)))
+            out.append(
+                Entry(
+                    name,
+                    p,
+                    buffer.numel,
+                    "flat",
+                    buffer.start,
+                    buffer.start + buffer.shard.numel(),
+                    slots,
+                    tp=any(m.tp is not None for m in buffer.members),
+                    shard=(ranks.rank, ranks.size),
+                )
+            )
             continue
         tp = is_tp_slice(p)
         plain = aliases.get(name, name)
@@ -190,10 +216,32 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
         info = [slot_info(plain, p.shape if shard is None else shard.shape, p if tp else None)]
         if shard is not None:
             ranks = shard.ranks
-            out.append(Entry(plain, p, shard.numel, "sharded", shard.start, shard.stop, info,
-                             tp, shard=(ranks.rank, ranks.size)))
+            out.append(
+                Entry(
+                    plain,
+                    p,
+                    shard.numel,
+                    "sharded",
+                    shard.start,
+                    shard.stop,
+                    info,
+                    tp,
+                    shard=(ranks.rank, ranks.size),
+                )
+            )
         else:  # the same on every rank (of its stage, or tp slot): the first one stores it
             first = (topo.dp_rank if tp else topo.zero_rank) == 0 and plain == name
-            out.append(Entry(plain, p, p.numel(), "replicated", 0, p.numel() if first else 0,
-                             info, tp, shard=(0, 1) if first else None))
+            out.append(
+                Entry(
+                    plain,
+                    p,
+                    p.numel(),
+                    "replicated",
+                    0,
+                    p.numel() if first else 0,
+                    info,
+                    tp,
+                    shard=(0, 1) if first else None,
+                )
+            )
     return out

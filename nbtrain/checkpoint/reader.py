@@ -13,6 +13,7 @@ parts (a stage's entries are stored by that stage's ranks only). A parameter sto
 in another grouping (a Block's flat vector at one layout, single tensors at another)
 is read by its own name from whichever saved vector holds it.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,8 +29,14 @@ from ..zero.partition import shard_range
 from .layout import META, local_entries
 from .tp_reshard import read_tp_entry
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-           "float64": torch.float64, "int64": torch.int64, "int32": torch.int32}
+_DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+}
 
 
 class _Reader:
@@ -58,9 +65,11 @@ class _Reader:
             try:
                 self._files[rank] = safe_open(name, framework="pt", device="cpu")
             except Exception as err:  # safetensors' message names no file
-                raise ValueError(f"checkpoint shard {name} is not a readable safetensors "
-                                 f"file ({err}): truncated by a crash or overwritten? Load "
-                                 "an earlier checkpoint") from err
+                raise ValueError(
+                    f"checkpoint shard {name} is not a readable safetensors "
+                    f"file ({err}): truncated by a crash or overwritten? Load "
+                    "an earlier checkpoint"
+                ) from err
         return self._files[rank]
 
     def _ranks(self, saved: dict, tp_rank: int | None) -> list[int]:
@@ -71,8 +80,15 @@ class _Reader:
             return list(range(self.world))
         return [d * self.tp + tp_rank for d in range(self.dp)]
 
-    def read(self, key: str, saved: dict, begin: int, end: int, out: torch.Tensor,
-             tp_rank: int | None = None) -> None:
+    def read(
+        self,
+        key: str,
+        saved: dict,
+        begin: int,
+        end: int,
+        out: torch.Tensor,
+        tp_rank: int | None = None,
+    ) -> None:
         """Copies elements [begin, end) of saved vector `key` (described by `saved`, its
         meta.json record) into `out[: end - begin]`; with `tp_rank`, of the vector of
         that tp slot (cut over its dp group)."""
@@ -84,8 +100,8 @@ class _Reader:
         for rank, lo, hi in sources:
             a, b = max(lo, begin), min(hi, end, numel)
             if a < b:
-                piece = self.file(rank).get_slice(key)[a - lo:b - lo]
-                out[a - begin:b - begin].copy_(piece)
+                piece = self.file(rank).get_slice(key)[a - lo : b - lo]
+                out[a - begin : b - begin].copy_(piece)
 
 
 def _logical(info) -> tuple:
@@ -104,10 +120,13 @@ def _check_shape(name: str, theirs: tuple, shape: tuple) -> None:
             f"load_checkpoint: {name!r} was saved {ways[1]}, and the model holds it "
             f"{ways[0]}: build the model "
             "with the same layers as the saving run (nbtrain.parallelize works at "
-            "tp_size 1 too), or move weights between them with nbtrain.save/load")
+            "tp_size 1 too), or move weights between them with nbtrain.save/load"
+        )
     if theirs != shape:
-        raise ValueError(f"load_checkpoint: {name!r} has shape {theirs} in the "
-                         f"checkpoint but {shape} in the model")
+        raise ValueError(
+            f"load_checkpoint: {name!r} has shape {theirs} in the "
+            f"checkpoint but {shape} in the model"
+        )
 
 
 def _check_fits(entry, reader) -> bool:
@@ -123,8 +142,10 @@ def _check_fits(entry, reader) -> bool:
                 _check_shape(name, theirs[name], shape)
         if list(mine) == list(theirs):
             if saved["numel"] != entry.numel and not entry.tp:
-                raise ValueError(f"load_checkpoint: {entry.name!r} holds {saved['numel']} "
-                                 f"elements in the checkpoint but {entry.numel} in the model")
+                raise ValueError(
+                    f"load_checkpoint: {entry.name!r} holds {saved['numel']} "
+                    f"elements in the checkpoint but {entry.numel} in the model"
+                )
             return True
     for name, shape in mine.items():
         found = reader.slots.get(name)
@@ -132,14 +153,17 @@ def _check_fits(entry, reader) -> bool:
             raise KeyError(f"load_checkpoint: parameter {name!r} is not in the checkpoint")
         _check_shape(name, _logical([name, list(found[2]), *found[3]])[1], shape)
         if found[3] or isinstance(shape[0], tuple):
-            raise ValueError(f"load_checkpoint: {name!r} is a tensor-parallel slice saved in "
-                             f"{found[0]!r} and held in {entry.name!r}: tp slices reshard "
-                             "only when the model groups them as the saving run did")
+            raise ValueError(
+                f"load_checkpoint: {name!r} is a tensor-parallel slice saved in "
+                f"{found[0]!r} and held in {entry.name!r}: tp slices reshard "
+                "only when the model groups them as the saving run did"
+            )
     return False
 
 
-def _load_vector(reader, entry, target: torch.Tensor, prefix: str = "model/",
-                 suffix: str = "") -> None:
+def _load_vector(
+    reader, entry, target: torch.Tensor, prefix: str = "model/", suffix: str = ""
+) -> None:
     """Fills `target` (shaped like the local parameter) from the checkpoint vector
     `{prefix}{name}{suffix}`; padding 0."""
     flat = torch.zeros(target.numel(), dtype=target.dtype)
@@ -157,8 +181,13 @@ def _load_vector(reader, entry, target: torch.Tensor, prefix: str = "model/",
             lo, hi = max(begin, offset), min(end, offset + numel)
             if lo < hi:
                 source, at, _, _ = reader.slots[name]
-                reader.read(f"{prefix}{source}{suffix}", reader.params[source],
-                            at + lo - offset, at + hi - offset, flat[lo - begin:])
+                reader.read(
+                    f"{prefix}{source}{suffix}",
+                    reader.params[source],
+                    at + lo - offset,
+                    at + hi - offset,
+                    flat[lo - begin :],
+                )
             offset += numel
     with torch.no_grad():
         target.copy_(flat.view(target.shape))
@@ -172,25 +201,34 @@ def _saved_state_names(reader, entry, group_names: set) -> str:
     names = [reader.slots[n][0] for n, *_ in entry.layout_info]
     missing = [n for n, s in zip(entry.layout_info, names) if s not in group_names]
     if missing:
-        raise ValueError(f"load_checkpoint: optimizer parameter {entry.name!r} holds "
-                         f"{[m[0] for m in missing]}, which the checkpoint's param group "
-                         "does not: build the optimizer's param groups as the saving run did")
+        raise ValueError(
+            f"load_checkpoint: optimizer parameter {entry.name!r} holds "
+            f"{[m[0] for m in missing]}, which the checkpoint's param group "
+            "does not: build the optimizer's param groups as the saving run did"
+        )
     return names[0]
 
 
 def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
     groups = part["param_groups"]
     if len(groups) != len(opt.param_groups):
-        raise ValueError(f"load_checkpoint: the checkpoint has {len(groups)} param groups, "
-                         f"the optimizer {len(opt.param_groups)}")
+        raise ValueError(
+            f"load_checkpoint: the checkpoint has {len(groups)} param groups, "
+            f"the optimizer {len(opt.param_groups)}"
+        )
     state, saved_groups, index = {}, [], 0
     for saved, group in zip(groups, opt.param_groups):
         names = [entries_by_id[id(p)].name for p in group["params"]]
         same_layout = reader.pipe_size == 1 == get_context().topology.pipe_size
-        if same_layout and names != saved["params"] and all(
-                entries_by_id[id(p)].whole for p in group["params"]):
-            raise ValueError(f"load_checkpoint: optimizer parameters {names} differ from the "
-                             f"checkpoint's {saved['params']}")
+        if (
+            same_layout
+            and names != saved["params"]
+            and all(entries_by_id[id(p)].whole for p in group["params"])
+        ):
+            raise ValueError(
+                f"load_checkpoint: optimizer parameters {names} differ from the "
+                f"checkpoint's {saved['params']}"
+            )
         ids = []
         for p in group["params"]:
             entry = entries_by_id[id(p)]
@@ -202,14 +240,18 @@ def _load_optimizer(reader, part: dict, opt, entries_by_id: dict) -> None:
                 st[key] = value.to(p.device)
             for key, sc in part["scalars"][source].items():
                 dtype = sc.get("tensor_dtype")
-                st[key] = sc["value"] if dtype is None else torch.tensor(
-                    sc["value"], dtype=_DTYPES[dtype])
+                st[key] = (
+                    sc["value"]
+                    if dtype is None
+                    else torch.tensor(sc["value"], dtype=_DTYPES[dtype])
+                )
             if st:
                 state[index] = st
             ids.append(index)
             index += 1
-        hyper = {k: tuple(v) if isinstance(v, list) else v
-                 for k, v in saved.items() if k != "params"}
+        hyper = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in saved.items() if k != "params"
+        }
         saved_groups.append({**hyper, "params": ids})
     opt.load_state_dict({"state": state, "param_groups": saved_groups})
 
@@ -254,8 +296,10 @@ def load_checkpoint(model: torch.nn.Module, path: str, optim_manager=None) -> di
     if optim_manager is not None:
         parts = meta.get("optimizers") or []
         if len(parts) != len(optim_manager.optimizers):
-            raise ValueError(f"load_checkpoint: the checkpoint has {len(parts)} optimizers, "
-                             f"the manager {len(optim_manager.optimizers)}")
+            raise ValueError(
+                f"load_checkpoint: the checkpoint has {len(parts)} optimizers, "
+                f"the manager {len(optim_manager.optimizers)}"
+            )
         by_id = {id(e.param): e for e in entries}
         for i, (part, opt) in enumerate(zip(parts, optim_manager.optimizers)):
             reader.optim_index = i

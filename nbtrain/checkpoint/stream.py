@@ -14,6 +14,7 @@ DistributedParameter) is read by rows, only those holding that part (safetensors
 slicing); any other (a tensor-parallel slice, a buffer) is read whole and handed to
 the model's own load_state_dict, which keeps this rank's slice.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,20 +28,33 @@ from torch import nn
 from ..zero import Block, ShardKind, full_items_by_parameter, shards
 from .torch_file import TorchFile, is_torch_file
 
-DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-          torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-          torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 
 def units(model: nn.Module):
     """(key, full tensor) of `model`'s state dict, one unit at a time: each Block's
     state dict (its parameters gathered), each other module's own parameters and
     buffers. Collective: every rank of the model's groups iterates in step."""
+
     def walk(module, prefix):
         if isinstance(module, Block):  # one parameter at a time, then its buffers
             yield from full_items_by_parameter(module, prefix)
-            rest = {prefix + n: b for n, b in module._buffers.items()
-                    if b is not None and n not in module._non_persistent_buffers_set}
+            rest = {
+                prefix + n: b
+                for n, b in module._buffers.items()
+                if b is not None and n not in module._non_persistent_buffers_set
+            }
             for name, child in module._modules.items():
                 if child is not None:  # their parameters are in the flat groups
                     rest.update(child.state_dict(prefix=prefix + name + "."))
@@ -72,8 +86,10 @@ class PartWriter:
     def add(self, key: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().cpu().contiguous()
         if t.dtype not in DTYPES:
-            raise TypeError(f"nbtrain.save: {key!r} has dtype {t.dtype}, which safetensors "
-                            f"cannot store here; use one of {sorted(map(str, DTYPES))}")
+            raise TypeError(
+                f"nbtrain.save: {key!r} has dtype {t.dtype}, which safetensors "
+                f"cannot store here; use one of {sorted(map(str, DTYPES))}"
+            )
         data = t.view(torch.uint8).reshape(-1).numpy() if t.numel() else b""
         self.file.write(memoryview(data))
         self.entries.append((key, DTYPES[t.dtype], list(t.shape), t.numel() * t.element_size()))
@@ -91,8 +107,11 @@ def join_parts(path: str, parts: list[tuple[str, list]]) -> None:
         position, keep = 0, []
         for key, dtype, shape, nbytes in entries:
             if key not in header:
-                header[key] = {"dtype": dtype, "shape": shape,
-                               "data_offsets": [offset, offset + nbytes]}
+                header[key] = {
+                    "dtype": dtype,
+                    "shape": shape,
+                    "data_offsets": [offset, offset + nbytes],
+                }
                 keep.append((position, nbytes))
                 offset += nbytes
             position += nbytes
@@ -140,18 +159,23 @@ def file_keys(source) -> list[str]:
     except FileNotFoundError:
         raise
     except Exception as err:  # safetensors' own errors say little about which file
-        raise ValueError(f"{source!r} is not a readable safetensors file, nor a "
-                         f"torch.save state dict ({err}); was it truncated, or written by "
-                         "something else?") from err
+        raise ValueError(
+            f"{source!r} is not a readable safetensors file, nor a "
+            f"torch.save state dict ({err}); was it truncated, or written by "
+            "something else?"
+        ) from err
 
 
 def slice_owners(model: nn.Module) -> dict:
     """key -> this rank's contiguous part of it (a `nbtrain.zero.Shard`): a Block's
     parameter or a DistributedParameter; tensor-parallel slices and plain tensors are
     not listed (they take the whole tensor). Local."""
-    return {name: shard for shard in shards(model)
-            if shard.kind is not ShardKind.REPLICATED and shard.tp is None
-            for name in shard.names}
+    return {
+        name: shard
+        for shard in shards(model)
+        if shard.kind is not ShardKind.REPLICATED and shard.tp is None
+        for name in shard.names
+    }
 
 
 def read_range(source, key: str, start: int, stop: int, shape) -> torch.Tensor | None:
@@ -162,8 +186,10 @@ def read_range(source, key: str, start: int, stop: int, shape) -> torch.Tensor |
         piece = f.get_slice(key)
         saved = tuple(piece.get_shape())
         if saved != tuple(shape):
-            raise ValueError(f"nbtrain.load: {key!r} has shape {saved} in the file but "
-                             f"{tuple(shape)} in the model")
+            raise ValueError(
+                f"nbtrain.load: {key!r} has shape {saved} in the file but "
+                f"{tuple(shape)} in the model"
+            )
         if stop <= start:
             return None
         if len(saved) < 2:
@@ -173,7 +199,7 @@ def read_range(source, key: str, start: int, stop: int, shape) -> torch.Tensor |
             row *= n
         first, last = start // row, -(-stop // row)
         rows = piece[first:last].reshape(-1)
-        return rows[start - first * row:stop - first * row]
+        return rows[start - first * row : stop - first * row]
 
 
 def load_slice(source, key: str, owner) -> None:
@@ -195,5 +221,3 @@ def remove_quietly(path: str) -> None:
         os.remove(path)
     except FileNotFoundError:
         pass
-
-

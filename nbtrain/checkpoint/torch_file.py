@@ -7,6 +7,7 @@ zip format, the default since torch 1.6), so a rank's rows are read from the pag
 that hold them and no rank loads the whole model. An older, non-zip file is read
 whole (torch cannot map it).
 """
+
 from __future__ import annotations
 
 import pickle
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 import torch
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format
-PICKLE_MAGIC = b"\x80"      # the legacy format starts with a pickle protocol opcode
+PICKLE_MAGIC = b"\x80"  # the legacy format starts with a pickle protocol opcode
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
@@ -47,14 +48,20 @@ class TorchFile:
             raise ValueError(
                 f"nbtrain.load: {path!r} holds objects other than tensors, which loading "
                 f"with weights_only=True refuses ({str(err).splitlines()[0]}). Save the "
-                "model's state dict alone (torch.save(model.state_dict(), path))") from err
+                "model's state dict alone (torch.save(model.state_dict(), path))"
+            ) from err
         except Exception as err:  # torch's errors for a damaged file vary by the damage
-            raise ValueError(f"nbtrain.load: {path!r} is not a readable torch.save file "
-                             f"({err}); was it truncated?") from err
+            raise ValueError(
+                f"nbtrain.load: {path!r} is not a readable torch.save file "
+                f"({err}); was it truncated?"
+            ) from err
         if not isinstance(state, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()):
-            raise ValueError(f"nbtrain.load: {path!r} holds a {type(state).__name__}, not a "
-                             "state dict (names to tensors); save model.state_dict()")
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in state.items()
+        ):
+            raise ValueError(
+                f"nbtrain.load: {path!r} holds a {type(state).__name__}, not a "
+                "state dict (names to tensors); save model.state_dict()"
+            )
         self.state = dict(state)
 
     def __enter__(self) -> "TorchFile":

@@ -8,6 +8,7 @@ part: it reads the whole saved slice of every slot that overlaps them (never the
 full tensor, unless its own slice is the full tensor) and copies the overlap.
 Rows that exist only in one layout's padding stay zero.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ def _offsets(shapes: list) -> list[int]:
     return out
 
 
-def _assemble(reader, key: str, saved: dict, offset: int, saved_shape, shape, info,
-              dtype) -> torch.Tensor:
+def _assemble(
+    reader, key: str, saved: dict, offset: int, saved_shape, shape, info, dtype
+) -> torch.Tensor:
     """This rank's slice (shape `shape`) of one parameter from the saved slices."""
     dim, groups = info["dim"], info["groups"]
     mine_rows, saved_rows = shape[dim] // groups, saved_shape[dim] // groups
@@ -43,21 +45,25 @@ def _assemble(reader, key: str, saved: dict, offset: int, saved_shape, shape, in
         piece = piece.view(saved_shape)
         for part in range(groups):
             out.narrow(dim, part * mine_rows + lo - me * mine_rows, hi - lo).copy_(
-                piece.narrow(dim, part * saved_rows + lo - slot * saved_rows, hi - lo))
+                piece.narrow(dim, part * saved_rows + lo - slot * saved_rows, hi - lo)
+            )
     return out
 
 
-def read_tp_entry(reader, key: str, entry, saved: dict, begin: int, end: int,
-                  out: torch.Tensor) -> None:
+def read_tp_entry(
+    reader, key: str, entry, saved: dict, begin: int, end: int, out: torch.Tensor
+) -> None:
     """Fills `out[: end - begin]` with elements [begin, end) of this rank's vector of
     `entry` (its tp slices back to back), assembled from the saved slices."""
     offset = 0
     for (_, shape, *info), (_, saved_shape, *_), saved_offset in zip(
-            entry.layout_info, saved["shapes"], _offsets(saved["shapes"])):
+        entry.layout_info, saved["shapes"], _offsets(saved["shapes"])
+    ):
         numel = math.prod(shape)
         lo, hi = max(begin, offset), min(end, offset + numel)
         if lo < hi:
-            mine = _assemble(reader, key, saved, saved_offset, saved_shape, shape, info[0],
-                             out.dtype)
-            out[lo - begin:hi - begin].copy_(mine.reshape(-1)[lo - offset:hi - offset])
+            mine = _assemble(
+                reader, key, saved, saved_offset, saved_shape, shape, info[0], out.dtype
+            )
+            out[lo - begin : hi - begin].copy_(mine.reshape(-1)[lo - offset : hi - offset])
         offset += numel

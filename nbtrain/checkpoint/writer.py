@@ -4,6 +4,7 @@ The layout is described in `layout.py`; `reader.py` reads it back at any world s
 and pipeline layout. Each rank describes the entries it holds; rank 0 joins the
 descriptions (with pipeline stages they differ) into meta.json.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,8 +32,9 @@ def _optim_part(opt, entries_by_id: dict, tensors: dict, index: int) -> dict:
         for p in group["params"]:
             entry = entries_by_id.get(id(p))
             if entry is None:
-                raise ValueError("save_checkpoint: the optimizer holds a parameter that is "
-                                 "not in the model")
+                raise ValueError(
+                    "save_checkpoint: the optimizer holds a parameter that is not in the model"
+                )
             names.append(entry.name)
             state = opt.state.get(p, {})
             scalars[entry.name] = {}
@@ -50,8 +52,10 @@ def _optim_part(opt, entries_by_id: dict, tensors: dict, index: int) -> dict:
 
 # -- sharded save -----------------------------------------------------------------------
 
-def save_checkpoint(model: torch.nn.Module, path: str, optim_manager=None, step=None,
-                    non_blocking: bool = False) -> None:
+
+def save_checkpoint(
+    model: torch.nn.Module, path: str, optim_manager=None, step=None, non_blocking: bool = False
+) -> None:
     """Writes model, optimizer state, schedules, loss scale and `step` as shards.
 
     Args:
@@ -91,21 +95,39 @@ def save_checkpoint(model: torch.nn.Module, path: str, optim_manager=None, step=
         entries = local_entries(model)
         tensors = {f"model/{e.name}": e.local(e.param) for e in entries}
         by_id = {id(e.param): e for e in entries}
-        optims = [] if optim_manager is None else [
-            _optim_part(opt, by_id, tensors, i) for i, opt in enumerate(optim_manager.optimizers)]
+        optims = (
+            []
+            if optim_manager is None
+            else [
+                _optim_part(opt, by_id, tensors, i)
+                for i, opt in enumerate(optim_manager.optimizers)
+            ]
+        )
         buffers = {}
         if ctx.topology.zero_rank == 0:  # a stage's buffers: its first rank stores them
             buffers = dict(model.named_buffers())
-            tensors.update({f"buffer/{n}": b.detach().cpu().contiguous().clone()
-                            for n, b in buffers.items()})
-        return tensors, {"params": {e.name: e.saved_info() for e in entries},
-                         "optimizers": optims, "buffers": sorted(buffers)}
+            tensors.update(
+                {f"buffer/{n}": b.detach().cpu().contiguous().clone() for n, b in buffers.items()}
+            )
+        return tensors, {
+            "params": {e.name: e.saved_info() for e in entries},
+            "optimizers": optims,
+            "buffers": sorted(buffers),
+        }
 
     def write_meta(parts, manager_state) -> None:
         topo = ctx.topology
-        meta = {"format": FORMAT_VERSION, "world_size": ctx.world_size, "step": step,
-                "tp_size": topo.tp_size, "dp_size": topo.dp_size, "pipe_size": topo.pipe_size,
-                "version": version, **merge_parts(parts), "manager": manager_state}
+        meta = {
+            "format": FORMAT_VERSION,
+            "world_size": ctx.world_size,
+            "step": step,
+            "tp_size": topo.tp_size,
+            "dp_size": topo.dp_size,
+            "pipe_size": topo.pipe_size,
+            "version": version,
+            **merge_parts(parts),
+            "manager": manager_state,
+        }
         write_json(os.path.join(path, META), meta)
         _remove_other_versions(path, version)
 
@@ -121,8 +143,10 @@ def save_checkpoint(model: torch.nn.Module, path: str, optim_manager=None, step=
         try:
             os.makedirs(os.path.dirname(file), exist_ok=True)
         except OSError as err:
-            raise OSError(f"save_checkpoint({path!r}): cannot create the checkpoint folder "
-                          f"there ({err.strerror}); choose a writable path") from err
+            raise OSError(
+                f"save_checkpoint({path!r}): cannot create the checkpoint folder "
+                f"there ({err.strerror}); choose a writable path"
+            ) from err
         tensors, part = snapshot()
         write_tensors(file, tensors)
         return part
@@ -130,8 +154,11 @@ def save_checkpoint(model: torch.nn.Module, path: str, optim_manager=None, step=
     # Every shard is on disk before the metadata names them.
     part = agreed("save_checkpoint (shards)", write_shard)
     parts = C.all_gather_object(part)  # every rank's entries: stages hold different ones
-    agreed("save_checkpoint (metadata)", lambda: write_meta(parts, manager_state),
-           run_here=ctx.rank == 0)
+    agreed(
+        "save_checkpoint (metadata)",
+        lambda: write_meta(parts, manager_state),
+        run_here=ctx.rank == 0,
+    )
 
 
 def merge_parts(parts: list[dict]) -> dict:
@@ -148,18 +175,27 @@ def merge_parts(parts: list[dict]) -> dict:
     for name, info in params.items():
         # "ranks": per tp slot, the ranks storing its parts in partition order
         slots = info["ranks"]
-        info["ranks"] = [[slots.get(t, {})[i] for i in sorted(slots.get(t, {}))]
-                         for t in range(max(slots, default=0) + 1)]
-        if any(sorted(slots.get(t, {})) != list(range(len(r)))
-               for t, r in enumerate(info["ranks"])) or not any(info["ranks"]):
-            raise RuntimeError(f"save_checkpoint: the parts of {name!r} stored by the ranks "
-                               f"({slots}) do not cover it")
+        info["ranks"] = [
+            [slots.get(t, {})[i] for i in sorted(slots.get(t, {}))]
+            for t in range(max(slots, default=0) + 1)
+        ]
+        if any(
+            sorted(slots.get(t, {})) != list(range(len(r))) for t, r in enumerate(info["ranks"])
+        ) or not any(info["ranks"]):
+            raise RuntimeError(
+                f"save_checkpoint: the parts of {name!r} stored by the ranks "
+                f"({slots}) do not cover it"
+            )
     buffer_ranks: dict = {}
     for rank, part in enumerate(parts):
         for name in part["buffers"]:
             buffer_ranks.setdefault(name, rank)
-    return {"params": params, "buffers": sorted(buffer_ranks), "buffer_ranks": buffer_ranks,
-            "optimizers": _merge_optimizers([p["optimizers"] for p in parts])}
+    return {
+        "params": params,
+        "buffers": sorted(buffer_ranks),
+        "buffer_ranks": buffer_ranks,
+        "optimizers": _merge_optimizers([p["optimizers"] for p in parts]),
+    }
 
 
 def _merge_optimizers(per_rank: list[list[dict]]) -> list[dict]:
@@ -167,8 +203,10 @@ def _merge_optimizers(per_rank: list[list[dict]]) -> list[dict]:
     of the first rank holding the group), state records by parameter name."""
     counts = {len(o) for o in per_rank}
     if len(counts) > 1:
-        raise ValueError(f"save_checkpoint: the ranks hold {sorted(counts)} optimizers: give "
-                         "every rank's OptimManager the same number")
+        raise ValueError(
+            f"save_checkpoint: the ranks hold {sorted(counts)} optimizers: give "
+            "every rank's OptimManager the same number"
+        )
     out = []
     for parts in zip(*per_rank):
         groups, scalars, tensor_keys = [], {}, {}
@@ -176,8 +214,7 @@ def _merge_optimizers(per_rank: list[list[dict]]) -> list[dict]:
             for g, group in enumerate(part["param_groups"]):
                 if g == len(groups):
                     groups.append({**group, "params": []})
-                groups[g]["params"] += [n for n in group["params"]
-                                        if n not in groups[g]["params"]]
+                groups[g]["params"] += [n for n in group["params"] if n not in groups[g]["params"]]
             for name, value in part["scalars"].items():
                 scalars.setdefault(name, value)
             for name, value in part["tensor_keys"].items():

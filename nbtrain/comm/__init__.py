@@ -1,10 +1,43 @@
 """The comm layer: process setup, collectives, and the events they publish.
 
 The only place nbtrain talks to other ranks. It imports nothing else of nbtrain."""
-from .context import (DistContext, get_context, init_distributed, is_initialized, print_rank,
-                      rank, shutdown, synchronize, world_size)
-from .collectives import COUNTERS, CommHandle, CommKind, all_gather, all_reduce, broadcast, reduce_scatter
 
-__all__ = ["DistContext", "get_context", "init_distributed", "is_initialized", "print_rank",
-           "rank", "shutdown", "synchronize", "world_size", "COUNTERS", "CommHandle",
-           "CommKind", "all_gather", "all_reduce", "broadcast", "reduce_scatter"]
+from .collectives import (
+    COUNTERS,
+    CommHandle,
+    CommKind,
+    all_gather,
+    all_reduce,
+    broadcast,
+    reduce_scatter,
+)
+from .context import (
+    DistContext,
+    get_context,
+    init_distributed,
+    is_initialized,
+    print_rank,
+    rank,
+    shutdown,
+    synchronize,
+    world_size,
+)
+
+__all__ = [
+    "DistContext",
+    "get_context",
+    "init_distributed",
+    "is_initialized",
+    "print_rank",
+    "rank",
+    "shutdown",
+    "synchronize",
+    "world_size",
+    "COUNTERS",
+    "CommHandle",
+    "CommKind",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "reduce_scatter",
+]

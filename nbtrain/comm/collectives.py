@@ -11,6 +11,7 @@ Bytes are counted per rank as a ring moves them: an all-gather or reduce-scatter
 over a flat buffer of B bytes moves B x (N-1)/N, an all-reduce twice that. These
 are the numbers the ZeRO paper's arithmetic uses (../ENGINE_NOTES in the design).
 """
+
 from __future__ import annotations
 
 import enum
@@ -61,8 +62,11 @@ class CommCounters:
     def snapshot(self) -> dict:
         """{"bytes": {kind: n}, "calls": {kind: n}, "total_bytes": n}."""
         with self._lock:
-            return {"bytes": dict(self.bytes), "calls": dict(self.calls),
-                    "total_bytes": sum(self.bytes.values())}
+            return {
+                "bytes": dict(self.bytes),
+                "calls": dict(self.calls),
+                "total_bytes": sum(self.bytes.values()),
+            }
 
 
 COUNTERS = CommCounters()
@@ -138,8 +142,14 @@ class CommHandle:
     sync); on gloo it blocks the calling thread.
     """
 
-    def __init__(self, work, kind: CommKind, nbytes: int, label: str,
-                 on_done: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        work,
+        kind: CommKind,
+        nbytes: int,
+        label: str,
+        on_done: Callable[[], None] | None = None,
+    ):
         self._work = work
         self._on_done = on_done
         self._done = work is None
@@ -170,8 +180,15 @@ class CommHandle:
 
         def _stamp(_):
             self.finished_at = time.perf_counter()
-            events.comm_span(self.event_kind, self.label, self.issued_at,
-                             self.finished_at, self.nbytes, step=step)
+            events.comm_span(
+                self.event_kind,
+                self.label,
+                self.issued_at,
+                self.finished_at,
+                self.nbytes,
+                step=step,
+            )
+
         fut.then(_stamp)
 
     def is_completed(self) -> bool:
@@ -184,8 +201,14 @@ class CommHandle:
         IN_FLIGHT.discard(self)
         if self._stamp_at_wait:
             self.finished_at = time.perf_counter()
-            events.comm_span(self.event_kind, self.label, self.issued_at,
-                             self.finished_at, self.nbytes, end_at_wait=True)
+            events.comm_span(
+                self.event_kind,
+                self.label,
+                self.issued_at,
+                self.finished_at,
+                self.nbytes,
+                end_at_wait=True,
+            )
         events.instant("comm_wait", self.label, kind=self.event_kind)
         self._done = True
         self._finish()
@@ -213,8 +236,15 @@ def _ring_bytes(t: torch.Tensor, world: int) -> int:
     return t.numel() * t.element_size() * (world - 1) // max(world, 1)
 
 
-def _issue(kind: CommKind, work, nbytes: int, label: str, async_op: bool,
-           on_done=None, started: float | None = None) -> CommHandle | None:
+def _issue(
+    kind: CommKind,
+    work,
+    nbytes: int,
+    label: str,
+    async_op: bool,
+    on_done=None,
+    started: float | None = None,
+) -> CommHandle | None:
     COUNTERS.add(kind, nbytes)
     events.instant("comm_issue", label, kind=event_kind(kind, label), bytes=nbytes)
     handle = CommHandle(work, kind, nbytes, label, on_done)
@@ -228,8 +258,14 @@ def _issue(kind: CommKind, work, nbytes: int, label: str, async_op: bool,
     return None
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, *, group=None,
-               async_op: bool = False, label: str = "") -> CommHandle | None:
+def all_gather(
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    *,
+    group=None,
+    async_op: bool = False,
+    label: str = "",
+) -> CommHandle | None:
     """Gather equal shards from every rank into one flat buffer.
 
     Args:
@@ -245,17 +281,32 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, *, group=None,
         return _alone(CommKind.ALL_GATHER, label, async_op)
     world = dist.get_world_size(group)
     if output.numel() != shard.numel() * world:
-        raise ValueError(f"all_gather: output has {output.numel()} elements, expected "
-                         f"{shard.numel()} x {world} = {shard.numel() * world}")
+        raise ValueError(
+            f"all_gather: output has {output.numel()} elements, expected "
+            f"{shard.numel()} x {world} = {shard.numel() * world}"
+        )
     started = time.perf_counter()
     work = _all_gather_flat(output, shard, group=group, async_op=async_op)
-    return _issue(CommKind.ALL_GATHER, work if async_op else None,
-                  _ring_bytes(output, world), label, async_op, started=started)
+    return _issue(
+        CommKind.ALL_GATHER,
+        work if async_op else None,
+        _ring_bytes(output, world),
+        label,
+        async_op,
+        started=started,
+    )
 
 
-def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, op: str = "avg",
-                   group=None, async_op: bool = False, label: str = "",
-                   on_done: Callable[[], None] | None = None) -> CommHandle | None:
+def reduce_scatter(
+    output: torch.Tensor,
+    full: torch.Tensor,
+    *,
+    op: str = "avg",
+    group=None,
+    async_op: bool = False,
+    label: str = "",
+    on_done: Callable[[], None] | None = None,
+) -> CommHandle | None:
     """Reduce a flat buffer over ranks and keep this rank's contiguous shard.
 
     Args:
@@ -272,16 +323,24 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, *, op: str = "avg",
         return _alone(CommKind.REDUCE_SCATTER, label, async_op, on_done)
     world = dist.get_world_size(group)
     if full.numel() != output.numel() * world:
-        raise ValueError(f"reduce_scatter: input has {full.numel()} elements, expected "
-                         f"{output.numel()} x {world} = {output.numel() * world}")
+        raise ValueError(
+            f"reduce_scatter: input has {full.numel()} elements, expected "
+            f"{output.numel()} x {world} = {output.numel() * world}"
+        )
     started = time.perf_counter()
     if op in ("avg", "sum") and world > 1 and dist.get_backend(group) == "gloo":
         work, on_done = _reduce_scatter_gloo(output, full, op, world, group, async_op, on_done)
     else:
-        work = _reduce_scatter_flat(output, full, op=_reduce_op(op), group=group,
-                                    async_op=async_op)
-    return _issue(CommKind.REDUCE_SCATTER, work if async_op else None,
-                  _ring_bytes(full, world), label, async_op, on_done, started=started)
+        work = _reduce_scatter_flat(output, full, op=_reduce_op(op), group=group, async_op=async_op)
+    return _issue(
+        CommKind.REDUCE_SCATTER,
+        work if async_op else None,
+        _ring_bytes(full, world),
+        label,
+        async_op,
+        on_done,
+        started=started,
+    )
 
 
 def _reduce_scatter_gloo(output, full, op, world, group, async_op, on_done):
@@ -299,11 +358,13 @@ def _reduce_scatter_gloo(output, full, op, world, group, async_op, on_done):
             output.div_(world)
         if on_done is not None:
             on_done()
+
     return work, reduce_locally
 
 
-def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None,
-               async_op: bool = False, label: str = "") -> CommHandle | None:
+def all_reduce(
+    tensor: torch.Tensor, *, op: str = "sum", group=None, async_op: bool = False, label: str = ""
+) -> CommHandle | None:
     """In-place all-reduce. Collective: every rank in the group calls this (a group of
     this rank alone, `topology.ALONE`, leaves `tensor` as it is)."""
     if group is ALONE:
@@ -311,8 +372,14 @@ def all_reduce(tensor: torch.Tensor, *, op: str = "sum", group=None,
     world = dist.get_world_size(group)
     started = time.perf_counter()
     work = dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)
-    return _issue(CommKind.ALL_REDUCE, work if async_op else None,
-                  2 * _ring_bytes(tensor, world), label, async_op, started=started)
+    return _issue(
+        CommKind.ALL_REDUCE,
+        work if async_op else None,
+        2 * _ring_bytes(tensor, world),
+        label,
+        async_op,
+        started=started,
+    )
 
 
 def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, label: str = "") -> CommHandle:
@@ -321,8 +388,14 @@ def send(tensor: torch.Tensor, dst: int, *, tag: int = 0, label: str = "") -> Co
     tensor = tensor.contiguous()
     started = time.perf_counter()
     work = dist.isend(tensor, dst=dst, tag=tag)
-    handle = _issue(CommKind.P2P, work, tensor.numel() * tensor.element_size(), label,
-                    async_op=True, started=started)
+    handle = _issue(
+        CommKind.P2P,
+        work,
+        tensor.numel() * tensor.element_size(),
+        label,
+        async_op=True,
+        started=started,
+    )
     handle.keep = tensor  # alive until sent
     return handle
 
@@ -332,8 +405,9 @@ def recv(tensor: torch.Tensor, src: int, *, tag: int = 0, label: str = "") -> No
     dist.recv(tensor, src=src, tag=tag)
 
 
-def send_recv(sends: list, recvs: list, tags: list, *, dst: int, src: int, group=None,
-              label: str = "") -> list:
+def send_recv(
+    sends: list, recvs: list, tags: list, *, dst: int, src: int, group=None, label: str = ""
+) -> list:
     """Sends each of `sends` to global rank `dst` and receives each of `recvs` from global
     rank `src`, pair by pair with `tags` (extra tags are unused), as one batch without
     waiting. One batch because NCCL deadlocks on a send and a receive with the same peer
@@ -384,18 +458,27 @@ def global_rank(group, group_rank: int) -> int:
 
 
 def _reduce_op(op: str):
-    ops = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
-           "min": dist.ReduceOp.MIN}
+    ops = {
+        "sum": dist.ReduceOp.SUM,
+        "avg": dist.ReduceOp.AVG,
+        "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN,
+    }
     try:
         return ops[op]
     except KeyError:
         raise ValueError(f"op={op!r}: use one of {sorted(ops)}") from None
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor,  # noqa: A002 (torch's name)
-                      output_split_sizes: list[int] | None,
-                      input_split_sizes: list[int] | None, *, group=None,
-                      label: str = "") -> None:
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,  # noqa: A002 (torch's name)
+    output_split_sizes: list[int] | None,
+    input_split_sizes: list[int] | None,
+    *,
+    group=None,
+    label: str = "",
+) -> None:
     """Each rank sends row blocks of `input` to every rank and receives into `output`.
 
     Rows `input[sum(input_split_sizes[:j]) : ...]` go to group rank j; `output` holds
@@ -418,11 +501,15 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor,  # noqa: A002 (
         _alone(CommKind.ALL_TO_ALL, label, False)
         return
     world = dist.get_world_size(group)
-    for name, sizes in (("output_split_sizes", output_split_sizes),
-                        ("input_split_sizes", input_split_sizes)):
+    for name, sizes in (
+        ("output_split_sizes", output_split_sizes),
+        ("input_split_sizes", input_split_sizes),
+    ):
         if sizes is not None and len(sizes) != world:
-            raise ValueError(f"all_to_all_single: {name} has {len(sizes)} entries, the "
-                             f"group has {world} ranks: give one row count per rank")
+            raise ValueError(
+                f"all_to_all_single: {name} has {len(sizes)} entries, the "
+                f"group has {world} ranks: give one row count per rank"
+            )
     row_bytes = input[:1].numel() * input.element_size()  # 0 for 0 rows: nothing sent
     if input_split_sizes is None:
         nbytes = _ring_bytes(input, world)

@@ -3,6 +3,7 @@
 BMTrain keeps a process-wide mutable dict; here it is a view of the one context
 that `init_distributed` made, so it can never disagree with it.
 """
+
 from __future__ import annotations
 
 import os
@@ -30,17 +31,29 @@ class Config(Mapping):
             "initialized": True,
             # BMTrain's communicators are its NCCL ones; here the torch process groups,
             # which nbtrain.distributed's collectives take (None: every rank).
-            "comm": None, "tp_comm": topo.group("tp"), "zero_comm": topo.group("zero"),
-            "tp_zero_comm": topo.group("dp"), "pipe_comm": topo.group("pipe"),
-            "rank": ctx.rank, "world_size": ctx.world_size, "local_rank": ctx.local_rank,
+            "comm": None,
+            "tp_comm": topo.group("tp"),
+            "zero_comm": topo.group("zero"),
+            "tp_zero_comm": topo.group("dp"),
+            "pipe_comm": topo.group("pipe"),
+            "rank": ctx.rank,
+            "world_size": ctx.world_size,
+            "local_rank": ctx.local_rank,
             "local_size": int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size)),
-            "seed": ctx.seed, "backend": ctx.backend, "device": ctx.device,
-            "zero_rank": topo.zero_rank, "zero_size": topo.tp_size * topo.dp_size,
-            "tp_size": topo.tp_size, "tp_rank": topo.tp_rank,
-            "tp_zero_size": topo.dp_size, "tp_zero_rank": topo.dp_rank,
-            "pipe_size": topo.pipe_size, "pipe_rank": topo.pipe_rank,
+            "seed": ctx.seed,
+            "backend": ctx.backend,
+            "device": ctx.device,
+            "zero_rank": topo.zero_rank,
+            "zero_size": topo.tp_size * topo.dp_size,
+            "tp_size": topo.tp_size,
+            "tp_rank": topo.tp_rank,
+            "tp_zero_size": topo.dp_size,
+            "tp_zero_rank": topo.dp_rank,
+            "pipe_size": topo.pipe_size,
+            "pipe_rank": topo.pipe_rank,
             "pipe_enabled": topo.pipe_size > 1,
-            "num_micro_batches": ctx.num_micro_batches, "topology": topo,
+            "num_micro_batches": ctx.num_micro_batches,
+            "topology": topo,
         }
 
     def __getitem__(self, key: str):
@@ -48,12 +61,15 @@ class Config(Mapping):
         try:
             return values[key]
         except KeyError:
-            raise KeyError(f"nbtrain.config has no key {key!r}; keys: "
-                           f"{', '.join(sorted(values))}") from None
+            raise KeyError(
+                f"nbtrain.config has no key {key!r}; keys: {', '.join(sorted(values))}"
+            ) from None
 
     def __setitem__(self, key, value):
-        raise TypeError(f"nbtrain.config is read-only (tried to set {key!r}); pass settings "
-                        "to nbtrain.init_distributed(...) instead")
+        raise TypeError(
+            f"nbtrain.config is read-only (tried to set {key!r}); pass settings "
+            "to nbtrain.init_distributed(...) instead"
+        )
 
     def __iter__(self):
         return iter(self._values())

@@ -4,6 +4,7 @@ Every other module reads rank, world size, device and process group from the
 context rather than from globals scattered across files. The BMTrain-style free
 functions (`rank()`, `world_size()`, ...) are thin readers of it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -98,10 +99,17 @@ def _seed_everything(seed: int) -> None:
 
 
 @renamed_kwargs(timeout="pg_timeout_s")
-def init_distributed(seed: int = 0, backend: str | None = None,
-                     pg_timeout_s: float | timedelta = 600.0, tp_size: int = 1,
-                     pipe_size: int = 1, num_micro_batches: int | None = None,
-                     ep_size: int = 1, cp_size: int = 1, **bmtrain_options) -> DistContext:
+def init_distributed(
+    seed: int = 0,
+    backend: str | None = None,
+    pg_timeout_s: float | timedelta = 600.0,
+    tp_size: int = 1,
+    pipe_size: int = 1,
+    num_micro_batches: int | None = None,
+    ep_size: int = 1,
+    cp_size: int = 1,
+    **bmtrain_options,
+) -> DistContext:
     """Initialise torch.distributed for this process and return the context.
 
     Reads the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
@@ -140,9 +148,11 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     """
     global _CONTEXT
     if isinstance(seed, str):  # BMTrain's first positional argument is init_method
-        raise TypeError(f"init_distributed({seed!r}, ...): nbtrain's first argument is the "
-                        "seed. Pass BMTrain's arguments by keyword: "
-                        f"init_distributed(init_method={seed!r}, seed=...)")
+        raise TypeError(
+            f"init_distributed({seed!r}, ...): nbtrain's first argument is the "
+            "seed. Pass BMTrain's arguments by keyword: "
+            f"init_distributed(init_method={seed!r}, seed=...)"
+        )
     _check_bmtrain_options(bmtrain_options)
     if pipe_size == -1:  # BMTrain's default: no pipeline
         pipe_size = 1
@@ -154,8 +164,9 @@ def init_distributed(seed: int = 0, backend: str | None = None,
             topo = _topology.build(_CONTEXT.rank, _CONTEXT.world_size, *sizes)
         _seed_everything(seed)  # a script's init_distributed(seed=...) still seeds
         changed = dict(topology=topo, seed=seed, num_micro_batches=num_micro_batches)
-        if any(getattr(_CONTEXT, k) is not v and getattr(_CONTEXT, k) != v
-               for k, v in changed.items()):
+        if any(
+            getattr(_CONTEXT, k) is not v and getattr(_CONTEXT, k) != v for k, v in changed.items()
+        ):
             _CONTEXT = replace(_CONTEXT, **changed)
         return _CONTEXT
     timeout = pg_timeout_s
@@ -165,7 +176,9 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     if dist.is_initialized():
         backend = dist.get_backend()
         rank, world = dist.get_rank(), dist.get_world_size()
-        local_rank = _env_int("LOCAL_RANK", rank if world <= max(torch.cuda.device_count(), 1) else 0)
+        local_rank = _env_int(
+            "LOCAL_RANK", rank if world <= max(torch.cuda.device_count(), 1) else 0
+        )
     else:
         backend = pick_backend(backend)
         have_env = any(v in os.environ for v in ("RANK", "WORLD_SIZE"))
@@ -179,17 +192,21 @@ def init_distributed(seed: int = 0, backend: str | None = None,
         if have_env and world > 1:
             missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
             if missing:
-                raise ValueError(f"WORLD_SIZE={world} but {', '.join(missing)} is not set; "
-                                 "launch with torchrun or set the rendezvous address")
+                raise ValueError(
+                    f"WORLD_SIZE={world} but {', '.join(missing)} is not set; "
+                    "launch with torchrun or set the rendezvous address"
+                )
             with links.recording():  # the group's connections, closed on a failure
                 # The store listens on MASTER_ADDR only, not on every interface (store.py).
                 store = rendezvous_store(rank, world, timeout)
-                dist.init_process_group(backend, store=store, rank=rank, world_size=world,
-                                        timeout=timeout)
+                dist.init_process_group(
+                    backend, store=store, rank=rank, world_size=world, timeout=timeout
+                )
         else:
             # A world of one: an in-memory store, so nothing listens on a port.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
-                                    timeout=timeout)
+            dist.init_process_group(
+                backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout
+            )
             rank, world, local_rank = 0, 1, 0
 
     teardown.import_group_functional()
@@ -203,17 +220,36 @@ def init_distributed(seed: int = 0, backend: str | None = None,
     _seed_everything(seed)
     with links.recording():
         topo = _topology.build(rank, world, tp_size, pipe_size, ep_size, cp_size)
-    _CONTEXT = DistContext(rank=rank, world_size=world, local_rank=local_rank,
-                           backend=backend, device=device, seed=seed, topology=topo,
-                           num_micro_batches=num_micro_batches)
+    _CONTEXT = DistContext(
+        rank=rank,
+        world_size=world,
+        local_rank=local_rank,
+        backend=backend,
+        device=device,
+        seed=seed,
+        topology=topo,
+        num_micro_batches=num_micro_batches,
+    )
     return _CONTEXT
 
 
-_OWN_KEYWORDS = ("seed", "backend", "pg_timeout_s", "tp_size", "pipe_size",
-                 "num_micro_batches", "ep_size", "cp_size")
+_OWN_KEYWORDS = (
+    "seed",
+    "backend",
+    "pg_timeout_s",
+    "tp_size",
+    "pipe_size",
+    "num_micro_batches",
+    "ep_size",
+    "cp_size",
+)
 # BMTrain 1.x keywords that have no effect here, with what they must be (None: any).
-_BMTRAIN_KEYWORDS = {"init_method": ("env://",), "zero_level": (2, 3),
-                     "loss_scale_factor": None, "loss_scale_steps": None}
+_BMTRAIN_KEYWORDS = {
+    "init_method": ("env://",),
+    "zero_level": (2, 3),
+    "loss_scale_factor": None,
+    "loss_scale_steps": None,
+}
 
 
 def _check_bmtrain_options(options: dict) -> None:
@@ -222,16 +258,22 @@ def _check_bmtrain_options(options: dict) -> None:
         if key not in _BMTRAIN_KEYWORDS:
             close = difflib.get_close_matches(key, _OWN_KEYWORDS + tuple(_BMTRAIN_KEYWORDS), 1)
             hint = f" Did you mean {close[0]}=?" if close else ""
-            raise TypeError(f"init_distributed() got an unknown keyword {key}={value!r}.{hint} "
-                            f"It takes {', '.join(_OWN_KEYWORDS)}, and BMTrain's "
-                            f"{', '.join(_BMTRAIN_KEYWORDS)}.")
+            raise TypeError(
+                f"init_distributed() got an unknown keyword {key}={value!r}.{hint} "
+                f"It takes {', '.join(_OWN_KEYWORDS)}, and BMTrain's "
+                f"{', '.join(_BMTRAIN_KEYWORDS)}."
+            )
         allowed = _BMTRAIN_KEYWORDS[key]
         if allowed is not None and value not in allowed:
-            raise ValueError(f"init_distributed({key}={value!r}): nbtrain accepts "
-                             f"{' or '.join(map(repr, allowed))} here"
-                             + (" (set MASTER_ADDR and MASTER_PORT, as torchrun does)"
-                                if key == "init_method" else
-                                " (each Block takes its own zero_level)"))
+            raise ValueError(
+                f"init_distributed({key}={value!r}): nbtrain accepts "
+                f"{' or '.join(map(repr, allowed))} here"
+                + (
+                    " (set MASTER_ADDR and MASTER_PORT, as torchrun does)"
+                    if key == "init_method"
+                    else " (each Block takes its own zero_level)"
+                )
+            )
 
 
 def rebuild_topology() -> None:
@@ -243,9 +285,17 @@ def rebuild_topology() -> None:
         return
     topo = _CONTEXT.topology
     with links.recording():
-        _CONTEXT = replace(_CONTEXT, topology=_topology.build(
-            _CONTEXT.rank, _CONTEXT.world_size, topo.tp_size, topo.pipe_size, topo.ep_size,
-            topo.cp_size))
+        _CONTEXT = replace(
+            _CONTEXT,
+            topology=_topology.build(
+                _CONTEXT.rank,
+                _CONTEXT.world_size,
+                topo.tp_size,
+                topo.pipe_size,
+                topo.ep_size,
+                topo.cp_size,
+            ),
+        )
 
 
 def get_context() -> DistContext:
@@ -345,4 +395,3 @@ def print_rank(*args, rank: int = 0, **kwargs) -> None:
     if get_context().rank == rank:
         kwargs.setdefault("flush", True)
         print(*args, **kwargs)
-

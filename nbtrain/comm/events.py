@@ -4,13 +4,14 @@ The comm, zero and optim layers describe what they do (a collective issued or
 completed, a block's compute, a step's metrics, the end of a step) as plain
 dict events and hand them to `publish`. They never import telemetry: the
 telemetry layer subscribes its recorder here when a run starts
-(`nbtrain.init_distributed`), and anyone else (a test, a profiler) may subscribe too. With no subscriber, or with
-publishing switched off, each hot-path call costs one attribute read.
+(`nbtrain.init_distributed`), and anyone else (a test, a profiler) may subscribe too.
+With no subscriber, or with publishing switched off, each hot-path call costs one attribute read.
 
 Every event carries the training step it belongs to (`step`), advanced by
 `end_step()` (OptimManager.step calls it), which also runs the methods registered
 with `on_step_end` (a MoE layer's loss-free bias moves once per step there).
 """
+
 from __future__ import annotations
 
 import time
@@ -82,8 +83,16 @@ def instant(name: str, label: str, **fields) -> None:
 def compute(label: str, phase: str, start: float, end: float) -> None:
     """A compute span measured by the caller (`phase`: forward, backward, recompute)."""
     if HUB.active:
-        publish({"type": "compute", "label": label, "phase": phase, "start": start,
-                 "end": end, "t": end})
+        publish(
+            {
+                "type": "compute",
+                "label": label,
+                "phase": phase,
+                "start": start,
+                "end": end,
+                "t": end,
+            }
+        )
 
 
 @contextmanager
@@ -100,12 +109,21 @@ def compute_span(label: str, phase: str):
         compute(label, phase, start, time.perf_counter())
 
 
-def comm_span(kind: str, label: str, start: float, end: float, nbytes: int,
-              **fields) -> None:
+def comm_span(kind: str, label: str, start: float, end: float, nbytes: int, **fields) -> None:
     """A collective from issue to completion (`end_at_wait=True`: end seen at wait)."""
     if HUB.active:
-        publish({"type": "comm", "kind": kind, "label": label, "start": start,
-                 "end": end, "bytes": int(nbytes), "t": end, **fields})
+        publish(
+            {
+                "type": "comm",
+                "kind": kind,
+                "label": label,
+                "start": start,
+                "end": end,
+                "bytes": int(nbytes),
+                "t": end,
+                **fields,
+            }
+        )
 
 
 def metric(**values) -> None:

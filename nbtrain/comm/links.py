@@ -13,6 +13,7 @@ engine's, the rendezvous store's) by recording which sockets appear while nbtrai
 creates its groups (`recording()`); the store's own connections are skipped by port.
 Linux only (/proc/self/fd); elsewhere nothing is recorded and nothing is closed.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -20,6 +20,7 @@ ranks leave the loop at the same step boundary.
 `phase(name)` marks code that must not be cut in half (the optimizer update); a
 failure inside it is reported by `interrupted_phase()`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -42,15 +43,15 @@ _PREFIX = "nbtrain/recovery"
 
 class _State:
     def __init__(self):
-        self.store = None             # the base store every generation lives in
+        self.store = None  # the base store every generation lives in
         self.generation = 0
         self.rank = self.world = 0
         self.backend, self.timeout = None, None
         self.watcher: threading.Thread | None = None
         self.stop_watch = threading.Event()
-        self.aborted_by: str | None = None   # "rank R: summary" of the failing rank
-        self.stop_at: int | None = None       # the step a graceful stop ends the loop at
-        self.loop = 0                          # graceful_stop loops entered (same on all ranks)
+        self.aborted_by: str | None = None  # "rank R: summary" of the failing rank
+        self.stop_at: int | None = None  # the step a graceful stop ends the loop at
+        self.loop = 0  # graceful_stop loops entered (same on all ranks)
         self.interrupts = 0
         self.last_check, self.last_step, self.step_s = None, 0, None
         self.fastest_s: float | None = None
@@ -108,8 +109,10 @@ def _watch_optimizer_steps() -> None:
     global _HOOKED
     if _HOOKED:
         return
-    from torch.optim.optimizer import (register_optimizer_step_post_hook,
-                                       register_optimizer_step_pre_hook)
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
 
     def before(optimizer, args, kwargs):
         _S.phases.append(f"{type(optimizer).__name__}.step() (the optimizer update)")
@@ -136,8 +139,12 @@ def _key(what: str) -> str:
 def _start_watcher() -> None:
     _S.stop_watch = threading.Event()
     _S.aborted_by = None
-    _S.watcher = threading.Thread(target=_watch, args=(_S.store, _S.generation, _S.stop_watch),
-                                  name="nbtrain-recovery", daemon=True)
+    _S.watcher = threading.Thread(
+        target=_watch,
+        args=(_S.store, _S.generation, _S.stop_watch),
+        name="nbtrain-recovery",
+        daemon=True,
+    )
     _S.watcher.start()
 
 
@@ -235,16 +242,19 @@ def rebuild() -> None:
                 teardown.destroy_group()
         _S.generation += 1
     collectives.IN_FLIGHT.clear()
-    if (threading.current_thread() is threading.main_thread()
-            and signal.getsignal(signal.SIGINT) is _on_interrupt):
+    if (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is _on_interrupt
+    ):
         signal.signal(signal.SIGINT, signal.default_int_handler)  # a loop the failure left
     _S.phases.clear()
     _S.interrupted = None
     teardown.import_group_functional()
     store = dist.PrefixStore(f"{_PREFIX}/group{_S.generation}", _S.store)
     with links.recording():
-        dist.init_process_group(_S.backend, store=store, rank=_S.rank, world_size=_S.world,
-                                timeout=_S.timeout)
+        dist.init_process_group(
+            _S.backend, store=store, rank=_S.rank, world_size=_S.world, timeout=_S.timeout
+        )
         # init_process_group is no barrier: a rank whose side of gloo's mesh is done
         # returns while a peer is still reading its handshake, and if it then closes
         # the group (a test that ends, `%nbtrain stop`), the peer's init fails with
@@ -337,8 +347,12 @@ def _on_interrupt(signum, frame):
         # alone would leave the others waiting, so interrupt as usual.
         raise KeyboardInterrupt
     at = request_stop(_S.last_step, _lead())
-    print(f"nbtrain: stopping at step {at}, a step boundary every rank agrees on "
-          "(interrupt again to stop at once)", file=sys.stderr, flush=True)
+    print(
+        f"nbtrain: stopping at step {at}, a step boundary every rank agrees on "
+        "(interrupt again to stop at once)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 @contextlib.contextmanager

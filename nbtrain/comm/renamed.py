@@ -12,6 +12,7 @@ notebook or a script sees it. The table of names is docs/naming.md. This module 
 in the lowest layer so that every layer (configs, checkpoints, the notebook, the
 commands) can use it; it imports nothing of nbtrain.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,11 @@ import warnings
 
 def warn_renamed(old: str, new: str, stacklevel: int = 3) -> None:
     """A FutureWarning: `old` still works for one release; `new` is the name to use."""
-    warnings.warn(f"{old} is deprecated and will be removed in the next release; use {new}",
-                  FutureWarning, stacklevel=stacklevel)
+    warnings.warn(
+        f"{old} is deprecated and will be removed in the next release; use {new}",
+        FutureWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def renamed_kwargs(**renames: str):
@@ -41,8 +45,10 @@ def renamed_kwargs(**renames: str):
             for old, new in renames.items():
                 if old in kwargs:
                     if new in kwargs:
-                        raise TypeError(f"{owner}() got both {old}= and {new}=: "
-                                        f"{old} is the old name of {new}; pass only {new}=")
+                        raise TypeError(
+                            f"{owner}() got both {old}= and {new}=: "
+                            f"{old} is the old name of {new}; pass only {new}="
+                        )
                     warn_renamed(f"{owner}({old}=...)", f"{new}=")
                     kwargs[new] = kwargs.pop(old)
             return target(*args, **kwargs)
@@ -60,8 +66,11 @@ def model_first(func: str, model, path):
     `(path, model)` before: that old order (a str or PathLike first, a model second)
     still works, swapped, with a FutureWarning."""
     if isinstance(model, (str, os.PathLike)) and not isinstance(path, (str, os.PathLike)):
-        warn_renamed(f"{func}(path, model)", f"{func}(model, path), the order of "
-                     "nbtrain.save and BMTrain's bmt.save", stacklevel=4)
+        warn_renamed(
+            f"{func}(path, model)",
+            f"{func}(model, path), the order of nbtrain.save and BMTrain's bmt.save",
+            stacklevel=4,
+        )
         return path, model
     return model, path
 

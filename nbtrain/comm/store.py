@@ -15,6 +15,7 @@ Not covered, and why:
     nothing here can bind to it, so torch's wildcard store is used, with a warning
     naming the exposure.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,8 +47,9 @@ def _bound_listener(addr: str, port: int) -> socket.socket | None:
         except OSError as err:
             sock.close()
             if err.errno == 98:  # EADDRINUSE: the port is taken, say so as torch would
-                raise RuntimeError(f"the rendezvous port {addr}:{port} is in use; pick "
-                                   "another MASTER_PORT") from err
+                raise RuntimeError(
+                    f"the rendezvous port {addr}:{port} is in use; pick another MASTER_PORT"
+                ) from err
     return None
 
 
@@ -63,11 +65,21 @@ def rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store | 
     if rank == 0:
         sock = _bound_listener(addr, port)
         if sock is None:
-            warnings.warn(f"MASTER_ADDR={addr!r} is not an address of this host, so the "
-                          f"rendezvous store listens on every interface (port {port}); set "
-                          "MASTER_ADDR to this host's address to keep it to one",
-                          RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"MASTER_ADDR={addr!r} is not an address of this host, so the "
+                f"rendezvous store listens on every interface (port {port}); set "
+                "MASTER_ADDR to this host's address to keep it to one",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         else:
             listen_fd = sock.detach()  # the store owns the socket from here
-    return dist.TCPStore(addr, port, world_size=world, is_master=rank == 0, timeout=timeout,
-                         multi_tenant=True, master_listen_fd=listen_fd)
+    return dist.TCPStore(
+        addr,
+        port,
+        world_size=world,
+        is_master=rank == 0,
+        timeout=timeout,
+        multi_tenant=True,
+        master_listen_fd=listen_fd,
+    )

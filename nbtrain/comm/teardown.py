@@ -21,6 +21,7 @@ really freed, and an exit hook (in context.py) destroys a group the program left
 alive. tests/multirank/test_clean_exit.py forces the race; tests/stress/resume_exit.py
 counts aborted ranks over many runs.
 """
+
 from __future__ import annotations
 
 import gc

@@ -34,6 +34,7 @@ A group that spans the whole world is None (torch's default group) and a group o
 one rank is `ALONE` (nothing to communicate: callers skip the collective), so a
 plain data-parallel run makes no extra groups and behaves as before.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -53,27 +54,38 @@ class _Alone:
 ALONE = _Alone()
 
 
-def check_sizes(world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1,
-                cp_size: int = 1) -> int:
+def check_sizes(
+    world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1, cp_size: int = 1
+) -> int:
     """The data-parallel size, or a ValueError naming the numbers that do not fit."""
-    for name, value in (("tp_size", tp_size), ("pipe_size", pipe_size),
-                        ("ep_size", ep_size), ("cp_size", cp_size)):
+    for name, value in (
+        ("tp_size", tp_size),
+        ("pipe_size", pipe_size),
+        ("ep_size", ep_size),
+        ("cp_size", cp_size),
+    ):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r}: give a positive integer")
     if world_size % (tp_size * pipe_size):
-        raise ValueError(f"world size {world_size} is not divisible by tp_size {tp_size} x "
-                         f"pipe_size {pipe_size} = {tp_size * pipe_size}: choose sizes whose "
-                         "product divides the number of ranks")
+        raise ValueError(
+            f"world size {world_size} is not divisible by tp_size {tp_size} x "
+            f"pipe_size {pipe_size} = {tp_size * pipe_size}: choose sizes whose "
+            "product divides the number of ranks"
+        )
     dp_size = world_size // (tp_size * pipe_size)
     for name, value in (("ep_size", ep_size), ("cp_size", cp_size)):
         if dp_size % value:
-            raise ValueError(f"{name}={value} does not divide the data-parallel size "
-                             f"{dp_size} (world {world_size} / tp_size {tp_size} / pipe_size "
-                             f"{pipe_size}): {name} ranks are carved from the data-parallel "
-                             f"ranks, choose a divisor of {dp_size}")
+            raise ValueError(
+                f"{name}={value} does not divide the data-parallel size "
+                f"{dp_size} (world {world_size} / tp_size {tp_size} / pipe_size "
+                f"{pipe_size}): {name} ranks are carved from the data-parallel "
+                f"ranks, choose a divisor of {dp_size}"
+            )
     if ep_size > 1 and tp_size > 1:
-        raise ValueError(f"ep_size={ep_size} with tp_size={tp_size}: experts are not split "
-                         "by tensor parallelism; use tp_size=1 with expert parallelism")
+        raise ValueError(
+            f"ep_size={ep_size} with tp_size={tp_size}: experts are not split "
+            "by tensor parallelism; use tp_size=1 with expert parallelism"
+        )
     return dp_size
 
 
@@ -82,8 +94,9 @@ def coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, int]:
     return rank // (tp_size * dp_size), (rank // tp_size) % dp_size, rank % tp_size
 
 
-def group_ranks(name: str, world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1,
-                cp_size: int = 1) -> list[list[int]]:
+def group_ranks(
+    name: str, world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1, cp_size: int = 1
+) -> list[list[int]]:
     """Every group of kind `name`, as sorted rank lists, in a fixed order."""
     dp_size = world_size // (tp_size * pipe_size)
     stage = tp_size * dp_size
@@ -92,24 +105,40 @@ def group_ranks(name: str, world_size: int, tp_size: int, pipe_size: int, ep_siz
         return (p * dp_size + d) * tp_size + t
 
     if name == "tp":
-        return [[rank_of(p, d, t) for t in range(tp_size)]
-                for p in range(pipe_size) for d in range(dp_size)]
+        return [
+            [rank_of(p, d, t) for t in range(tp_size)]
+            for p in range(pipe_size)
+            for d in range(dp_size)
+        ]
     if name == "dp":
-        return [[rank_of(p, d, t) for d in range(dp_size)]
-                for p in range(pipe_size) for t in range(tp_size)]
+        return [
+            [rank_of(p, d, t) for d in range(dp_size)]
+            for p in range(pipe_size)
+            for t in range(tp_size)
+        ]
     if name == "zero":
         return [list(range(p * stage, (p + 1) * stage)) for p in range(pipe_size)]
     if name == "pipe":
-        return [[rank_of(p, d, t) for p in range(pipe_size)]
-                for d in range(dp_size) for t in range(tp_size)]
+        return [
+            [rank_of(p, d, t) for p in range(pipe_size)]
+            for d in range(dp_size)
+            for t in range(tp_size)
+        ]
     if name in ("ep", "cp"):  # consecutive dp ranks
         size = ep_size if name == "ep" else cp_size
-        return [[rank_of(p, q * size + i, t) for i in range(size)]
-                for p in range(pipe_size) for t in range(tp_size)
-                for q in range(dp_size // size)]
+        return [
+            [rank_of(p, q * size + i, t) for i in range(size)]
+            for p in range(pipe_size)
+            for t in range(tp_size)
+            for q in range(dp_size // size)
+        ]
     if name == "edp":  # dp ranks with the same ep_rank
-        return [[rank_of(p, q * ep_size + e, t) for q in range(dp_size // ep_size)]
-                for p in range(pipe_size) for t in range(tp_size) for e in range(ep_size)]
+        return [
+            [rank_of(p, q * ep_size + e, t) for q in range(dp_size // ep_size)]
+            for p in range(pipe_size)
+            for t in range(tp_size)
+            for e in range(ep_size)
+        ]
     raise ValueError(f"unknown group {name!r}; known: {', '.join(GROUPS)}")
 
 
@@ -183,9 +212,14 @@ class Topology:
     def ranks(self, name: str) -> list[int]:
         """The global ranks of this rank's group of kind `name`."""
         if name not in self.members:
-            return [r for ranks in group_ranks(name, self.world_size, self.tp_size,
-                                               self.pipe_size, self.ep_size, self.cp_size)
-                    if self.rank in ranks for r in ranks]
+            return [
+                r
+                for ranks in group_ranks(
+                    name, self.world_size, self.tp_size, self.pipe_size, self.ep_size, self.cp_size
+                )
+                if self.rank in ranks
+                for r in ranks
+            ]
         return list(self.members[name])
 
     def label(self) -> str:
@@ -204,8 +238,14 @@ class Topology:
         return " ".join(parts)
 
 
-def build(rank: int, world_size: int, tp_size: int = 1, pipe_size: int = 1,
-          ep_size: int = 1, cp_size: int = 1) -> Topology:
+def build(
+    rank: int,
+    world_size: int,
+    tp_size: int = 1,
+    pipe_size: int = 1,
+    ep_size: int = 1,
+    cp_size: int = 1,
+) -> Topology:
     """Make the groups of every kind (collective: every rank calls it, same arguments).
 
     Groups the size of the world are None (the default group); every other group is
@@ -233,6 +273,14 @@ def build(rank: int, world_size: int, tp_size: int = 1, pipe_size: int = 1,
                     made = group
             made_for[key] = made
         groups[name] = made_for[key]
-    return Topology(rank=rank, world_size=world_size, tp_size=tp_size, dp_size=dp_size,
-                    pipe_size=pipe_size, ep_size=ep_size, cp_size=cp_size, groups=groups,
-                    members=members)
+    return Topology(
+        rank=rank,
+        world_size=world_size,
+        tp_size=tp_size,
+        dp_size=dp_size,
+        pipe_size=pipe_size,
+        ep_size=ep_size,
+        cp_size=cp_size,
+        groups=groups,
+        members=members,
+    )

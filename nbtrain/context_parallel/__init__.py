@@ -13,6 +13,8 @@ Read in this order:
 sharded sequence; a model under context parallelism is given a `ContextParallel`
 (`ContextParallel.from_topology()` for the cp group of `init_distributed(cp_size=...)`).
 """
+
+from .kernels import uses_fused_kernel
 from .layout import (
     Block,
     SequenceLayout,
@@ -23,10 +25,20 @@ from .layout import (
     global_positions,
     shard_sequence,
 )
-from .kernels import uses_fused_kernel
 from .model import ContextParallel
 from .ring import Ring, ring_attention
 
-__all__ = ["Block", "ContextParallel", "Ring", "SequenceLayout", "check_position_ids",
-           "chunk_ids", "document_ids", "gather_sequence", "global_positions",
-           "ring_attention", "shard_sequence", "uses_fused_kernel"]
+__all__ = [
+    "Block",
+    "ContextParallel",
+    "Ring",
+    "SequenceLayout",
+    "check_position_ids",
+    "chunk_ids",
+    "document_ids",
+    "gather_sequence",
+    "global_positions",
+    "ring_attention",
+    "shard_sequence",
+    "uses_fused_kernel",
+]

@@ -7,6 +7,7 @@ math (`Ring(kernel="math")` forces it). A fused op is checked against the math o
 device, dtype, head size and masking (`_fused_works`), and left (warning) if it fails.
 A block's partial result joins the others by its log-sum-exp (`_merge`).
 """
+
 from __future__ import annotations
 
 import functools
@@ -23,7 +24,7 @@ def _visible(block: Block, q_doc, k_doc):
     (None without documents); a kernel adds a causal block's own mask to it."""
     if q_doc is None:
         return None
-    return (q_doc[:, block.rows].unsqueeze(2) == k_doc[:, :block.keys].unsqueeze(1)).unsqueeze(1)
+    return (q_doc[:, block.rows].unsqueeze(2) == k_doc[:, : block.keys].unsqueeze(1)).unsqueeze(1)
 
 
 def _diagonal(block: Block, mask, device=None):
@@ -31,8 +32,9 @@ def _diagonal(block: Block, mask, device=None):
     if not block.causal:
         return mask
     rows = block.rows.stop - block.rows.start
-    diagonal = torch.ones(rows, block.keys, dtype=torch.bool,
-                          device=device or mask.device).tril(block.keys - rows)
+    diagonal = torch.ones(rows, block.keys, dtype=torch.bool, device=device or mask.device).tril(
+        block.keys - rows
+    )
     return diagonal if mask is None else mask & diagonal
 
 
@@ -63,37 +65,53 @@ def _block_backward(q, k, v, do, lse, delta, mask, scale):
 
 def _cpu_forward(q, k, v, causal, bias, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=bias, scale=scale)
+        q, k, v, 0.0, causal, attn_mask=bias, scale=scale
+    )
 
 
 def _cpu_backward(do, q, k, v, out, lse, causal, bias, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        do, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale)
+        do, q, k, v, out, lse, 0.0, causal, attn_mask=bias, scale=scale
+    )
 
 
 def _cuda_forward(q, k, v, causal, bias, scale):
     out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal,
-        scale=scale)[:2]
-    return out, lse[..., :q.shape[2]]  # its rows are padded to a multiple of 32
+        q.contiguous(), k.contiguous(), v.contiguous(), None, True, 0.0, causal, scale=scale
+    )[:2]
+    return out, lse[..., : q.shape[2]]  # its rows are padded to a multiple of 32
 
 
 def _cuda_backward(do, q, k, v, out, lse, causal, bias, scale):
     lse = F.pad(lse, (0, -q.shape[2] % 32))  # the padded rows its forward gives
     unused = torch.zeros((), dtype=torch.int64, device=q.device)  # philox: no dropout
     return torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-        do.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(), None,
-        out.contiguous(), lse, unused, unused, 0.0, [True, True, True, False], causal,
-        scale=scale)[:3]
+        do.contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        None,
+        out.contiguous(),
+        lse,
+        unused,
+        unused,
+        0.0,
+        [True, True, True, False],
+        causal,
+        scale=scale,
+    )[:3]
 
 
 # device type: (forward, backward, dtypes, takes a mask). Both take (batch, heads, seq,
 # dim) and give (out, lse) / (dq, dk, dv); a mask comes as an additive bias of q's dtype.
 _FUSED = {
-    "cpu": (_cpu_forward, _cpu_backward,
-            (torch.float32, torch.float64, torch.bfloat16, torch.float16), True),
-    "cuda": (_cuda_forward, _cuda_backward,
-             (torch.float32, torch.bfloat16, torch.float16), False),
+    "cpu": (
+        _cpu_forward,
+        _cpu_backward,
+        (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+        True,
+    ),
+    "cuda": (_cuda_forward, _cuda_backward, (torch.float32, torch.bfloat16, torch.float16), False),
 }
 
 
@@ -109,9 +127,10 @@ class _Kernel:
         """The math's bool mask (documents and causal), or the fused op's (is_causal, the
         documents' additive bias or None)."""
         if self.fused is None:
-            return _diagonal(block, mask, q.device),
+            return (_diagonal(block, mask, q.device),)
         return block.causal, None if mask is None else torch.zeros(
-            mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+            mask.shape, dtype=q.dtype, device=q.device
+        ).masked_fill_(~mask, float("-inf"))
 
     def forward(self, q, k, v, block, mask, scale):
         if self.fused is None:
@@ -124,8 +143,9 @@ class _Kernel:
     def backward(self, do, q, k, v, out, lse, delta, block, mask, scale):
         if self.fused is None:
             return _block_backward(q, k, v, do, lse, delta, *self._masks(block, mask, q), scale)
-        grads = self.fused[1](do, q, k, v, out, lse.contiguous(),
-                              *self._masks(block, mask, q), scale)
+        grads = self.fused[1](
+            do, q, k, v, out, lse.contiguous(), *self._masks(block, mask, q), scale
+        )
         return [g.to(self.acc) for g in grads]
 
 
@@ -159,8 +179,9 @@ def _fused_works(device: torch.device, dtype: torch.dtype, head_dim: int, masked
     lse, delta = want[1].nan_to_num(neginf=0.0), (do * want[0]).sum(dim=-1)
     want += tuple(ref.backward(do, q, k, v, want[0], lse, delta, block, mask, scale))
     try:
-        got = fused.forward(*x[:3], block, mask, scale) + tuple(fused.backward(
-            x[3], *x[:3], want[0].to(dtype), lse, delta, block, mask, scale))
+        got = fused.forward(*x[:3], block, mask, scale) + tuple(
+            fused.backward(x[3], *x[:3], want[0].to(dtype), lse, delta, block, mask, scale)
+        )
     except RuntimeError as err:
         why = f"{type(err).__name__}: {str(err).splitlines()[0]}"
     else:
@@ -168,8 +189,12 @@ def _fused_works(device: torch.device, dtype: torch.dtype, head_dim: int, masked
         if all(torch.allclose(a, b, rtol=tol, atol=tol) for a, b in zip(want, got)):
             return True
         why = "its results differ from the math kernel's"
-    warnings.warn(f"ring_attention: the fused attention op for {device.type} {dtype} (head_"
-                  f"dim {head_dim}, masked={masked}) is not used: {why}", RuntimeWarning)
+    warnings.warn(
+        f"ring_attention: the fused attention op for {device.type} {dtype} (head_"
+        f"dim {head_dim}, masked={masked}) is not used: {why}",
+        RuntimeWarning,
+        stacklevel=2,
+    )
     return False
 
 
@@ -177,6 +202,7 @@ def _merge(out, lse, block_out, block_lse):
     """The log-sum-exp merge of two partial softmax results over disjoint keys."""
     new = torch.logaddexp(lse, block_lse)
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)  # rows with no key
-    out = out * torch.exp(lse - safe).unsqueeze(-1) + \
-        block_out * torch.exp(block_lse - safe).unsqueeze(-1)
+    out = out * torch.exp(lse - safe).unsqueeze(-1) + block_out * torch.exp(
+        block_lse - safe
+    ).unsqueeze(-1)
     return out, new

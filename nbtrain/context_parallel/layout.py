@@ -13,6 +13,7 @@ visible (a leading run of the held block's keys) or entirely in the future (skip
 Packed documents come as `doc_ids` (batch, local_seq), sharded like the tokens
 (`document_ids` of the full position ids, then `shard_sequence`).
 """
+
 from __future__ import annotations
 
 import enum
@@ -27,6 +28,7 @@ from ..comm.topology import ALONE
 
 class SequenceLayout(str, enum.Enum):
     """How the full sequence is cut into the cp ranks' shards (see the module docstring)."""
+
     ZIGZAG = "zigzag"
     CONTIGUOUS = "contiguous"
 
@@ -35,8 +37,9 @@ def _layout(layout) -> SequenceLayout:
     try:
         return SequenceLayout(layout)
     except ValueError:
-        raise ValueError(f"layout={layout!r}: use one of "
-                         f"{[m.value for m in SequenceLayout]}") from None
+        raise ValueError(
+            f"layout={layout!r}: use one of {[m.value for m in SequenceLayout]}"
+        ) from None
 
 
 def _ring(group) -> tuple[int, int, list[int]]:
@@ -45,10 +48,15 @@ def _ring(group) -> tuple[int, int, list[int]]:
         return 0, 1, [dist.get_rank() if dist.is_initialized() else 0]
     index = dist.get_rank(group)
     if index < 0:
-        raise ValueError(f"ring attention: global rank {dist.get_rank()} is not in the "
-                         f"given group: call it on the group's ranks only")
-    ranks = (dist.get_process_group_ranks(group) if group is not None
-             else list(range(dist.get_world_size())))
+        raise ValueError(
+            f"ring attention: global rank {dist.get_rank()} is not in the "
+            f"given group: call it on the group's ranks only"
+        )
+    ranks = (
+        dist.get_process_group_ranks(group)
+        if group is not None
+        else list(range(dist.get_world_size()))
+    )
     return index, len(ranks), ranks
 
 
@@ -64,8 +72,9 @@ def _n_chunks(size: int, layout) -> int:
     return 2 * size if _layout(layout) is SequenceLayout.ZIGZAG else size
 
 
-def global_positions(rank: int, size: int, local_seq: int, layout="zigzag",
-                     device=None) -> torch.Tensor:
+def global_positions(
+    rank: int, size: int, local_seq: int, layout="zigzag", device=None
+) -> torch.Tensor:
     """int64 (local_seq,): the full-sequence position of each of `rank`'s tokens. Local."""
     ids = chunk_ids(rank, size, layout)
     chunk = local_seq // len(ids)
@@ -77,8 +86,10 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     document starts (position 0) up to each token. Give it the FULL sequence, then
     `shard_sequence(ids, 1)` like the tokens. Local."""
     if position_ids.dim() != 2 or position_ids.dtype.is_floating_point:
-        raise ValueError(f"document_ids: position_ids must be integers shaped (rows, seq); "
-                         f"got {position_ids.dtype} of shape {tuple(position_ids.shape)}")
+        raise ValueError(
+            f"document_ids: position_ids must be integers shaped (rows, seq); "
+            f"got {position_ids.dtype} of shape {tuple(position_ids.shape)}"
+        )
     return (position_ids == 0).cumsum(dim=1)
 
 
@@ -87,9 +98,11 @@ def check_position_ids(position_ids, idx):
     if position_ids is None:
         return
     if position_ids.dtype.is_floating_point or tuple(position_ids.shape) != tuple(idx.shape):
-        raise ValueError(f"position_ids must be integers shaped like the token ids "
-                         f"{tuple(idx.shape)}; got {position_ids.dtype} of shape "
-                         f"{tuple(position_ids.shape)}")
+        raise ValueError(
+            f"position_ids must be integers shaped like the token ids "
+            f"{tuple(idx.shape)}; got {position_ids.dtype} of shape "
+            f"{tuple(position_ids.shape)}"
+        )
 
 
 def shard_sequence(x: torch.Tensor, dim: int, group=None, layout="zigzag") -> torch.Tensor:
@@ -98,9 +111,11 @@ def shard_sequence(x: torch.Tensor, dim: int, group=None, layout="zigzag") -> to
     rank, size, _ = _ring(group)
     n = _n_chunks(size, layout)
     if x.shape[dim] % n:
-        raise ValueError(f"shard_sequence: length {x.shape[dim]} along dim {dim} does not "
-                         f"divide into {n} chunks ({layout} layout over {size} ranks): pad "
-                         f"the sequence to a multiple of {n}")
+        raise ValueError(
+            f"shard_sequence: length {x.shape[dim]} along dim {dim} does not "
+            f"divide into {n} chunks ({layout} layout over {size} ranks): pad "
+            f"the sequence to a multiple of {n}"
+        )
     chunks = x.chunk(n, dim=dim)
     return torch.cat([chunks[c] for c in chunk_ids(rank, size, layout)], dim=dim).contiguous()
 
@@ -113,8 +128,10 @@ def gather_sequence(x: torch.Tensor, dim: int, group=None, layout="zigzag") -> t
         return x.detach().clone()
     per_rank = len(chunk_ids(0, size, layout))
     if x.shape[dim] % per_rank:
-        raise ValueError(f"gather_sequence: local length {x.shape[dim]} along dim {dim} is "
-                         f"odd; the zigzag layout holds two equal chunks per rank")
+        raise ValueError(
+            f"gather_sequence: local length {x.shape[dim]} along dim {dim} is "
+            f"odd; the zigzag layout holds two equal chunks per rank"
+        )
     with torch.no_grad():
         shard = x.detach().contiguous()
         out = torch.empty(size * shard.numel(), dtype=shard.dtype, device=shard.device)
@@ -129,13 +146,21 @@ def gather_sequence(x: torch.Tensor, dim: int, group=None, layout="zigzag") -> t
 
 class Block(NamedTuple):
     """Local query rows that meet a leading run of the held K/V block at one step."""
-    rows: slice    # this rank's query rows
-    keys: int      # how many leading keys of the held block they see
-    causal: bool   # ends on the diagonal: row i sees keys up to i + keys - rows
+
+    rows: slice  # this rank's query rows
+    keys: int  # how many leading keys of the held block they see
+    causal: bool  # ends on the diagonal: row i sees keys up to i + keys - rows
 
 
-def _step_blocks(rank: int, size: int, step: int, local_seq: int, layout, causal: bool,
-                 whole_diagonal: bool = True) -> list[Block]:
+def _step_blocks(
+    rank: int,
+    size: int,
+    step: int,
+    local_seq: int,
+    layout,
+    causal: bool,
+    whole_diagonal: bool = True,
+) -> list[Block]:
     """The blocks `rank` computes at `step` (holding rank - step's). Its own block under a
     causal mask is one square causal block (`whole_diagonal`: a fused kernel skips the
     future half itself) or one per query chunk, ending on the diagonal (for the math

@@ -11,6 +11,7 @@ behind the model's back. `ContextParallel.from_topology()` makes the one of
     idx, targets, position_ids, doc_ids = cp.shard_batch(idx, targets, position_ids)
     logits = model(idx, position_ids, doc_ids)   # this rank's shard of every row
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ class ContextParallel:
         layout: "zigzag" (rank r holds chunks r and 2*cp-1-r of 2*cp: equal causal
             work) or "contiguous" (chunk r of cp); see `SequenceLayout`.
     """
+
     group: object = None
     layout: str = "zigzag"
 
@@ -49,8 +51,9 @@ class ContextParallel:
         try:
             object.__setattr__(self, "layout", SequenceLayout(self.layout).value)
         except ValueError:
-            raise ValueError(f"layout={self.layout!r}: use one of "
-                             f"{[m.value for m in SequenceLayout]}") from None
+            raise ValueError(
+                f"layout={self.layout!r}: use one of {[m.value for m in SequenceLayout]}"
+            ) from None
 
     @classmethod
     def from_topology(cls, layout="zigzag") -> "ContextParallel | None":
@@ -67,8 +70,10 @@ class ContextParallel:
             return 0
         rank = dist.get_rank(self.group)
         if rank < 0:
-            raise ValueError(f"context parallelism: global rank {dist.get_rank()} is not in "
-                             "the cp group: give each rank the group holding it")
+            raise ValueError(
+                f"context parallelism: global rank {dist.get_rank()} is not in "
+                "the cp group: give each rank the group holding it"
+            )
         return rank
 
     @property
@@ -96,20 +101,27 @@ class ContextParallel:
             rank's shard), None without position_ids.
         """
         if idx.dim() != 2:
-            raise ValueError(f"shard_batch takes token ids of shape (rows, seq); got "
-                             f"{tuple(idx.shape)}")
+            raise ValueError(
+                f"shard_batch takes token ids of shape (rows, seq); got {tuple(idx.shape)}"
+            )
         seq, n = idx.shape[1], self.chunks
         if seq % n:
-            raise ValueError(f"shard_batch: sequence length {seq} does not divide into {n} "
-                             f"chunks ({self.layout} layout over cp {self.size} ranks): pad "
-                             f"the rows to a multiple of {n} (e.g. {-(-seq // n) * n})")
+            raise ValueError(
+                f"shard_batch: sequence length {seq} does not divide into {n} "
+                f"chunks ({self.layout} layout over cp {self.size} ranks): pad "
+                f"the rows to a multiple of {n} (e.g. {-(-seq // n) * n})"
+            )
         if targets is not None and tuple(targets.shape) != tuple(idx.shape):
-            raise ValueError(f"shard_batch: targets of shape {tuple(targets.shape)} for token "
-                             f"ids of shape {tuple(idx.shape)}: give one target per token")
+            raise ValueError(
+                f"shard_batch: targets of shape {tuple(targets.shape)} for token "
+                f"ids of shape {tuple(idx.shape)}: give one target per token"
+            )
         check_position_ids(position_ids, idx)
         docs = None if position_ids is None else document_ids(position_ids)
-        return tuple(None if t is None else shard_sequence(t, 1, self.group, self.layout)
-                     for t in (idx, targets, position_ids, docs))
+        return tuple(
+            None if t is None else shard_sequence(t, 1, self.group, self.layout)
+            for t in (idx, targets, position_ids, docs)
+        )
 
     def gather(self, x, dim: int = 1):
         """The full tensor from every rank's shard `x` along `dim`, in sequence order (no
@@ -122,27 +134,34 @@ class ContextParallel:
 
     def attention(self, q, k, v, doc_ids=None):
         """Causal ring attention of this rank's q, k, v (batch, heads, local_seq, dim)."""
-        return ring_attention(q, k, v, causal=True, group=self.group, doc_ids=doc_ids,
-                              layout=self.layout)
+        return ring_attention(
+            q, k, v, causal=True, group=self.group, doc_ids=doc_ids, layout=self.layout
+        )
 
     def check_local(self, idx, position_ids, doc_ids, seq_len: int):
         """Raises unless idx (rows, local_seq) is a shard this cp group can run."""
         t, size = idx.shape[1], self.size
         where = f"GPT under context parallelism (cp {size}, {self.layout} layout)"
         if t % (self.chunks // size):
-            raise ValueError(f"{where}: local sequence length {t} is odd; each rank holds "
-                             f"two equal chunks: shard full rows whose length divides by "
-                             f"2*cp = {self.chunks} (model.shard_batch), or use "
-                             "ContextParallel(layout='contiguous')")
+            raise ValueError(
+                f"{where}: local sequence length {t} is odd; each rank holds "
+                f"two equal chunks: shard full rows whose length divides by "
+                f"2*cp = {self.chunks} (model.shard_batch), or use "
+                "ContextParallel(layout='contiguous')"
+            )
         if t * size > seq_len:
-            raise ValueError(f"{where}: sequence length {t * size} (local {t} x cp {size}) "
-                             f"exceeds seq_len={seq_len}: pass this rank's shard "
-                             "(model.shard_batch), not the full rows")
+            raise ValueError(
+                f"{where}: sequence length {t * size} (local {t} x cp {size}) "
+                f"exceeds seq_len={seq_len}: pass this rank's shard "
+                "(model.shard_batch), not the full rows"
+            )
         check_position_ids(position_ids, idx)
         if (position_ids is None) != (doc_ids is None):
-            raise ValueError(f"{where}: position_ids and doc_ids come together: a document "
-                             "may start in another rank's shard, so its ids come from the "
-                             "full rows: idx, targets, position_ids, doc_ids = "
-                             "model.shard_batch(idx, targets, position_ids)")
+            raise ValueError(
+                f"{where}: position_ids and doc_ids come together: a document "
+                "may start in another rank's shard, so its ids come from the "
+                "full rows: idx, targets, position_ids, doc_ids = "
+                "model.shard_batch(idx, targets, position_ids)"
+            )
         if doc_ids is not None:
             check_position_ids(doc_ids, idx)

@@ -16,6 +16,7 @@ be one batch on NCCL, which would else deadlock at cp 2), so nbtrain's P2P count
 its bytes. `Ring` chooses and moves a call's blocks: a subclass given as `ring=` can
 change either (nbtrain bench --ring does).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,9 @@ from .layout import Block, SequenceLayout, _layout, _ring, _step_blocks
 _TAG_KV, _TAG_DOC, _TAG_GRAD = 0x5241, 0x5242, 0x5243
 
 
-def ring_attention(q, k, v, causal: bool = True, group=None, doc_ids=None,
-                   layout="zigzag", *, ring=None):
+def ring_attention(
+    q, k, v, causal: bool = True, group=None, doc_ids=None, layout="zigzag", *, ring=None
+):
     """Attention of this rank's queries over the whole sharded sequence.
 
     Args:
@@ -70,20 +72,31 @@ def ring_attention(q, k, v, causal: bool = True, group=None, doc_ids=None,
 
 def _check(q, k, v, doc_ids, layout):
     if q.dim() != 4 or q.shape != k.shape or q.shape != v.shape:
-        raise ValueError(f"ring_attention: q, k, v must share one shape (batch, heads, local_"
-                         f"seq, head_dim); got {[tuple(t.shape) for t in (q, k, v)]}")
+        raise ValueError(
+            f"ring_attention: q, k, v must share one shape (batch, heads, local_"
+            f"seq, head_dim); got {[tuple(t.shape) for t in (q, k, v)]}"
+        )
     if not q.dtype.is_floating_point or q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"ring_attention: q, k, v must share one floating dtype; got "
-                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(
+            f"ring_attention: q, k, v must share one floating dtype; got "
+            f"{q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if layout is SequenceLayout.ZIGZAG and q.shape[2] % 2:
-        raise ValueError(f"ring_attention: local_seq={q.shape[2]} is odd; the zigzag layout holds"
-                         f" two equal chunks per rank: pad the full sequence to a multiple of "
-                         f"2*cp, or use layout='contiguous'")
-    if doc_ids is not None and (doc_ids.dtype.is_floating_point or doc_ids.dtype == torch.bool
-                                or tuple(doc_ids.shape) != (q.shape[0], q.shape[2])):
-        raise ValueError(f"ring_attention: doc_ids must be integers shaped (batch, local_seq)"
-                         f" = {(q.shape[0], q.shape[2])}; got {doc_ids.dtype} "
-                         f"{tuple(doc_ids.shape)}")
+        raise ValueError(
+            f"ring_attention: local_seq={q.shape[2]} is odd; the zigzag layout holds"
+            f" two equal chunks per rank: pad the full sequence to a multiple of "
+            f"2*cp, or use layout='contiguous'"
+        )
+    if doc_ids is not None and (
+        doc_ids.dtype.is_floating_point
+        or doc_ids.dtype == torch.bool
+        or tuple(doc_ids.shape) != (q.shape[0], q.shape[2])
+    ):
+        raise ValueError(
+            f"ring_attention: doc_ids must be integers shaped (batch, local_seq)"
+            f" = {(q.shape[0], q.shape[2])}; got {doc_ids.dtype} "
+            f"{tuple(doc_ids.shape)}"
+        )
 
 
 class Ring:
@@ -104,14 +117,16 @@ class Ring:
 
     def blocks(self, step: int, local_seq: int, whole_diagonal: bool = True) -> list[Block]:
         """The blocks of this step's held K/V to compute (see `Block`, `_step_blocks`)."""
-        return _step_blocks(self.rank, self.size, step, local_seq, self.layout, self.causal,
-                            whole_diagonal)
+        return _step_blocks(
+            self.rank, self.size, step, local_seq, self.layout, self.causal, whole_diagonal
+        )
 
     def exchange(self, sends: list, recvs: list, tags: list, label: str) -> list:
         """Sends `sends` to the next rank and receives `recvs` from the previous one (one
         batch), counts the bytes; returns works to `wait()` on before using either."""
-        return C.send_recv(sends, recvs, tags, dst=self.next, src=self.prev,
-                           group=self.group, label=label)
+        return C.send_recv(
+            sends, recvs, tags, dst=self.next, src=self.prev, group=self.group, label=label
+        )
 
 
 def _wait(works, label):
@@ -132,17 +147,28 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step + 1 < ring.size:  # post the next block before computing this one
                 nxt = [torch.empty_like(kv)] + ([] if doc is None else [torch.empty_like(doc)])
-                works = ring.exchange([kv] + ([] if doc is None else [doc]), nxt,
-                                      [_TAG_KV, _TAG_DOC], f"cp ring kv step {step + 1}")
+                works = ring.exchange(
+                    [kv] + ([] if doc is None else [doc]),
+                    nxt,
+                    [_TAG_KV, _TAG_DOC],
+                    f"cp ring kv step {step + 1}",
+                )
             with events.compute_span(f"cp ring attention step {step}", "forward"):
                 kvk = kv.to(kernel.dtype)
                 for block in ring.blocks(step, n, kernel.fused is not None):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
-                    bo, bl = kernel.forward(qk[..., rows, :], kvk[0, ..., :keys, :],
-                                            kvk[1, ..., :keys, :], block, mask, scale)
+                    bo, bl = kernel.forward(
+                        qk[..., rows, :],
+                        kvk[0, ..., :keys, :],
+                        kvk[1, ..., :keys, :],
+                        block,
+                        mask,
+                        scale,
+                    )
                     out[..., rows, :], lse[..., rows] = _merge(
-                        out[..., rows, :], lse[..., rows], bo, bl)
+                        out[..., rows, :], lse[..., rows], bo, bl
+                    )
             if step + 1 < ring.size:  # needed now: the next step computes on it
                 _wait(works, f"cp ring kv step {step + 1}")
                 kv, doc = nxt[0], (None if doc is None else nxt[1])
@@ -165,8 +191,12 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             if step + 1 < ring.size:
                 nxt = [torch.empty_like(kv)] + ([] if doc is None else [torch.empty_like(doc)])
-                works = ring.exchange([kv] + ([] if doc is None else [doc]), nxt,
-                                      [_TAG_KV, _TAG_DOC], f"cp ring kv grad step {step + 1}")
+                works = ring.exchange(
+                    [kv] + ([] if doc is None else [doc]),
+                    nxt,
+                    [_TAG_KV, _TAG_DOC],
+                    f"cp ring kv grad step {step + 1}",
+                )
             dkv = torch.zeros(2, *k.shape, dtype=kernel.acc, device=q.device)
             with events.compute_span(f"cp ring attention step {step}", "backward"):
                 kvk = kv.to(kernel.dtype)
@@ -174,9 +204,17 @@ class _RingAttention(torch.autograd.Function):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
                     dq_rows, dk_rows, dv_rows = kernel.backward(
-                        dok[..., rows, :], qk[..., rows, :], kvk[0, ..., :keys, :],
-                        kvk[1, ..., :keys, :], outk[..., rows, :], safe_lse[..., rows],
-                        delta[..., rows], block, mask, scale)
+                        dok[..., rows, :],
+                        qk[..., rows, :],
+                        kvk[0, ..., :keys, :],
+                        kvk[1, ..., :keys, :],
+                        outk[..., rows, :],
+                        safe_lse[..., rows],
+                        delta[..., rows],
+                        block,
+                        mask,
+                        scale,
+                    )
                     dq[..., rows, :] += dq_rows
                     dkv[0, ..., :keys, :] += dk_rows
                     dkv[1, ..., :keys, :] += dv_rows

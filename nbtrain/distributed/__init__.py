@@ -11,6 +11,7 @@ BMTrain's `bmt.distributed` names, with BMTrain's shapes and gradients:
 
 See nbtrain.distributed.ops for the gradient each one gives.
 """
+
 from .ops import (
     all_gather,
     all_reduce,
@@ -20,5 +21,11 @@ from .ops import (
     send_activations,
 )
 
-__all__ = ["all_gather", "all_reduce", "broadcast", "recv_activations", "reduce_scatter",
-           "send_activations"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "broadcast",
+    "recv_activations",
+    "reduce_scatter",
+    "send_activations",
+]

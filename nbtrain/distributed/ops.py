@@ -30,6 +30,7 @@ Gradients are BMTrain's. Two conventions meet here, as in BMTrain:
 Collective: every rank of `comm` calls each function (but the point-to-point pair)
 in the same order. Before `init_distributed` they raise a RuntimeError.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,18 @@ from ..comm.topology import ALONE
 
 OPS = ("sum", "avg", "max", "min", "prod")
 # dtype codes of the header `send_activations` sends first: BMTrain's order, then more.
-DTYPES = (torch.float64, torch.float32, torch.float16, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.bfloat16, torch.bool, torch.uint8)
+DTYPES = (
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.bfloat16,
+    torch.bool,
+    torch.uint8,
+)
 HEADER_LEN = 50  # ndim, dtype code, then up to 48 sizes
 
 
@@ -84,6 +95,7 @@ def _on_context_device(x: torch.Tensor, fn):
 
 # -- the collectives, without autograd ------------------------------------------------
 
+
 def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
     x = x.detach().contiguous()
     out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
@@ -95,8 +107,7 @@ def _reduce(x: torch.Tensor, op: str, group, size: int) -> torch.Tensor:
     if op == "prod":  # gathered and multiplied here: the collectives reduce sum/max/min
         return _gather(x, group, size).prod(0, dtype=x.dtype)
     out = x.detach().clone(memory_format=torch.contiguous_format)
-    C.all_reduce(out, op="sum" if op == "avg" else op, group=group,
-                 label="distributed all_reduce")
+    C.all_reduce(out, op="sum" if op == "avg" else op, group=group, label="distributed all_reduce")
     if op == "avg":
         if out.is_floating_point() or out.is_complex():
             out.div_(size)
@@ -107,16 +118,23 @@ def _reduce(x: torch.Tensor, op: str, group, size: int) -> torch.Tensor:
 
 def _scatter(x: torch.Tensor, op: str, group, size: int, rank: int) -> torch.Tensor:
     if x.dim() == 0 or x.shape[0] % size:
-        raise ValueError(f"reduce_scatter: the first dimension of shape {tuple(x.shape)} "
-                         f"must divide by the {size} ranks")
+        raise ValueError(
+            f"reduce_scatter: the first dimension of shape {tuple(x.shape)} "
+            f"must divide by the {size} ranks"
+        )
     rows = x.shape[0] // size
     if op not in ("sum", "avg"):
-        return _reduce(x, op, group, size)[rank * rows:(rank + 1) * rows].clone()
+        return _reduce(x, op, group, size)[rank * rows : (rank + 1) * rows].clone()
     x = x.detach().contiguous()
     exact = x.is_floating_point() or x.is_complex()
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.reduce_scatter(out.view(-1), x.view(-1), op=op if exact else "sum", group=group,
-                     label="distributed reduce_scatter")
+    C.reduce_scatter(
+        out.view(-1),
+        x.view(-1),
+        op=op if exact else "sum",
+        group=group,
+        label="distributed reduce_scatter",
+    )
     if op == "avg" and not exact:  # an integer average truncates, as in all_reduce
         out.div_(size, rounding_mode="trunc")
     return out
@@ -131,6 +149,7 @@ def _broadcast(x: torch.Tensor, root: int, group, size: int) -> torch.Tensor:
 
 
 # -- autograd -----------------------------------------------------------------------------
+
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
@@ -160,7 +179,7 @@ class _AllReduce(torch.autograd.Function):
             return grad, None, None, None
         if ctx.op == "avg":
             return grad / ctx.size, None, None, None
-        saved, = ctx.saved_tensors
+        (saved,) = ctx.saved_tensors
         if ctx.op in ("max", "min"):
             return grad.masked_fill(saved, 0), None, None, None
         return grad * saved, None, None, None
@@ -175,8 +194,10 @@ class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.op not in ("sum", "avg"):
-            raise NotImplementedError(f"reduce_scatter(op={ctx.op!r}) has no gradient (nor "
-                                      "in BMTrain); use op='sum' or 'avg'")
+            raise NotImplementedError(
+                f"reduce_scatter(op={ctx.op!r}) has no gradient (nor "
+                "in BMTrain); use op='sum' or 'avg'"
+            )
         full = _gather(grad, ctx.group, ctx.size).flatten(0, 1)
         if ctx.op == "avg":
             full = full / ctx.size
@@ -195,6 +216,7 @@ class _Broadcast(torch.autograd.Function):
 
 
 # -- BMTrain's functions ----------------------------------------------------------------
+
 
 def all_gather(x: torch.Tensor, comm=None) -> torch.Tensor:
     """Every rank's `x`, stacked: shape `(ranks of comm, *x.shape)`, in rank order.
@@ -256,17 +278,22 @@ def send_activations(hidden_state: torch.Tensor, next_rank: int, comm=None) -> N
     dst = _global_rank(group, size, next_rank)
     device = get_context().device
     if hidden_state.dim() > HEADER_LEN - 2:
-        raise ValueError(f"send_activations: {hidden_state.dim()} dimensions; at most "
-                         f"{HEADER_LEN - 2} fit in the header")
+        raise ValueError(
+            f"send_activations: {hidden_state.dim()} dimensions; at most "
+            f"{HEADER_LEN - 2} fit in the header"
+        )
     if hidden_state.dtype not in DTYPES:
-        raise ValueError(f"send_activations: dtype {hidden_state.dtype} is not one of "
-                         f"{', '.join(map(str, DTYPES))}")
+        raise ValueError(
+            f"send_activations: dtype {hidden_state.dtype} is not one of "
+            f"{', '.join(map(str, DTYPES))}"
+        )
     header = torch.zeros(HEADER_LEN, dtype=torch.int64)
     header[0] = hidden_state.dim()
     header[1] = DTYPES.index(hidden_state.dtype)
-    header[2:2 + hidden_state.dim()] = torch.tensor(hidden_state.shape, dtype=torch.int64)
-    payload = hidden_state.detach().to(device=device, memory_format=torch.contiguous_format,
-                                       copy=True)
+    header[2 : 2 + hidden_state.dim()] = torch.tensor(hidden_state.shape, dtype=torch.int64)
+    payload = hidden_state.detach().to(
+        device=device, memory_format=torch.contiguous_format, copy=True
+    )
     C.send(header.to(device), dst, label="distributed send_activations header")
     C.send(payload, dst, label="distributed send_activations")
 
@@ -280,7 +307,7 @@ def recv_activations(prev_rank: int, comm=None) -> torch.Tensor:
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     C.recv(header, src, label="distributed recv_activations header")
     ndim, code = int(header[0]), int(header[1])
-    shape = header[2:2 + ndim].tolist()
+    shape = header[2 : 2 + ndim].tolist()
     out = torch.empty(shape, dtype=DTYPES[code], device=device)
     C.recv(out, src, label="distributed recv_activations")
     return out

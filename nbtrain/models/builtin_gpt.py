@@ -7,6 +7,7 @@ a size. The GPT has no Hugging Face format of its own (GPT-2 folders load throug
 "gpt2", on the same GPT): `hf_names` maps each name to itself, so a folder whose
 model.safetensors was written by `nbtrain.save` loads.
 """
+
 from __future__ import annotations
 
 from ..context_parallel import ContextParallel
@@ -17,14 +18,17 @@ from .hf_load import HFWeight
 from .hf_load import load_hf_weights as _load
 
 
-def make_config(model_config: dict, hf_config: dict | None = None,
-                config_class=GPTConfig) -> GPTConfig:
+def make_config(
+    model_config: dict, hf_config: dict | None = None, config_class=GPTConfig
+) -> GPTConfig:
     """The `config_class` (GPTConfig or a subclass) of `model_config`: its fields, with
     "preset" for a size."""
     if hf_config is not None:
-        raise ValueError("nbtrain's GPT has no Hugging Face config: load GPT-2 folders with "
-                         "model_name='gpt2' (a file written by nbtrain.save loads with "
-                         "nbtrain.load), or give hf_path=None")
+        raise ValueError(
+            "nbtrain's GPT has no Hugging Face config: load GPT-2 folders with "
+            "model_name='gpt2' (a file written by nbtrain.save loads with "
+            "nbtrain.load), or give hf_path=None"
+        )
     fields = dict(model_config)
     preset = fields.pop("preset", None)
     return config_class.preset(preset, **fields) if preset else config_class(**fields)
@@ -60,6 +64,8 @@ def tp_plan(config: GPTConfig) -> dict:
 
 def pp_stages(model: GPT, pipe_size: int, positions=None) -> list:
     if pipe_size > len(model.layers) + 2:
-        raise ValueError(f"pipe_size {pipe_size} is more than the GPT's {len(model.layers)} "
-                         "blocks + embedding + head: use fewer stages or more layers")
+        raise ValueError(
+            f"pipe_size {pipe_size} is more than the GPT's {len(model.layers)} "
+            "blocks + embedding + head: use fewer stages or more layers"
+        )
     return gpt_layers(model, positions)

@@ -19,6 +19,7 @@ Checkpoint mapping: GPT-2's Conv1D layers store (in, out) weights where nn.Linea
     transformer.ln_f                    -> ln_f
     lm_head (or wte when tied)          -> head
 """
+
 from __future__ import annotations
 
 import re
@@ -45,33 +46,54 @@ def make_config(model_config: dict, hf_config: dict | None = None) -> GPTConfig:
     hidden = c.get("n_embd", 768)
     inner = c.get("n_inner") or 4 * hidden
     if inner % hidden:
-        raise ValueError(f"n_inner={inner} is not a multiple of n_embd={hidden}: nbtrain's GPT "
-                         "needs an integer MLP ratio")
+        raise ValueError(
+            f"n_inner={inner} is not a multiple of n_embd={hidden}: nbtrain's GPT "
+            "needs an integer MLP ratio"
+        )
     act = c.get("activation_function", "gelu_new")
     if act not in _GELU:
         raise ValueError(f"activation_function={act!r}: nbtrain's GPT computes {sorted(_GELU)}")
-    for flag, ok in (("scale_attn_by_inverse_layer_idx", False), ("reorder_and_upcast_attn",
-                                                                  False),
-                     ("scale_attn_weights", True)):
+    for flag, ok in (
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("reorder_and_upcast_attn", False),
+        ("scale_attn_weights", True),
+    ):
         if c.get(flag, ok) != ok:
             raise ValueError(f"{flag}={c[flag]!r}: nbtrain's GPT supports only {flag}={ok}")
-    return GPTConfig(vocab_size=c.get("vocab_size", 50257), seq_len=c.get("n_positions", 1024),
-                     hidden=hidden, heads=c.get("n_head", 12), layers=c.get("n_layer", 12),
-                     mlp_ratio=inner // hidden, dropout=0.0,
-                     tie_embeddings=c.get("tie_word_embeddings", True), qkv_bias=True,
-                     activation=_GELU[act], ln_eps=c.get("layer_norm_epsilon", 1e-5))
+    return GPTConfig(
+        vocab_size=c.get("vocab_size", 50257),
+        seq_len=c.get("n_positions", 1024),
+        hidden=hidden,
+        heads=c.get("n_head", 12),
+        layers=c.get("n_layer", 12),
+        mlp_ratio=inner // hidden,
+        dropout=0.0,
+        tie_embeddings=c.get("tie_word_embeddings", True),
+        qkv_bias=True,
+        activation=_GELU[act],
+        ln_eps=c.get("layer_norm_epsilon", 1e-5),
+    )
 
 
-_LAYER = {"ln1": ("ln_1", False), "ln2": ("ln_2", False), "attn.qkv": ("attn.c_attn", True),
-          "attn.proj": ("attn.c_proj", True), "mlp.0": ("mlp.c_fc", True),
-          "mlp.2": ("mlp.c_proj", True)}
+_LAYER = {
+    "ln1": ("ln_1", False),
+    "ln2": ("ln_2", False),
+    "attn.qkv": ("attn.c_attn", True),
+    "attn.proj": ("attn.c_proj", True),
+    "mlp.0": ("mlp.c_fc", True),
+    "mlp.2": ("mlp.c_proj", True),
+}
 
 
 def hf_names(config=None):
     """nbtrain GPT parameter name -> where GPT-2's files keep it."""
+
     def names(plain: str) -> list[HFWeight]:
-        top = {"tok.weight": ["transformer.wte.weight"], "pos.weight": ["transformer.wpe.weight"],
-               "head.weight": ["lm_head.weight", "transformer.wte.weight"]}
+        top = {
+            "tok.weight": ["transformer.wte.weight"],
+            "pos.weight": ["transformer.wpe.weight"],
+            "head.weight": ["lm_head.weight", "transformer.wte.weight"],
+        }
         if plain in top:
             return [HFWeight(n) for n in top[plain]]
         if plain.startswith("ln_f."):
@@ -80,9 +102,14 @@ def hf_names(config=None):
         if m and m.group(2) in _LAYER:
             module, conv = _LAYER[m.group(2)]
             kind = m.group(3)
-            return [HFWeight(f"transformer.h.{m.group(1)}.{module}.{kind}",
-                             transpose=conv and kind == "weight")]
+            return [
+                HFWeight(
+                    f"transformer.h.{m.group(1)}.{module}.{kind}",
+                    transpose=conv and kind == "weight",
+                )
+            ]
         return []
+
     return names
 
 

@@ -5,19 +5,25 @@
 
 model_config holds MoEGPTConfig fields, with "preset" picking the GPT's size. With
 `ParallelConfig(ep_size=E)` each MoE layer splits its experts over the topology's ep group,
-given to the model as `ExpertParallel.from_topology()` (carved from the data-parallel ranks) and `wrap` shards them over the ranks holding the
-same experts. The runtime's loss is the token loss: the layers' auxiliary balance loss
-is not added, so balance through the runtime with `"balance": "bias"` (loss-free).
+given to the model as `ExpertParallel.from_topology()` (carved from the data-parallel
+ranks) and `wrap` shards them over the ranks holding the same experts. The runtime's loss is
+the token loss: the layers' auxiliary balance loss is not added, so balance through the
+runtime with `"balance": "bias"` (loss-free).
 Tensor parallelism does not split experts: tp must be 1.
 """
+
 from __future__ import annotations
 
 from ..comm.topology import ALONE
 from ..context_parallel import ContextParallel
 from ..moe import ExpertParallel
 from . import builtin_gpt as _gpt
-from .builtin_gpt import hf_names, load_hf_weights, make_forward_step  # noqa: F401
-from .builtin_gpt import pp_stages  # noqa: F401 (the GPT's layers, MoE MLPs inside)
+from .builtin_gpt import (  # noqa: F401
+    hf_names,
+    load_hf_weights,
+    make_forward_step,
+    pp_stages,  # noqa: F401 (the GPT's layers, MoE MLPs inside)
+)
 from .gpt_moe import MoEGPT, MoEGPTConfig
 
 
@@ -37,5 +43,7 @@ def build_model(config: MoEGPTConfig, parallel=None) -> MoEGPT:
 
 
 def tp_plan(config: MoEGPTConfig) -> dict:
-    raise ValueError("model 'gpt_moe': tensor parallelism does not split experts; use "
-                     "ParallelConfig(tp_size=1) (ep and dp split the work instead)")
+    raise ValueError(
+        "model 'gpt_moe': tensor parallelism does not split experts; use "
+        "ParallelConfig(tp_size=1) (ep and dp split the work instead)"
+    )

@@ -14,6 +14,7 @@ reads the embedding. Under tensor parallelism (`hf_tp.llama_plan`) q, k, v and t
 MLP's gate and up projections split by output rows (heads), o and down by input
 columns, the embedding and head by vocabulary; norms stay whole.
 """
+
 from __future__ import annotations
 
 from .builtin_gpt import make_forward_step  # noqa: F401 (the protocol's; model(ids, pos))
@@ -31,10 +32,12 @@ def make_config(model_config: dict, hf_config: dict | None = None) -> LlamaConfi
 
 def hf_names(config=None):
     """Each parameter under its own name; the head falls back on the embedding (tied)."""
+
     def names(plain: str) -> list[HFWeight]:
         if plain == "lm_head.weight":
             return [HFWeight(plain), HFWeight("model.embed_tokens.weight")]
         return [HFWeight(plain)]
+
     return names
 
 
@@ -54,6 +57,8 @@ def tp_plan(config: LlamaConfig) -> dict:
 def pp_stages(model: Llama, pipe_size: int, positions=None) -> list:
     layers = llama_layers(model, positions)
     if pipe_size > len(layers):
-        raise ValueError(f"pipe_size {pipe_size} is more than the model's {len(layers)} "
-                         "layers (embedding, decoder layers, head): use fewer stages")
+        raise ValueError(
+            f"pipe_size {pipe_size} is more than the model's {len(layers)} "
+            "layers (embedding, decoder layers, head): use fewer stages"
+        )
     return layers

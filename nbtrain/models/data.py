@@ -4,6 +4,7 @@ Every rank builds the same corpus (sorted file list) and draws its own slice of
 each step's batch, so N ranks on batch b see what one process sees on N x b.
 `BatchSampler.local_batch(step)` is that slice, already on the rank's device.
 """
+
 from __future__ import annotations
 
 import os
@@ -53,24 +54,33 @@ class BatchSampler:
 
     def __init__(self, tokens: torch.Tensor, seq_len: int, global_batch: int, seed: int = 0):
         if tokens.numel() <= seq_len + 1:
-            raise ValueError(f"corpus of {tokens.numel()} tokens is too short for "
-                             f"seq_len={seq_len}")
-        self.tokens, self.seq_len, self.global_batch, self.seed = tokens, seq_len, global_batch, seed
+            raise ValueError(
+                f"corpus of {tokens.numel()} tokens is too short for seq_len={seq_len}"
+            )
+        self.tokens, self.seq_len, self.global_batch, self.seed = (
+            tokens,
+            seq_len,
+            global_batch,
+            seed,
+        )
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        starts = torch.randint(0, self.tokens.numel() - self.seq_len - 1, (self.global_batch,),
-                               generator=g)
-        rows = torch.stack([self.tokens[s:s + self.seq_len + 1] for s in starts.tolist()])
+        starts = torch.randint(
+            0, self.tokens.numel() - self.seq_len - 1, (self.global_batch,), generator=g
+        )
+        rows = torch.stack([self.tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
         return rows[:, :-1], rows[:, 1:]
 
     def rows_per_rank(self) -> int:
         """global_batch / world size; a clear error when it does not divide."""
         world = get_context().world_size
         if self.global_batch % world:
-            raise ValueError(f"global_batch={self.global_batch} does not split over "
-                             f"{world} ranks: use a multiple of {world}, e.g. "
-                             f"{-(-self.global_batch // world) * world}")
+            raise ValueError(
+                f"global_batch={self.global_batch} does not split over "
+                f"{world} ranks: use a multiple of {world}, e.g. "
+                f"{-(-self.global_batch // world) * world}"
+            )
         return self.global_batch // world
 
     def local_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ gradients (`wrap` averages over the dp group, which holds the cp ranks) is the
 gradient of the full-sequence mean: no extra reduction. Without context parallelism
 the GPT is the plain model, unchanged.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,16 +48,16 @@ TOPOLOGY = "topology"  # deprecated GPT.context_parallel value: read nbtrain's t
 
 @dataclass
 class GPTConfig:
-    vocab_size: int = 256      # byte-level tokens by default
-    seq_len: int = 64          # longest sequence (positions embedded)
-    hidden: int = 64           # model width
-    heads: int = 4             # attention heads; hidden % heads == 0
-    layers: int = 2            # transformer blocks
-    mlp_ratio: int = 4         # MLP width = mlp_ratio * hidden
+    vocab_size: int = 256  # byte-level tokens by default
+    seq_len: int = 64  # longest sequence (positions embedded)
+    hidden: int = 64  # model width
+    heads: int = 4  # attention heads; hidden % heads == 0
+    layers: int = 2  # transformer blocks
+    mlp_ratio: int = 4  # MLP width = mlp_ratio * hidden
     dropout: float = 0.0
     tie_embeddings: bool = True  # output projection shares the token embedding
-    qkv_bias: bool = False     # GPT-2 has one (a key bias has no gradient: nbtrain's has none)
-    activation: str = "gelu"   # or "gelu_tanh" (GPT-2's gelu_new)
+    qkv_bias: bool = False  # GPT-2 has one (a key bias has no gradient: nbtrain's has none)
+    activation: str = "gelu"  # or "gelu_tanh" (GPT-2's gelu_new)
     ln_eps: float = 1e-5
 
     def __post_init__(self):
@@ -129,8 +130,9 @@ class Attention(nn.Module):
         if cp is not None:
             y = cp.attention(q, k, v, doc_ids)
         else:
-            y = causal_attention(q, k, v, position_ids,
-                                 dropout_p=self.dropout if self.training else 0.0)
+            y = causal_attention(
+                q, k, v, position_ids, dropout_p=self.dropout if self.training else 0.0
+            )
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -144,7 +146,8 @@ def embed(tok: nn.Module, pos: nn.Module, idx, position_ids=None):
         raise NotImplementedError(
             "position_ids with the sequence-parallel tensor-parallel layout (the token "
             "embedding returns this rank's rows only): use gpt_plan(cfg) without "
-            "sequence_parallel for packed documents")
+            "sequence_parallel for packed documents"
+        )
     return x + pos(position_ids)
 
 
@@ -155,8 +158,11 @@ class TransformerLayer(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden, eps=cfg.ln_eps)
         gelu = nn.GELU(approximate="tanh" if cfg.activation == "gelu_tanh" else "none")
-        self.mlp = nn.Sequential(nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden), gelu,
-                                 nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden))
+        self.mlp = nn.Sequential(
+            nn.Linear(cfg.hidden, cfg.mlp_ratio * cfg.hidden),
+            gelu,
+            nn.Linear(cfg.mlp_ratio * cfg.hidden, cfg.hidden),
+        )
 
     def forward(self, x, position_ids=None, cp: _ContextParallel | None = None, doc_ids=None):
         # Without position_ids the call is the one-argument call it always was, so an
@@ -167,7 +173,8 @@ class TransformerLayer(nn.Module):
                 raise NotImplementedError(
                     f"context parallelism with {type(self.attn).__name__} (tensor-parallel or "
                     "swapped-in attention): only the GPT's own Attention runs ring "
-                    "attention; use tp_size=1 with cp_size > 1")
+                    "attention; use tp_size=1 with cp_size > 1"
+                )
             x = x + self.attn(h, cp=cp, doc_ids=doc_ids)
         else:
             x = x + (self.attn(h) if position_ids is None else self.attn(h, position_ids))
@@ -214,13 +221,18 @@ class GPT(nn.Module):
         setting = self.context_parallel
         if isinstance(setting, str):
             if setting != TOPOLOGY:
-                raise ValueError(f"GPT.context_parallel={setting!r}: use a ContextParallel "
-                                 "(ContextParallel.from_topology() for nbtrain's cp group) "
-                                 "or None")
-            warnings.warn("GPT.context_parallel='topology' is deprecated (it reads nbtrain's "
-                          "topology at every forward): pass context_parallel="
-                          "ContextParallel.from_topology() instead", FutureWarning,
-                          stacklevel=2)
+                raise ValueError(
+                    f"GPT.context_parallel={setting!r}: use a ContextParallel "
+                    "(ContextParallel.from_topology() for nbtrain's cp group) "
+                    "or None"
+                )
+            warnings.warn(
+                "GPT.context_parallel='topology' is deprecated (it reads nbtrain's "
+                "topology at every forward): pass context_parallel="
+                "ContextParallel.from_topology() instead",
+                FutureWarning,
+                stacklevel=2,
+            )
             return _ContextParallel.from_topology()
         return setting
 
@@ -241,15 +253,19 @@ class GPT(nn.Module):
 
     def forward(self, idx, position_ids=None, doc_ids=None):
         if idx.dtype.is_floating_point or idx.dim() != 2:
-            raise TypeError(f"GPT takes token ids of shape (batch, seq) and an integer dtype; "
-                            f"got {idx.dtype} of shape {tuple(idx.shape)}")
+            raise TypeError(
+                f"GPT takes token ids of shape (batch, seq) and an integer dtype; "
+                f"got {idx.dtype} of shape {tuple(idx.shape)}"
+            )
         cp = self.active_cp()
         if cp is not None:
             return self._forward_shard(idx, position_ids, doc_ids, cp)
         if doc_ids is not None:
-            raise ValueError("GPT: doc_ids are for context parallelism (shard_batch makes "
-                             "them); on whole sequences the documents come from "
-                             "position_ids: drop doc_ids")
+            raise ValueError(
+                "GPT: doc_ids are for context parallelism (shard_batch makes "
+                "them); on whole sequences the documents come from "
+                "position_ids: drop doc_ids"
+            )
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ValueError(f"sequence length {t} exceeds seq_len={self.cfg.seq_len}")
@@ -267,8 +283,10 @@ class GPT(nn.Module):
         """This rank's shard of each row: global positions, ring attention."""
         cp.check_local(idx, position_ids, doc_ids, self.cfg.seq_len)
         if self.training and self.cfg.dropout:
-            raise NotImplementedError(f"context parallelism with dropout={self.cfg.dropout}: "
-                                      "ring attention has no dropout; use dropout=0.0")
+            raise NotImplementedError(
+                f"context parallelism with dropout={self.cfg.dropout}: "
+                "ring attention has no dropout; use dropout=0.0"
+            )
         idx = idx.to(self.tok.weight.device, non_blocking=True)
         if position_ids is None:  # the shard's place in the full sequence
             position_ids = cp.positions(idx.shape[1], idx.device)
@@ -284,19 +302,21 @@ class GPT(nn.Module):
         """Mean cross-entropy over the given tokens (under context parallelism, this
         rank's: every rank holds as many, so the gradients' data-parallel average is the
         full rows' mean; targets ignored with -100 would weigh the ranks unequally)."""
-        logits = self(idx, position_ids) if doc_ids is None else self(idx, position_ids,
-                                                                       doc_ids)
+        logits = self(idx, position_ids) if doc_ids is None else self(idx, position_ids, doc_ids)
         target = target.to(logits.device, non_blocking=True)
         # In fp32 whatever the model's dtype: a bf16 softmax over the vocabulary rounds
         # the loss itself (5.6875 for 5.6643) and every gradient behind it.
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
-                               target.reshape(-1))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
 def __getattr__(name):
     if name == "ContextParallel":  # its home until one release ago
-        warnings.warn("nbtrain.models.gpt.ContextParallel moved to nbtrain.context_parallel."
-                      "ContextParallel; import it from there: this path goes in the next "
-                      "release", FutureWarning, stacklevel=2)
+        warnings.warn(
+            "nbtrain.models.gpt.ContextParallel moved to nbtrain.context_parallel."
+            "ContextParallel; import it from there: this path goes in the next "
+            "release",
+            FutureWarning,
+            stacklevel=2,
+        )
         return _ContextParallel
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

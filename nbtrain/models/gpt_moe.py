@@ -20,6 +20,7 @@ moe_inits(cfg))` gives every parameter its initialiser: the GPT's, and nn.Linear
 U(+-1/sqrt(fan_in)) for the experts. The experts' deferred draws follow their slice,
 so they are the same at any world size for one ep size (not across ep sizes).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,9 +38,9 @@ class MoEGPTConfig(GPTConfig):
     num_experts: int = 4
     top_k: int = 2
     expert_hidden: int | None = None  # None: mlp_ratio * hidden // top_k (equal active)
-    moe_every: int = 1                # every moe_every-th layer (1, 2, ...) is MoE
+    moe_every: int = 1  # every moe_every-th layer (1, 2, ...) is MoE
     capacity_factor: float | None = None  # None: dropless
-    balance: str = "aux"              # "aux", "bias" or "none"
+    balance: str = "aux"  # "aux", "bias" or "none"
     aux_loss_weight: float = 0.01
     bias_update_rate: float = 1e-3
 
@@ -73,11 +74,18 @@ class MoEGPT(GPT):
         moe_index = 0
         for i, layer in enumerate(self.layers):
             if cfg.is_moe(i):
-                layer.mlp = MoE(cfg.hidden, cfg.expert_hidden, cfg.num_experts, cfg.top_k,
-                                group=ep_group, capacity_factor=cfg.capacity_factor,
-                                balance=cfg.balance, aux_loss_weight=cfg.aux_loss_weight,
-                                bias_update_rate=cfg.bias_update_rate,
-                                label=f"moe.{moe_index}")
+                layer.mlp = MoE(
+                    cfg.hidden,
+                    cfg.expert_hidden,
+                    cfg.num_experts,
+                    cfg.top_k,
+                    group=ep_group,
+                    capacity_factor=cfg.capacity_factor,
+                    balance=cfg.balance,
+                    aux_loss_weight=cfg.aux_loss_weight,
+                    bias_update_rate=cfg.bias_update_rate,
+                    label=f"moe.{moe_index}",
+                )
                 moe_index += 1
                 nn.init.normal_(layer.mlp.router.weight, std=0.02)
 
@@ -99,7 +107,7 @@ def moe_inits(cfg: MoEGPTConfig):
     everything but the experts, U(+-1/sqrt(fan_in)) for each expert's w_in (fan_in =
     hidden) and w_out (fan_in = expert_hidden), as MoE.reset_experts draws them."""
     dense = gpt_inits(cfg)
-    bounds = {"w_in": cfg.hidden ** -0.5, "w_out": cfg.expert_hidden ** -0.5}
+    bounds = {"w_in": cfg.hidden**-0.5, "w_out": cfg.expert_hidden**-0.5}
 
     def rule(name, module, param):
         leaf = name.rpartition(".")[2]
@@ -107,6 +115,7 @@ def moe_inits(cfg: MoEGPTConfig):
             b = bounds[leaf]
             return ParameterInitializer(nn.init.uniform_, a=-b, b=b)
         return dense(name, module, param)
+
     return rule
 
 

@@ -17,6 +17,7 @@ layers read the current one from a `StagePositions`:
     with positions.feeding(stage, [ids.position_ids for ids in micro_batches]):
         pipeline.run(stage, ...)
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -44,8 +45,7 @@ class StagePositions:
         self.cp = None  # a ContextParallel while feeding sequence shards
 
     @contextmanager
-    def feeding(self, stage: nn.Module, position_ids: list, doc_ids: list | None = None,
-                cp=None):
+    def feeding(self, stage: nn.Module, position_ids: list, doc_ids: list | None = None, cp=None):
         """During the context, each forward of `stage` (one per micro-batch) makes the
         next of `position_ids` (one int64 (rows, seq) tensor per micro-batch, any
         device) current. Under context parallelism (`cp`, a ContextParallel) the
@@ -57,8 +57,10 @@ class StagePositions:
 
         def next_micro_batch(module, args):
             if not pending:
-                raise RuntimeError(f"StagePositions: the stage ran more forwards than the "
-                                   f"{len(position_ids)} micro-batches it was fed")
+                raise RuntimeError(
+                    f"StagePositions: the stage ran more forwards than the "
+                    f"{len(position_ids)} micro-batches it was fed"
+                )
             self.current = pending.pop(0)
             self.current_docs = docs.pop(0)
 
@@ -75,10 +77,12 @@ class StagePositions:
         if ids is None:
             return None
         if tuple(ids.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"StagePositions: position ids of shape {tuple(ids.shape)} for "
-                             f"activations of shape {tuple(x.shape)}: feed one (rows, seq) "
-                             "tensor per micro-batch, in order (sequence-parallel stages "
-                             "are not supported)")
+            raise ValueError(
+                f"StagePositions: position ids of shape {tuple(ids.shape)} for "
+                f"activations of shape {tuple(x.shape)}: feed one (rows, seq) "
+                "tensor per micro-batch, in order (sequence-parallel stages "
+                "are not supported)"
+            )
         return ids.to(x.device, non_blocking=True)
 
 
@@ -112,8 +116,9 @@ class FedLayer(TransformerLayer):
         cp = self.positions.cp
         if cp is not None:  # a sequence shard: ring attention within the documents
             docs = self.positions.current_docs
-            return super().forward(x, cp=cp, doc_ids=None if docs is None else
-                                   docs.to(x.device, non_blocking=True))
+            return super().forward(
+                x, cp=cp, doc_ids=None if docs is None else docs.to(x.device, non_blocking=True)
+            )
         return super().forward(x, position_ids)
 
 
@@ -135,5 +140,4 @@ def gpt_layers(gpt: GPT, positions: StagePositions | None = None) -> list[nn.Mod
     the GPT's own and every row is one causal sequence."""
     if positions is None:
         return [Embed(gpt), *gpt.layers, Head(gpt)]
-    return [Embed(gpt, positions), *(FedLayer(layer, positions) for layer in gpt.layers),
-            Head(gpt)]
+    return [Embed(gpt, positions), *(FedLayer(layer, positions) for layer in gpt.layers), Head(gpt)]

@@ -16,13 +16,14 @@ plain under `init_distributed(tp_size=2)` until `parallelize` applies `gpt_plan`
 plan's layers split over the process's tp group, as BMTrain's `bmt.nn` layers split
 over `config["tp_comm"]` (nbtrain.nn.parallel).
 """
+
 from __future__ import annotations
 
 from torch import nn
 
 from ..comm.context import get_context
 from ..nn.parallel import ColumnParallelLinear, slice_param
-from ..nn.parallelize import Plan, without_rng, row_from
+from ..nn.parallelize import Plan, row_from, without_rng
 from .gpt import GPTConfig, causal_attention
 
 
@@ -35,13 +36,21 @@ class TensorParallelAttention(nn.Module):
         topo = get_context().topology
         size, rank = topo.tp_size, topo.tp_rank
         if attention.heads % size:
-            raise ValueError(f"attention has {attention.heads} heads, which tp_size {size} "
-                             "does not divide: choose a tp_size that divides the head count")
+            raise ValueError(
+                f"attention has {attention.heads} heads, which tp_size {size} "
+                "does not divide: choose a tp_size that divides the head count"
+            )
         self.heads, self.dropout = attention.heads // size, attention.dropout
         qkv = attention.qkv
-        layer = without_rng(lambda: ColumnParallelLinear(
-            qkv.in_features, qkv.out_features, bias=qkv.bias is not None,
-            dtype=qkv.weight.dtype, gather_input=sequence_parallel))
+        layer = without_rng(
+            lambda: ColumnParallelLinear(
+                qkv.in_features,
+                qkv.out_features,
+                bias=qkv.bias is not None,
+                dtype=qkv.weight.dtype,
+                gather_input=sequence_parallel,
+            )
+        )
         # q, k and v are three parts of the fused weight: each is split by heads.
         layer.weight = slice_param(qkv.weight.data, 0, size, rank, groups=3)
         if qkv.bias is not None:
@@ -63,8 +72,7 @@ def local_heads_attention(attn: nn.Module, x, position_ids=None):
     b, t, _ = local.shape
     q, k, v = local.split(local.shape[-1] // 3, dim=2)
     q, k, v = (z.view(b, t, attn.heads, -1).transpose(1, 2) for z in (q, k, v))
-    y = causal_attention(q, k, v, position_ids,
-                         dropout_p=attn.dropout if attn.training else 0.0)
+    y = causal_attention(q, k, v, position_ids, dropout_p=attn.dropout if attn.training else 0.0)
     return attn.proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -72,6 +80,7 @@ def gpt_plan(cfg: GPTConfig, sequence_parallel: bool = False) -> Plan:
     """The tensor-parallel plan for a GPT built from `cfg`, in Megatron's layout or
     (`sequence_parallel=True`) with activations split along the batch between layers
     (the batch must then divide by tp_size)."""
+
     def attention(module, name):
         return TensorParallelAttention(module, sequence_parallel)
 

@@ -16,6 +16,7 @@ Names: a model package maps each of its plain parameter names to the checkpoint'
 pipeline stage's names ("3.mlp.0.weight") are turned back into the plain model's by
 `record_plain_names(stage, model)`, called before `wrap`.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,10 @@ def read_hf_config(path: str) -> dict:
     when it has none. Local."""
     file = os.path.join(path, "config.json")
     if not os.path.isfile(file):
-        raise FileNotFoundError(f"{path!r} has no config.json: give the folder a Hugging Face "
-                                "model was saved to (save_pretrained)")
+        raise FileNotFoundError(
+            f"{path!r} has no config.json: give the folder a Hugging Face "
+            "model was saved to (save_pretrained)"
+        )
     with open(file) as f:
         return json.load(f)
 
@@ -63,7 +66,8 @@ def weight_files(path: str) -> dict[str, str]:
         raise FileNotFoundError(
             f"{path!r} has neither model.safetensors nor model.safetensors.index.json "
             f"(found: {found}); save the model with save_pretrained(..., "
-            "safe_serialization=True)")
+            "safe_serialization=True)"
+        )
     with safe_open(single, framework="pt") as f:
         return {name: single for name in f.keys()}
 
@@ -82,15 +86,16 @@ def record_plain_names(stage: torch.nn.Module, model: torch.nn.Module) -> dict[s
             continue
         seen.add(id(p))
         if id(p) not in plain:
-            raise ValueError(f"record_plain_names: the stage's parameter {name!r} is not a "
-                             "parameter of the model given")
+            raise ValueError(
+                f"record_plain_names: the stage's parameter {name!r} is not a "
+                "parameter of the model given"
+            )
         names[name] = plain[id(p)]
     stage.plain_names = names
     return names
 
 
-def load_hf_weights(model: torch.nn.Module, path: str, hf_names, *,
-                    progress: bool = False) -> int:
+def load_hf_weights(model: torch.nn.Module, path: str, hf_names, *, progress: bool = False) -> int:
     """Loads every parameter of `model` from the Hugging Face folder `path`.
 
     Args:
@@ -116,8 +121,12 @@ def load_hf_weights(model: torch.nn.Module, path: str, hf_names, *,
                 plain_names[name] = name
     owners = stream.slice_owners(model)
     missing, read = [], 0
-    for key, plain in tqdm(plain_names.items(), desc=f"loading {os.path.basename(path)}",
-                           disable=not progress, leave=False):
+    for key, plain in tqdm(
+        plain_names.items(),
+        desc=f"loading {os.path.basename(path)}",
+        disable=not progress,
+        leave=False,
+    ):
         source = next((w for w in hf_names(plain) if w.name in files), None)
         if source is None:
             missing.append(f"{plain} (looked for {[w.name for w in hf_names(plain)]})")
@@ -132,6 +141,7 @@ def load_hf_weights(model: torch.nn.Module, path: str, hf_names, *,
         model.load_state_dict({key: value}, strict=False)
         del value  # one checkpoint tensor at a time
     if missing:
-        raise KeyError(f"{path!r} lacks {len(missing)} of the model's parameters: "
-                       + "; ".join(missing))
+        raise KeyError(
+            f"{path!r} lacks {len(missing)} of the model's parameters: " + "; ".join(missing)
+        )
     return read

@@ -11,6 +11,7 @@ of the embedding and the head. The attention reshapes with -1 heads, so it runs 
 its local heads unchanged; the logits come back full-width, so `labels=` losses and
 generation work as before.
 """
+
 from __future__ import annotations
 
 from ..comm.context import get_context
@@ -21,15 +22,21 @@ def llama_plan(config) -> dict:
     tp = get_context().topology.tp_size
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for what, n in (("attention heads", heads), ("key/value heads", kv_heads),
-                    ("intermediate_size", config.intermediate_size)):
+    for what, n in (
+        ("attention heads", heads),
+        ("key/value heads", kv_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
         if n % tp:
-            raise ValueError(f"{what} = {n}, which tp_size {tp} does not divide: choose a "
-                             "tp_size that divides the head counts and the MLP width")
+            raise ValueError(
+                f"{what} = {n}, which tp_size {tp} does not divide: choose a "
+                "tp_size that divides the head counts and the MLP width"
+            )
     tied = getattr(config, "tie_word_embeddings", False)
     if not tied and config.vocab_size % tp:
-        raise ValueError(f"vocab_size = {config.vocab_size} with an untied head: tp_size {tp} "
-                         "must divide it")
+        raise ValueError(
+            f"vocab_size = {config.vocab_size} with an untied head: tp_size {tp} must divide it"
+        )
     layer = "model.layers.*."
     return {
         "model.embed_tokens": "vocab",

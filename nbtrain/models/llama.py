@@ -22,6 +22,7 @@ position_ids (rows, seq) restarting at 0 where each document starts rotates each
 document's tokens from position 0 and masks attention causally within each document;
 without position_ids a row is one causal sequence (the `is_causal` fast path).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -39,25 +40,31 @@ MODEL_TYPES = ("llama", "qwen2")
 @dataclass
 class LlamaConfig:
     """Shapes and flags of a Llama-family model, under Hugging Face's field names."""
+
     vocab_size: int
-    hidden_size: int                 # model width
-    intermediate_size: int           # MLP width (gate/up output features)
+    hidden_size: int  # model width
+    intermediate_size: int  # MLP width (gate/up output features)
     num_hidden_layers: int
-    num_attention_heads: int         # query heads
+    num_attention_heads: int  # query heads
     num_key_value_heads: int | None = None  # key/value heads (grouped-query); None: = heads
-    head_dim: int | None = None      # None: hidden_size // num_attention_heads
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0      # rotary base
+    rope_theta: float = 10000.0  # rotary base
     max_position_embeddings: int = 2048  # informational: rotary needs no table
     tie_word_embeddings: bool = False  # lm_head shares embed_tokens' weight
-    attention_bias: bool = False     # Llama's flag: bias on q, k, v and o projections
-    qkv_bias: bool = False           # Qwen2's layout: bias on q, k, v only
+    attention_bias: bool = False  # Llama's flag: bias on q, k, v and o projections
+    qkv_bias: bool = False  # Qwen2's layout: bias on q, k, v only
     initializer_range: float = 0.02  # std of the normal init of linear/embedding weights
     model_type: str = "llama"
 
     def __post_init__(self):
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                     "num_attention_heads"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"LlamaConfig: {name} = {value!r}; it must be a positive int")
@@ -65,19 +72,26 @@ class LlamaConfig:
         if self.num_key_value_heads is None:
             self.num_key_value_heads = heads
         if self.num_key_value_heads <= 0 or heads % self.num_key_value_heads:
-            raise ValueError(f"LlamaConfig: num_key_value_heads = {self.num_key_value_heads} "
-                             f"must be positive and divide num_attention_heads = {heads}")
+            raise ValueError(
+                f"LlamaConfig: num_key_value_heads = {self.num_key_value_heads} "
+                f"must be positive and divide num_attention_heads = {heads}"
+            )
         if self.head_dim is None:
             if self.hidden_size % heads:
-                raise ValueError(f"LlamaConfig: hidden_size = {self.hidden_size} is not a "
-                                 f"multiple of num_attention_heads = {heads}: set head_dim")
+                raise ValueError(
+                    f"LlamaConfig: hidden_size = {self.hidden_size} is not a "
+                    f"multiple of num_attention_heads = {heads}: set head_dim"
+                )
             self.head_dim = self.hidden_size // heads
         if self.head_dim <= 0 or self.head_dim % 2:
-            raise ValueError(f"LlamaConfig: head_dim = {self.head_dim}; rotary embeddings "
-                             "need a positive even head_dim")
+            raise ValueError(
+                f"LlamaConfig: head_dim = {self.head_dim}; rotary embeddings "
+                "need a positive even head_dim"
+            )
         if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"LlamaConfig: model_type = {self.model_type!r}; use one of "
-                             f"{MODEL_TYPES}")
+            raise ValueError(
+                f"LlamaConfig: model_type = {self.model_type!r}; use one of {MODEL_TYPES}"
+            )
 
     @classmethod
     def from_hf(cls, d: dict) -> "LlamaConfig":
@@ -87,33 +101,44 @@ class LlamaConfig:
         partial rotary, sliding-window attention, an MLP bias, an activation but SiLU."""
         model_type = d.get("model_type")
         if model_type not in MODEL_TYPES:
-            raise ValueError(f"LlamaConfig.from_hf: model_type {model_type!r} is not supported; "
-                             f"use one of {MODEL_TYPES}")
+            raise ValueError(
+                f"LlamaConfig.from_hf: model_type {model_type!r} is not supported; "
+                f"use one of {MODEL_TYPES}"
+            )
         if model_type == "qwen2":
             if d.get("use_sliding_window"):
-                raise ValueError("LlamaConfig.from_hf: use_sliding_window = True (Qwen2 "
-                                 "sliding-window attention) is not supported; set it False")
+                raise ValueError(
+                    "LlamaConfig.from_hf: use_sliding_window = True (Qwen2 "
+                    "sliding-window attention) is not supported; set it False"
+                )
             kinds = set(d.get("layer_types") or ["full_attention"])
             if kinds != {"full_attention"}:
-                raise ValueError(f"LlamaConfig.from_hf: layer_types {sorted(kinds)}; only "
-                                 "'full_attention' layers are supported")
+                raise ValueError(
+                    f"LlamaConfig.from_hf: layer_types {sorted(kinds)}; only "
+                    "'full_attention' layers are supported"
+                )
         if d.get("mlp_bias"):
             raise ValueError("LlamaConfig.from_hf: mlp_bias = True is not supported")
         act = d.get("hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"LlamaConfig.from_hf: hidden_act {act!r}; only 'silu' is supported")
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
             intermediate_size=d["intermediate_size"],
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=d["num_attention_heads"],
-            num_key_value_heads=d.get("num_key_value_heads"), head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(d),
+            num_key_value_heads=d.get("num_key_value_heads"),
+            head_dim=d.get("head_dim"),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=_rope_theta(d),
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", False)),
             qkv_bias=model_type == "qwen2",
-            initializer_range=d.get("initializer_range", 0.02), model_type=model_type)
+            initializer_range=d.get("initializer_range", 0.02),
+            model_type=model_type,
+        )
 
 
 def _rope_theta(d: dict) -> float:
@@ -123,15 +148,21 @@ def _rope_theta(d: dict) -> float:
     for key in ("rope_scaling", "rope_parameters"):
         params = d.get(key) or {}
         if not isinstance(params, dict) or any(isinstance(v, dict) for v in params.values()):
-            raise ValueError(f"LlamaConfig.from_hf: {key} = {params!r}; only one plain "
-                             "rotary setting for all layers is supported")
+            raise ValueError(
+                f"LlamaConfig.from_hf: {key} = {params!r}; only one plain "
+                "rotary setting for all layers is supported"
+            )
         kind = params.get("rope_type", params.get("type", "default"))
         if kind != "default":
-            raise ValueError(f"LlamaConfig.from_hf: {key} has rope_type {kind!r}; rope "
-                             "scaling is not supported, only 'default' rotary embeddings")
+            raise ValueError(
+                f"LlamaConfig.from_hf: {key} has rope_type {kind!r}; rope "
+                "scaling is not supported, only 'default' rotary embeddings"
+            )
         if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise ValueError(f"LlamaConfig.from_hf: partial_rotary_factor = "
-                             f"{params['partial_rotary_factor']} is not supported")
+            raise ValueError(
+                f"LlamaConfig.from_hf: partial_rotary_factor = "
+                f"{params['partial_rotary_factor']} is not supported"
+            )
     params = d.get("rope_parameters") or {}
     return float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
 
@@ -178,8 +209,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
         qkv_bias = cfg.attention_bias or cfg.qkv_bias
-        q_width, kv_width = cfg.num_attention_heads * cfg.head_dim, \
-            cfg.num_key_value_heads * cfg.head_dim
+        q_width, kv_width = (
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, q_width, bias=qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kv_width, bias=qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kv_width, bias=qkv_bias)
@@ -195,8 +228,10 @@ class Attention(nn.Module):
         q, k, v = (z.view(rows, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         groups, rest = divmod(q.shape[1], k.shape[1])
         if rest:
-            raise ValueError(f"attention: {q.shape[1]} query heads for {k.shape[1]} key/value "
-                             "heads; tensor parallelism must split both by the same tp_size")
+            raise ValueError(
+                f"attention: {q.shape[1]} query heads for {k.shape[1]} key/value "
+                "heads; tensor parallelism must split both by the same tp_size"
+            )
         if cp is not None:
             return self._ring(q, k, v, groups, position_ids, cp, doc_ids)
         if position_ids is None:
@@ -205,20 +240,25 @@ class Attention(nn.Module):
         else:
             positions = position_ids.to(q.device, non_blocking=True)
             if tuple(positions.shape) != (rows, t):
-                raise ValueError(f"attention: position_ids of shape {tuple(positions.shape)} "
-                                 f"for {rows} rows of {t} tokens; pass one id per token")
+                raise ValueError(
+                    f"attention: position_ids of shape {tuple(positions.shape)} "
+                    f"for {rows} rows of {t} tokens; pass one id per token"
+                )
             mask = document_causal_mask(positions)
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=groups > 1)
+        y = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=groups > 1
+        )
         return self.o_proj(y.transpose(1, 2).reshape(rows, t, -1))
 
     def _ring(self, q, k, v, groups, position_ids, cp, doc_ids):
         rows, t = q.shape[0], q.shape[2]
         if position_ids is None or doc_ids is None:
-            raise ValueError("attention under context parallelism needs the shard's "
-                             "position_ids and doc_ids (ContextParallel.shard_batch)")
+            raise ValueError(
+                "attention under context parallelism needs the shard's "
+                "position_ids and doc_ids (ContextParallel.shard_batch)"
+            )
         positions = position_ids.to(q.device, non_blocking=True)
         cos, sin = rotary_cos_sin(positions, self.head_dim, self.rope_theta, q.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -254,8 +294,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, position_ids=None, cp=None, doc_ids=None):
         h = self.input_layernorm(x)
-        x = x + (self.self_attn(h, position_ids) if cp is None else
-                 self.self_attn(h, position_ids, cp=cp, doc_ids=doc_ids))
+        x = x + (
+            self.self_attn(h, position_ids)
+            if cp is None
+            else self.self_attn(h, position_ids, cp=cp, doc_ids=doc_ids)
+        )
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -296,8 +339,9 @@ class Llama(nn.Module):
         # Module._apply replaces each module's parameters one by one (to_empty always),
         # which would leave lm_head and embed_tokens two separate tensors: restore a tie
         # that held before (and only that: tensor parallelism replaces both modules).
-        tied = _weight(self.lm_head) is not None and \
-            _weight(self.lm_head) is _weight(self.model.embed_tokens)
+        tied = _weight(self.lm_head) is not None and _weight(self.lm_head) is _weight(
+            self.model.embed_tokens
+        )
         super()._apply(fn, recurse)
         if tied and self.lm_head.weight is not self.model.embed_tokens.weight:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -305,8 +349,10 @@ class Llama(nn.Module):
 
     def forward(self, input_ids, position_ids=None):
         if input_ids.dtype.is_floating_point or input_ids.dim() != 2:
-            raise TypeError(f"Llama takes token ids of shape (batch, seq) and an integer "
-                            f"dtype; got {input_ids.dtype} of shape {tuple(input_ids.shape)}")
+            raise TypeError(
+                f"Llama takes token ids of shape (batch, seq) and an integer "
+                f"dtype; got {input_ids.dtype} of shape {tuple(input_ids.shape)}"
+            )
         check_position_ids(position_ids, input_ids)
         # Token ids from anywhere (a CPU data loader) meet the weights on their device.
         input_ids = input_ids.to(self.model.embed_tokens.weight.device, non_blocking=True)
@@ -332,8 +378,7 @@ class Embed(nn.Module):
     def forward(self, input_ids):
         if self.positions is not None:
             check_position_ids(self.positions.read(input_ids), input_ids)
-        return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device,
-                                              non_blocking=True))
+        return self.embed_tokens(input_ids.to(self.embed_tokens.weight.device, non_blocking=True))
 
 
 class FedDecoderLayer(DecoderLayer):

@@ -37,6 +37,7 @@ Missing functions are reported by name when the model is registered. Built in: "
 (nbtrain's GPT), "gpt2" (Hugging Face's GPT-2 on nbtrain's GPT), "llama" (Llama and
 Qwen2 folders).
 """
+
 from __future__ import annotations
 
 import importlib
@@ -44,8 +45,7 @@ import types
 from dataclasses import dataclass, field
 
 PACKAGE_FUNCTIONS = ("make_config", "hf_names")
-PROTOCOL_FUNCTIONS = ("build_model", "load_hf_weights", "make_forward_step", "tp_plan",
-                      "pp_stages")
+PROTOCOL_FUNCTIONS = ("build_model", "load_hf_weights", "make_forward_step", "tp_plan", "pp_stages")
 
 
 @dataclass
@@ -61,41 +61,51 @@ class ModelEntry:
     def protocol(self, impl: str) -> types.ModuleType:
         """The protocol module of `impl`; KeyError naming the choices."""
         if impl not in self.impls:
-            raise KeyError(f"model {self.name!r} has no implementation {impl!r}: choose one of "
-                           f"{sorted(self.impls)}")
+            raise KeyError(
+                f"model {self.name!r} has no implementation {impl!r}: choose one of "
+                f"{sorted(self.impls)}"
+            )
         return self.impls[impl]
 
 
 _REGISTRY: dict[str, ModelEntry] = {}
-_BUILTINS = {"gpt": ("nbtrain.models.builtin_gpt", []),
-             "gpt_moe": ("nbtrain.models.builtin_gpt_moe", []),
-             "gpt2": ("nbtrain.models.builtin_gpt2", ["gpt2"]),
-             "llama": ("nbtrain.models.builtin_llama", ["llama", "qwen2"])}
+_BUILTINS = {
+    "gpt": ("nbtrain.models.builtin_gpt", []),
+    "gpt_moe": ("nbtrain.models.builtin_gpt_moe", []),
+    "gpt2": ("nbtrain.models.builtin_gpt2", ["gpt2"]),
+    "llama": ("nbtrain.models.builtin_llama", ["llama", "qwen2"]),
+}
 
 
 def _module(what, role: str) -> types.ModuleType:
     if isinstance(what, types.ModuleType):
         return what
     if not isinstance(what, str):
-        raise TypeError(f"register_model: {role} must be a module or an import path, got "
-                        f"{type(what).__name__}")
+        raise TypeError(
+            f"register_model: {role} must be a module or an import path, got {type(what).__name__}"
+        )
     try:
         return importlib.import_module(what)
     except ImportError as err:
-        raise ImportError(f"register_model: cannot import {role} {what!r} ({err}); is its "
-                          "folder on sys.path (pip install -e your package)?") from err
+        raise ImportError(
+            f"register_model: cannot import {role} {what!r} ({err}); is its "
+            "folder on sys.path (pip install -e your package)?"
+        ) from err
 
 
 def _check(module: types.ModuleType, names, role: str, model: str) -> None:
     missing = [n for n in names if not callable(getattr(module, n, None))]
     if missing:
-        raise TypeError(f"register_model({model!r}): the {role} {module.__name__} lacks "
-                        f"{', '.join(missing)}; it must provide {', '.join(names)} "
-                        "(see nbtrain.models.registry)")
+        raise TypeError(
+            f"register_model({model!r}): the {role} {module.__name__} lacks "
+            f"{', '.join(missing)}; it must provide {', '.join(names)} "
+            "(see nbtrain.models.registry)"
+        )
 
 
-def register_model(name: str, package, hf_model_types=(), impls: dict | None = None, *,
-                   replace: bool = False) -> ModelEntry:
+def register_model(
+    name: str, package, hf_model_types=(), impls: dict | None = None, *, replace: bool = False
+) -> ModelEntry:
     """Registers the model `name`.
 
     Args:
@@ -113,9 +123,11 @@ def register_model(name: str, package, hf_model_types=(), impls: dict | None = N
     if not isinstance(name, str) or not name:
         raise ValueError(f"register_model: name must be a non-empty string, got {name!r}")
     if (name in _REGISTRY or name in _BUILTINS) and not replace:
-        raise ValueError(f"register_model: {name!r} is already registered (package "
-                         f"{get_model(name).package.__name__}); pass replace=True to replace "
-                         "it, or choose another name")
+        raise ValueError(
+            f"register_model: {name!r} is already registered (package "
+            f"{get_model(name).package.__name__}); pass replace=True to replace "
+            "it, or choose another name"
+        )
     pkg = _module(package, "package")
     _check(pkg, PACKAGE_FUNCTIONS, "package", name)
     protocols = {}
@@ -140,8 +152,10 @@ def get_model(name: str) -> ModelEntry:
     """The entry registered as `name`; KeyError naming the registered ones."""
     entry = _builtin(name)
     if entry is None:
-        raise KeyError(f"no model {name!r} is registered: choose one of {registered()}, or "
-                       "register yours with nbtrain.models.register_model")
+        raise KeyError(
+            f"no model {name!r} is registered: choose one of {registered()}, or "
+            "register yours with nbtrain.models.register_model"
+        )
     return entry
 
 
@@ -153,12 +167,18 @@ def registered() -> list[str]:
 def model_for_hf_type(model_type: str) -> ModelEntry:
     """The entry loading Hugging Face `model_type`; KeyError naming the known types."""
     for name in registered():
-        types_ = (_REGISTRY[name].hf_model_types if name in _REGISTRY
-                  else _BUILTINS[name][1])
+        types_ = _REGISTRY[name].hf_model_types if name in _REGISTRY else _BUILTINS[name][1]
         if model_type in types_:
             return get_model(name)
-    known = sorted({t for n in registered() for t in (
-        _REGISTRY[n].hf_model_types if n in _REGISTRY else _BUILTINS[n][1])})
-    raise KeyError(f"no registered model loads Hugging Face model_type {model_type!r} (known: "
-                   f"{known}); register one with nbtrain.models.register_model(..., "
-                   f"hf_model_types=[{model_type!r}])")
+    known = sorted(
+        {
+            t
+            for n in registered()
+            for t in (_REGISTRY[n].hf_model_types if n in _REGISTRY else _BUILTINS[n][1])
+        }
+    )
+    raise KeyError(
+        f"no registered model loads Hugging Face model_type {model_type!r} (known: "
+        f"{known}); register one with nbtrain.models.register_model(..., "
+        f"hf_model_types=[{model_type!r}])"
+    )

@@ -11,10 +11,19 @@ Read in this order:
     layer.py     `MoE`: route, dispatch, compute, combine; balance by an auxiliary loss
                  or a loss-free bias; routing statistics for telemetry
 """
+
 from .dispatch import ExpertParallel, all_to_all_rows
 from .experts import expert_ffn, moe_reference
 from .layer import MoE
 from .routing import BALANCE_MODES, capacity_keep, route
 
-__all__ = ["BALANCE_MODES", "ExpertParallel", "MoE", "all_to_all_rows", "capacity_keep",
-           "expert_ffn", "moe_reference", "route"]
+__all__ = [
+    "BALANCE_MODES",
+    "ExpertParallel",
+    "MoE",
+    "all_to_all_rows",
+    "capacity_keep",
+    "expert_ffn",
+    "moe_reference",
+    "route",
+]

@@ -6,6 +6,7 @@ combine use (through nbtrain.comm.collectives, so the byte counters see it);
 for the ep group of `init_distributed(ep_size=...)`), and `_ep_group` resolves a layer's
 `group=` argument (None: every expert local, whatever the topology).
 """
+
 from __future__ import annotations
 
 import warnings
@@ -25,21 +26,29 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, rows, out_splits, in_splits, group, label):
         ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
         out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
-        collectives.all_to_all_single(out, rows.contiguous(), out_splits, in_splits,
-                                      group=group, label=label)
+        collectives.all_to_all_single(
+            out, rows.contiguous(), out_splits, in_splits, group=group, label=label
+        )
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        collectives.all_to_all_single(grad_in, grad.contiguous(), in_splits, out_splits,
-                                      group=ctx.group, label=ctx.label + " backward")
+        collectives.all_to_all_single(
+            grad_in,
+            grad.contiguous(),
+            in_splits,
+            out_splits,
+            group=ctx.group,
+            label=ctx.label + " backward",
+        )
         return grad_in, None, None, None, None
 
 
-def all_to_all_rows(rows: torch.Tensor, out_splits: list[int], in_splits: list[int],
-                    group=None, label: str = "moe") -> torch.Tensor:
+def all_to_all_rows(
+    rows: torch.Tensor, out_splits: list[int], in_splits: list[int], group=None, label: str = "moe"
+) -> torch.Tensor:
     """Differentiable uneven all_to_all of (sum(in_splits), ...) rows ->
     (sum(out_splits), ...). Collective over `group`."""
     return _AllToAll.apply(rows, list(out_splits), list(in_splits), group, label)
@@ -54,6 +63,7 @@ class ExpertParallel:
         group: the ep process group (None: the whole world; `ALONE`: this rank alone,
             every expert local).
     """
+
     group: object = None
 
     @classmethod
@@ -80,12 +90,15 @@ def _warn_if_local_changed_meaning() -> None:
     else:
         old, where = dist.get_world_size(), "torch.distributed's world of {} ranks"
     if old > 1:
-        warnings.warn(f"MoE built without an ep layout under {where.format(old)}: its experts "
-                      "are all local (no expert parallelism); before this release they were "
-                      "split over that group. Pass group= (MoEGPT: ep_group=) "
-                      "ExpertParallel.from_topology() to split them, or "
-                      "nbtrain.comm.topology.ALONE to keep them local without this warning",
-                      UserWarning, stacklevel=4)
+        warnings.warn(
+            f"MoE built without an ep layout under {where.format(old)}: its experts "
+            "are all local (no expert parallelism); before this release they were "
+            "split over that group. Pass group= (MoEGPT: ep_group=) "
+            "ExpertParallel.from_topology() to split them, or "
+            "nbtrain.comm.topology.ALONE to keep them local without this warning",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def _ep_group(group):

@@ -1,5 +1,6 @@
 """One expert's computation, and the whole layer as a plain one-process loop over all
 experts (`moe_reference`, the reference the tests and tutorials compare with)."""
+
 from __future__ import annotations
 
 import torch
@@ -13,9 +14,15 @@ def expert_ffn(rows: torch.Tensor, w_in: torch.Tensor, w_out: torch.Tensor) -> t
     return F.gelu(rows @ w_in) @ w_out
 
 
-def moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tensor,
-                  w_out: torch.Tensor, top_k: int, bias: torch.Tensor | None = None,
-                  keep: torch.Tensor | None = None) -> torch.Tensor:
+def moe_reference(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w_in: torch.Tensor,
+    w_out: torch.Tensor,
+    top_k: int,
+    bias: torch.Tensor | None = None,
+    keep: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The same layer in one process, a plain loop over all experts (for tests).
 
     Args:
@@ -33,6 +40,7 @@ def moe_reference(x: torch.Tensor, router_weight: torch.Tensor, w_in: torch.Tens
     out = torch.zeros_like(tokens)
     for e in range(router_weight.shape[0]):
         rows, slot = (chosen == e).nonzero(as_tuple=True)
-        out = out.index_add(0, rows, expert_ffn(tokens[rows], w_in[e], w_out[e])
-                            * weights[rows, slot].unsqueeze(1))
+        out = out.index_add(
+            0, rows, expert_ffn(tokens[rows], w_in[e], w_out[e]) * weights[rows, slot].unsqueeze(1)
+        )
     return out.reshape(x.shape)

@@ -27,6 +27,7 @@ The layout is the caller's: `group=ExpertParallel.from_topology()` splits the ex
 over the ep group of `init_distributed(ep_size=...)`; without a group every expert is
 local, whatever the topology (the same computation as ep 1).
 """
+
 from __future__ import annotations
 
 import math
@@ -88,25 +89,42 @@ class MoE(nn.Module, FullStateDict):
             routing panel draws.
     """
 
-    def __init__(self, hidden: int, ffn_hidden: int, num_experts: int, top_k: int = 2,
-                 group=None, capacity_factor: float | None = None, balance: str = "aux",
-                 aux_loss_weight: float = 0.01, bias_update_rate: float = 1e-3,
-                 label: str = "moe"):
+    def __init__(
+        self,
+        hidden: int,
+        ffn_hidden: int,
+        num_experts: int,
+        top_k: int = 2,
+        group=None,
+        capacity_factor: float | None = None,
+        balance: str = "aux",
+        aux_loss_weight: float = 0.01,
+        bias_update_rate: float = 1e-3,
+        label: str = "moe",
+    ):
         super().__init__()
         self.group, self.ep_size, self.ep_rank = _ep_group(group)
         if num_experts % self.ep_size:
-            raise ValueError(f"num_experts={num_experts} is not a multiple of the ep group "
-                             f"size {self.ep_size}: use a multiple of {self.ep_size} or a "
-                             f"smaller ep group")
+            raise ValueError(
+                f"num_experts={num_experts} is not a multiple of the ep group "
+                f"size {self.ep_size}: use a multiple of {self.ep_size} or a "
+                f"smaller ep group"
+            )
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k}: choose 1 <= top_k <= num_experts={num_experts}")
         if balance not in BALANCE_MODES:
             raise ValueError(f"balance={balance!r}: use one of {BALANCE_MODES}")
         if capacity_factor is not None and capacity_factor <= 0:
-            raise ValueError(f"capacity_factor={capacity_factor}: give a positive number, "
-                             f"or None for dropless routing")
+            raise ValueError(
+                f"capacity_factor={capacity_factor}: give a positive number, "
+                f"or None for dropless routing"
+            )
         self.hidden, self.ffn_hidden, self.num_experts, self.top_k = (
-            hidden, ffn_hidden, num_experts, top_k)
+            hidden,
+            ffn_hidden,
+            num_experts,
+            top_k,
+        )
         self.local_experts = num_experts // self.ep_size
         self.first_expert = self.ep_rank * self.local_experts
         self.capacity_factor, self.balance = capacity_factor, balance
@@ -117,8 +135,10 @@ class MoE(nn.Module, FullStateDict):
         self.router = nn.Linear(hidden, num_experts, bias=False)
         self.w_in = nn.Parameter(torch.empty(self.local_experts, hidden, ffn_hidden))
         self.w_out = nn.Parameter(torch.empty(self.local_experts, ffn_hidden, hidden))
-        for p, full in ((self.w_in, (num_experts, hidden, ffn_hidden)),
-                        (self.w_out, (num_experts, ffn_hidden, hidden))):
+        for p, full in (
+            (self.w_in, (num_experts, hidden, ffn_hidden)),
+            (self.w_out, (num_experts, ffn_hidden, hidden)),
+        ):
             p._nbtrain_expert = True
             if self.ep_size > 1 and _is_topology_ep(self.group):
                 p.tp_split_dim, p.tp_full_shape, p.tp_groups = 0, full, 1
@@ -134,8 +154,12 @@ class MoE(nn.Module, FullStateDict):
         """Draws every expert in turn (U(+-1/sqrt(fan_in)), nn.Linear's scale) and
         keeps this rank's: the same seed gives the same model at any ep size. Local."""
         for e in range(self.num_experts):
-            w_in = torch.empty(self.hidden, self.ffn_hidden).uniform_(-1, 1) / math.sqrt(self.hidden)
-            w_out = torch.empty(self.ffn_hidden, self.hidden).uniform_(-1, 1) / math.sqrt(self.ffn_hidden)
+            w_in = torch.empty(self.hidden, self.ffn_hidden).uniform_(-1, 1) / math.sqrt(
+                self.hidden
+            )
+            w_out = torch.empty(self.ffn_hidden, self.hidden).uniform_(-1, 1) / math.sqrt(
+                self.ffn_hidden
+            )
             local = e - self.first_expert
             if 0 <= local < self.local_experts:
                 self.w_in[local].copy_(w_in)
@@ -150,7 +174,7 @@ class MoE(nn.Module, FullStateDict):
         batch and seq sizes. Collective: every rank of the ep group calls this."""
         shape = x.shape
         tokens = x.reshape(-1, self.hidden)
-        scores = torch.softmax(self.router(tokens).float(), dim=-1)       # (T, E)
+        scores = torch.softmax(self.router(tokens).float(), dim=-1)  # (T, E)
         use_bias = self.balance == "bias"
         chosen, weights = route(scores, self.top_k, self.expert_bias if use_bias else None)
         routed = torch.bincount(chosen.reshape(-1), minlength=self.num_experts)
@@ -164,31 +188,38 @@ class MoE(nn.Module, FullStateDict):
     def _dispatch_compute_combine(self, tokens, chosen, weights, keep):
         """Sends each kept assignment's token row to its expert's rank, runs the
         experts, brings the results back and sums them weighted: (T, hidden)."""
-        token_of = torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1).expand_as(chosen)[keep]
+        token_of = (
+            torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1).expand_as(chosen)[keep]
+        )
         expert_of, weight_of = chosen[keep], weights[keep]
         order = torch.argsort(expert_of, stable=True)  # grouped by expert = by owner rank
         token_of, expert_of, weight_of = token_of[order], expert_of[order], weight_of[order]
-        send_counts = torch.bincount(expert_of, minlength=self.num_experts)      # (E,)
+        send_counts = torch.bincount(expert_of, minlength=self.num_experts)  # (E,)
         recv_counts = torch.empty_like(send_counts)
-        collectives.all_to_all_single(recv_counts, send_counts, None, None,
-                                      group=self.group, label="moe counts")
+        collectives.all_to_all_single(
+            recv_counts, send_counts, None, None, group=self.group, label="moe counts"
+        )
         recv_counts = recv_counts.view(self.ep_size, self.local_experts)  # [source, local e]
         in_splits = send_counts.view(self.ep_size, -1).sum(1).tolist()
         out_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_rows(tokens[token_of], out_splits, in_splits, self.group,
-                                   "moe dispatch")
+        received = all_to_all_rows(
+            tokens[token_of], out_splits, in_splits, self.group, "moe dispatch"
+        )
         # Received rows come by source rank, each source's grouped by local expert:
         # regroup by expert, run each expert on its rows, put them back.
         local_of = torch.repeat_interleave(
-            torch.arange(self.local_experts, device=received.device).repeat(self.ep_size), recv_counts.reshape(-1))
+            torch.arange(self.local_experts, device=received.device).repeat(self.ep_size),
+            recv_counts.reshape(-1),
+        )
         by_expert = torch.argsort(local_of, stable=True)
         per_expert = torch.bincount(local_of, minlength=self.local_experts).tolist()
-        outs = [expert_ffn(rows, self.w_in[e], self.w_out[e])
-                for e, rows in enumerate(received[by_expert].split(per_expert))]
+        outs = [
+            expert_ffn(rows, self.w_in[e], self.w_out[e])
+            for e, rows in enumerate(received[by_expert].split(per_expert))
+        ]
         computed = torch.empty_like(received).index_copy(0, by_expert, torch.cat(outs))
         returned = all_to_all_rows(computed, in_splits, out_splits, self.group, "moe combine")
-        return torch.zeros_like(tokens).index_add(
-            0, token_of, returned * weight_of.unsqueeze(1))
+        return torch.zeros_like(tokens).index_add(0, token_of, returned * weight_of.unsqueeze(1))
 
     def _after_routing(self, scores, routed, dropped):
         # A forward recomputed in backward (activation checkpointing) routes the same
@@ -198,16 +229,22 @@ class MoE(nn.Module, FullStateDict):
         collectives.all_reduce(totals, group=self.group, label="moe stats")
         load = totals[:-1]
         mean = load.float().mean()
-        self.stats = {"tokens_per_expert": load.tolist(), "dropped": int(totals[-1]),
-                      "balance": float(load.max() / mean) if mean > 0 else float("nan")}
+        self.stats = {
+            "tokens_per_expert": load.tolist(),
+            "dropped": int(totals[-1]),
+            "balance": float(load.max() / mean) if mean > 0 else float("nan"),
+        }
         if self.training and not recomputed:
             routed_total = max(int(load.sum()), 1)
-            events.metric(**{f"{self.label}.balance": self.stats["balance"],
-                             f"{self.label}.dropped": self.stats["dropped"] / routed_total})
+            events.metric(
+                **{
+                    f"{self.label}.balance": self.stats["balance"],
+                    f"{self.label}.dropped": self.stats["dropped"] / routed_total,
+                }
+            )
         if self.balance == "aux":
-            share = routed.float() / max(int(routed.sum()), 1)                   # f_e
-            self.aux_loss = (self.aux_loss_weight * self.num_experts
-                             * (share * scores.mean(0)).sum())
+            share = routed.float() / max(int(routed.sum()), 1)  # f_e
+            self.aux_loss = self.aux_loss_weight * self.num_experts * (share * scores.mean(0)).sum()
         else:
             self.aux_loss = scores.new_zeros(())
         if self.balance == "bias" and self.training and not recomputed:
@@ -224,7 +261,9 @@ class MoE(nn.Module, FullStateDict):
             self.expert_bias += self.bias_update_rate * torch.sign(load.mean() - load)
 
     def extra_repr(self) -> str:
-        return (f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
-                f"({self.local_experts} here, from {self.first_expert}), top_k={self.top_k}, "
-                f"ep={self.ep_size}, capacity_factor={self.capacity_factor}, "
-                f"balance={self.balance!r}")
+        return (
+            f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
+            f"({self.local_experts} here, from {self.first_expert}), top_k={self.top_k}, "
+            f"ep={self.ep_size}, capacity_factor={self.capacity_factor}, "
+            f"balance={self.balance!r}"
+        )

@@ -1,5 +1,6 @@
 """Routing: which experts each token goes to, and which assignments an expert keeps.
 Pure functions of one rank's tokens (no communication)."""
+
 from __future__ import annotations
 
 import torch

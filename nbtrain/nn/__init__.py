@@ -9,6 +9,7 @@ Context parallelism: `ring_attention(q, k, v, causal=True, group=cp_group)` is e
 attention over a sequence split across the ranks of a cp group, with `shard_sequence`,
 `gather_sequence` and `document_ids`, from their home nbtrain.context_parallel.
 """
+
 from ..context_parallel import (
     SequenceLayout,
     document_ids,
@@ -26,7 +27,20 @@ from .parallel import (
     VPEmbedding,
 )
 
-__all__ = ["ColumnParallelLinear", "FusedCrossEntropy", "LayerNorm", "Linear", "OpLinear",
-           "OpParallelLinear", "ReduceType", "RowParallelLinear", "SequenceLayout",
-           "VPEmbedding", "document_ids", "gather_sequence", "parallel_cross_entropy",
-           "ring_attention", "shard_sequence"]
+__all__ = [
+    "ColumnParallelLinear",
+    "FusedCrossEntropy",
+    "LayerNorm",
+    "Linear",
+    "OpLinear",
+    "OpParallelLinear",
+    "ReduceType",
+    "RowParallelLinear",
+    "SequenceLayout",
+    "VPEmbedding",
+    "document_ids",
+    "gather_sequence",
+    "parallel_cross_entropy",
+    "ring_attention",
+    "shard_sequence",
+]

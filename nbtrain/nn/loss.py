@@ -1,4 +1,5 @@
 """Losses with BMTrain's names, backed by the fused kernels in `nbtrain.kernels`."""
+
 import torch
 from torch import nn
 
@@ -27,12 +28,23 @@ class FusedCrossEntropy(nn.Module):
     the loss is fp32.
     """
 
-    def __init__(self, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                 parallel=False, *, weight=None, inplace=False, impl="auto"):
+    def __init__(
+        self,
+        ignore_index=-100,
+        reduction="mean",
+        label_smoothing=0.0,
+        parallel=False,
+        *,
+        weight=None,
+        inplace=False,
+        impl="auto",
+    ):
         super().__init__()
         if weight is not None:
-            raise NotImplementedError("FusedCrossEntropy: class weights are not supported; "
-                                      "use torch.nn.CrossEntropyLoss(weight=...) instead")
+            raise NotImplementedError(
+                "FusedCrossEntropy: class weights are not supported; "
+                "use torch.nn.CrossEntropyLoss(weight=...) instead"
+            )
         self.ignore_index = ignore_index
         self.reduction = reduction
         self.label_smoothing = label_smoothing
@@ -42,25 +54,38 @@ class FusedCrossEntropy(nn.Module):
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.parallel:
-            return parallel_cross_entropy(logits, target, self.ignore_index, self.reduction,
-                                          self.label_smoothing)
+            return parallel_cross_entropy(
+                logits, target, self.ignore_index, self.reduction, self.label_smoothing
+            )
         # Imported here so that `import nbtrain.nn.loss` does not import triton.
         from nbtrain.kernels import cross_entropy
 
         if not self.inplace and logits.requires_grad:
             logits = logits.clone()
-        return cross_entropy(logits, target, ignore_index=self.ignore_index,
-                             reduction=self.reduction, label_smoothing=self.label_smoothing,
-                             impl=self.impl)
+        return cross_entropy(
+            logits,
+            target,
+            ignore_index=self.ignore_index,
+            reduction=self.reduction,
+            label_smoothing=self.label_smoothing,
+            impl=self.impl,
+        )
 
     def extra_repr(self):
-        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, inplace={self.inplace}, "
-                f"parallel={self.parallel}")
+        return (
+            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+            f"label_smoothing={self.label_smoothing}, inplace={self.inplace}, "
+            f"parallel={self.parallel}"
+        )
 
 
-def parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index=-100,
-                           reduction="mean", label_smoothing=0.0) -> torch.Tensor:
+def parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index=-100,
+    reduction="mean",
+    label_smoothing=0.0,
+) -> torch.Tensor:
     """Cross-entropy of logits sharded by vocabulary over the tensor-parallel ranks.
 
     Each tp rank holds columns [tp_rank x V_local, (tp_rank + 1) x V_local) of the
@@ -71,8 +96,8 @@ def parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_in
     count as absent. Every tp rank returns the same loss, in fp32, and backward
     gives each rank the gradient of its own columns.
     """
-    from . import tp_comm
     from ..comm import collectives as C
+    from . import tp_comm
 
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction={reduction!r}; expected mean, sum or none")
@@ -93,7 +118,9 @@ def parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_in
     loss = sum_exp.log() - (1.0 - label_smoothing) * target_logit
     if label_smoothing:
         finite = torch.isfinite(x)
-        total = tp_comm.reduce_to_tp(torch.where(finite, shifted, torch.zeros_like(shifted)).sum(-1))
+        total = tp_comm.reduce_to_tp(
+            torch.where(finite, shifted, torch.zeros_like(shifted)).sum(-1)
+        )
         classes = finite[:1].sum().reshape(1).float()
         if size > 1:
             C.all_reduce(classes, op="sum", group=group, label="tp loss classes")

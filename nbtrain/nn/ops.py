@@ -9,6 +9,7 @@ OpParallelLinear runs one tensor-parallel linear layer over the tp group of
 nbtrain's own layers (nbtrain.nn.parallel) compose tp_comm's steps directly; these
 functions are for code written against BMTrain's.
 """
+
 from __future__ import annotations
 
 import enum
@@ -44,7 +45,7 @@ class OpLinear(torch.autograd.Function):
 class ReduceType(enum.Enum):
     """How OpParallelLinear combines the ranks' partial outputs (BMTrain's values)."""
 
-    ALL_REDUCE = 1      # summed on every tp rank
+    ALL_REDUCE = 1  # summed on every tp rank
     REDUCE_SCATTER = 2  # summed, each tp rank keeping its rows
 
 
@@ -95,9 +96,17 @@ class OpParallelLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, input, weight, bias=None, gather_input=False,
-                gather_output=False, split_input=False, reduce_output_type=None,
-                async_gather_chunks=2):
+    def forward(
+        ctx,
+        input,
+        weight,
+        bias=None,
+        gather_input=False,
+        gather_output=False,
+        split_input=False,
+        reduce_output_type=None,
+        async_gather_chunks=2,
+    ):
         reduce = None if reduce_output_type is None else ReduceType(reduce_output_type)
         ctx.save_for_backward(input, weight)
         ctx.has_bias = bias is not None
@@ -130,7 +139,7 @@ class OpParallelLinear(torch.autograd.Function):
                     _, size, rank = tp_comm.tp_group()
                     width = grad_x.shape[-1]
                     full = grad_x.new_zeros((*grad_x.shape[:-1], width * size))
-                    full[..., rank * width:(rank + 1) * width] = grad_x
+                    full[..., rank * width : (rank + 1) * width] = grad_x
                     grad_x = full
                 else:
                     grad_x = tp_comm._gather_last(grad_x.contiguous(), "tp gather input grad")

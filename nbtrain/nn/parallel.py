@@ -39,6 +39,7 @@ tp, so every tp rank calls it) and `load_state_dict()` takes full tensors.
 `async_gather_chunks` / `async_chunks` are accepted for BMTrain's signatures; the
 chunked overlap of communication with the GEMMs is not done yet.
 """
+
 from __future__ import annotations
 
 import math
@@ -47,9 +48,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import tp_comm
 from ..comm.context import get_context
 from ..zero.tp_slices import cut, full_from_slice, pad_along, slice_from_full
+from . import tp_comm
 
 
 def _tp() -> tuple[int, int]:
@@ -57,8 +58,9 @@ def _tp() -> tuple[int, int]:
     return topo.tp_size, topo.tp_rank
 
 
-def slice_param(full: torch.Tensor, dim: int | None, size: int, rank: int,
-                groups: int = 1) -> nn.Parameter:
+def slice_param(
+    full: torch.Tensor, dim: int | None, size: int, rank: int, groups: int = 1
+) -> nn.Parameter:
     """This rank's slice of `full` along `dim`. With `groups` > 1 the dimension is that
     many equal parts (q, k and v of a fused projection) and each part is split."""
     param = nn.Parameter(cut(full, dim, size, rank, groups).contiguous().clone())
@@ -90,13 +92,17 @@ class _LinearSlices(FullStateDict):
         size, rank = _tp()
         weight_dim, bias_dim = self.SPLIT
         self.weight = slice_param(linear.weight.data, weight_dim, size, rank)
-        self.bias = (None if linear.bias is None
-                     else slice_param(linear.bias.data, bias_dim, size, rank))
+        self.bias = (
+            None if linear.bias is None else slice_param(linear.bias.data, bias_dim, size, rank)
+        )
 
 
 def _tp_params(module: nn.Module):
-    return [(n, p) for n, p in module.named_parameters(recurse=False)
-            if getattr(p, "tp_split_dim", None) is not None]
+    return [
+        (n, p)
+        for n, p in module.named_parameters(recurse=False)
+        if getattr(p, "tp_split_dim", None) is not None
+    ]
 
 
 def _local_shape(param) -> tuple:
@@ -122,16 +128,20 @@ def _slice_full(module, state_dict, prefix, local_metadata, strict, missing, une
             continue
         local = slice_from_full(value, param, _local_shape(param))
         if local is None:
-            errors.append(f"{key}: shape {tuple(value.shape)}, expected the full "
-                          f"{tuple(param.tp_full_shape)} (or this rank's {_local_shape(param)})")
+            errors.append(
+                f"{key}: shape {tuple(value.shape)}, expected the full "
+                f"{tuple(param.tp_full_shape)} (or this rank's {_local_shape(param)})"
+            )
             continue
         state_dict[key] = local
 
 
 def _divides(what: str, n: int, size: int) -> None:
     if n % size:
-        raise ValueError(f"{what}={n} must divide by tp_size {size}; choose a multiple of "
-                         f"{size} (or another tp_size)")
+        raise ValueError(
+            f"{what}={n} must divide by tp_size {size}; choose a multiple of "
+            f"{size} (or another tp_size)"
+        )
 
 
 class Linear(nn.Linear):
@@ -139,8 +149,9 @@ class Linear(nn.Linear):
     ordinary replicated linear layer on the context's device."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None):
-        super().__init__(in_features, out_features, bias=bias, dtype=dtype,
-                         device=get_context().device)
+        super().__init__(
+            in_features, out_features, bias=bias, dtype=dtype, device=get_context().device
+        )
 
 
 class LayerNorm(nn.LayerNorm):
@@ -153,10 +164,24 @@ class LayerNorm(nn.LayerNorm):
     activations replicated (Megatron), pass False: the gradients already agree.
     """
 
-    def __init__(self, normalized_shape, eps: float = 1e-5, elementwise_affine: bool = True,
-                 bias: bool = True, dtype=None, *, sequence_parallel: bool = True):
-        super().__init__(normalized_shape, eps=eps, elementwise_affine=elementwise_affine,
-                         bias=bias, device=get_context().device, dtype=dtype)
+    def __init__(
+        self,
+        normalized_shape,
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        bias: bool = True,
+        dtype=None,
+        *,
+        sequence_parallel: bool = True,
+    ):
+        super().__init__(
+            normalized_shape,
+            eps=eps,
+            elementwise_affine=elementwise_affine,
+            bias=bias,
+            device=get_context().device,
+            dtype=dtype,
+        )
         self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -172,16 +197,26 @@ class ColumnParallelLinear(_LinearSlices, nn.Module):
 
     SPLIT = (0, 0)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
-                 gather_output: bool = False, gather_input: bool = True,
-                 async_gather_chunks: int = 2):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype=None,
+        gather_output: bool = False,
+        gather_input: bool = True,
+        async_gather_chunks: int = 2,
+    ):
         super().__init__()
         _divides("ColumnParallelLinear out_features", out_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.gather_input = gather_output, gather_input
         self.async_gather_chunks = async_gather_chunks
-        self.take_slices(nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
-                                   device=get_context().device))
+        self.take_slices(
+            nn.Linear(
+                in_features, out_features, bias=bias, dtype=dtype, device=get_context().device
+            )
+        )
         self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -190,9 +225,11 @@ class ColumnParallelLinear(_LinearSlices, nn.Module):
         return tp_comm.gather_last(y) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features} "
-                f"(local {self.weight.shape[0]}), bias={self.bias is not None}, "
-                f"gather_input={self.gather_input}, gather_output={self.gather_output}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features} "
+            f"(local {self.weight.shape[0]}), bias={self.bias is not None}, "
+            f"gather_input={self.gather_input}, gather_output={self.gather_output}"
+        )
 
 
 class RowParallelLinear(_LinearSlices, nn.Module):
@@ -201,16 +238,26 @@ class RowParallelLinear(_LinearSlices, nn.Module):
 
     SPLIT = (1, None)
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, dtype=None,
-                 split_input: bool = False, all_reduce_output: bool = False,
-                 async_chunks: int = 2):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        dtype=None,
+        split_input: bool = False,
+        all_reduce_output: bool = False,
+        async_chunks: int = 2,
+    ):
         super().__init__()
         _divides("RowParallelLinear in_features", in_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.split_input, self.all_reduce_output = split_input, all_reduce_output
         self.async_chunks = async_chunks
-        self.take_slices(nn.Linear(in_features, out_features, bias=bias, dtype=dtype,
-                                   device=get_context().device))
+        self.take_slices(
+            nn.Linear(
+                in_features, out_features, bias=bias, dtype=dtype, device=get_context().device
+            )
+        )
         self._setup_full_state_dict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -228,9 +275,11 @@ class RowParallelLinear(_LinearSlices, nn.Module):
         return y if self.bias is None else y + tp_comm.sum_grad_over_tp(self.bias)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), "
-                f"out_features={self.out_features}, bias={self.bias is not None}, "
-                f"split_input={self.split_input}, all_reduce_output={self.all_reduce_output}")
+        return (
+            f"in_features={self.in_features} (local {self.weight.shape[1]}), "
+            f"out_features={self.out_features}, bias={self.bias is not None}, "
+            f"split_input={self.split_input}, all_reduce_output={self.all_reduce_output}"
+        )
 
 
 class VPEmbedding(FullStateDict, nn.Module):
@@ -241,9 +290,16 @@ class VPEmbedding(FullStateDict, nn.Module):
     padding rows are never looked up and their logits are -inf.
     """
 
-    def __init__(self, vocab_size: int, embedding_size: int, dtype=torch.float32,
-                 init_mean: float = 0.0, init_std: float = 1.0, *,
-                 sequence_parallel: bool = True):
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_size: int,
+        dtype=torch.float32,
+        init_mean: float = 0.0,
+        init_std: float = 1.0,
+        *,
+        sequence_parallel: bool = True,
+    ):
         super().__init__()
         self.sequence_parallel = sequence_parallel
         # The entry of a sequence-parallel model made by `parallelize`: it is given
@@ -260,8 +316,9 @@ class VPEmbedding(FullStateDict, nn.Module):
         self.weight.tp_full_shape = (vocab_size, embedding_size)  # the padding is not state
         self._setup_full_state_dict()
 
-    def forward(self, x: torch.Tensor, projection: bool = False, *,
-                sequence_parallel: bool | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, projection: bool = False, *, sequence_parallel: bool | None = None
+    ) -> torch.Tensor:
         """Embeddings of the ids `x`, or with `projection=True` the logits of the
         hidden states `x` over this rank's vocabulary columns.
 
@@ -291,8 +348,9 @@ class VPEmbedding(FullStateDict, nn.Module):
             return tp_comm.reduce_scatter_rows(rows)
         return tp_comm.reduce_to_tp(rows)
 
-    def _project(self, x: torch.Tensor, sequence_parallel: bool,
-                 weight: torch.Tensor | None = None) -> torch.Tensor:
+    def _project(
+        self, x: torch.Tensor, sequence_parallel: bool, weight: torch.Tensor | None = None
+    ) -> torch.Tensor:
         x = tp_comm.gather_rows(x) if sequence_parallel else tp_comm.copy_to_tp(x)
         logits = F.linear(x, self.weight if weight is None else weight)
         valid = self.vocab_size - self.start
@@ -302,5 +360,7 @@ class VPEmbedding(FullStateDict, nn.Module):
         return logits
 
     def extra_repr(self) -> str:
-        return (f"vocab_size={self.vocab_size} (rows {self.start}.."
-                f"{self.start + self.per_rank - 1} here), embedding_size={self.embedding_size}")
+        return (
+            f"vocab_size={self.vocab_size} (rows {self.start}.."
+            f"{self.start + self.per_rank - 1} here), embedding_size={self.embedding_size}"
+        )

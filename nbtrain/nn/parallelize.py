@@ -27,19 +27,27 @@ gather all rows again, so `model(x)` still returns full logits. The weights are 
 model's own, sliced, so the parallelised model computes what the plain one did, and
 its state_dict (full tensors, plain names) loads into the plain model.
 """
+
 from __future__ import annotations
 
 import fnmatch
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from . import tp_comm
 from ..comm.context import get_context
-import torch.nn.functional as F
-
-from .parallel import (ColumnParallelLinear, FullStateDict, LayerNorm, RowParallelLinear,
-                       VPEmbedding, slice_param, _tp, pad_along)
+from . import tp_comm
+from .parallel import (
+    ColumnParallelLinear,
+    FullStateDict,
+    LayerNorm,
+    RowParallelLinear,
+    VPEmbedding,
+    _tp,
+    pad_along,
+    slice_param,
+)
 
 
 def without_rng(make):
@@ -51,9 +59,15 @@ def without_rng(make):
 
 def _from_linear(cls, linear: nn.Linear, **flags):
     """A `cls` (a tp linear layer) holding this rank's slices of `linear`'s weights."""
-    layer = without_rng(lambda: cls(linear.in_features, linear.out_features,
-                                 bias=linear.bias is not None, dtype=linear.weight.dtype,
-                                 **flags))
+    layer = without_rng(
+        lambda: cls(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            dtype=linear.weight.dtype,
+            **flags,
+        )
+    )
     layer.take_slices(linear)
     return layer.to(linear.weight.device)
 
@@ -69,10 +83,14 @@ def row_from(linear: nn.Linear, **flags) -> RowParallelLinear:
 def vocab_from(embedding: nn.Embedding, sequence_parallel: bool = False) -> VPEmbedding:
     size, rank = _tp()
     vocab, dim = embedding.weight.shape
-    layer = without_rng(lambda: VPEmbedding(vocab, dim, dtype=embedding.weight.dtype,
-                                         sequence_parallel=sequence_parallel))
-    layer.weight = slice_param(pad_along(embedding.weight.data, 0, layer.padded_vocab), 0,
-                                size, rank)
+    layer = without_rng(
+        lambda: VPEmbedding(
+            vocab, dim, dtype=embedding.weight.dtype, sequence_parallel=sequence_parallel
+        )
+    )
+    layer.weight = slice_param(
+        pad_along(embedding.weight.data, 0, layer.padded_vocab), 0, size, rank
+    )
     layer.weight.tp_full_shape = (vocab, dim)
     layer.ids_whole = sequence_parallel  # the model hands it all ids
     return layer.to(embedding.weight.device)
@@ -87,19 +105,30 @@ class ReplicatedEmbedding(nn.Embedding):
 
     def forward(self, x):
         weight = tp_comm.sum_grad_over_tp(self.weight) if self.sequence_parallel else self.weight
-        return F.embedding(x, weight, self.padding_idx, self.max_norm, self.norm_type,
-                           self.scale_grad_by_freq, self.sparse)
+        return F.embedding(
+            x,
+            weight,
+            self.padding_idx,
+            self.max_norm,
+            self.norm_type,
+            self.scale_grad_by_freq,
+            self.sparse,
+        )
 
 
 def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn.Module:
     """`module` (a layer norm or an embedding) as a layer kept whole on every tp rank."""
     if isinstance(module, nn.LayerNorm):
-        layer = without_rng(lambda: LayerNorm(module.normalized_shape, eps=module.eps,
-                                           elementwise_affine=module.elementwise_affine,
-                                           bias=module.bias is not None,
-                                           dtype=None if module.weight is None
-                                           else module.weight.dtype,
-                                           sequence_parallel=sequence_parallel))
+        layer = without_rng(
+            lambda: LayerNorm(
+                module.normalized_shape,
+                eps=module.eps,
+                elementwise_affine=module.elementwise_affine,
+                bias=module.bias is not None,
+                dtype=None if module.weight is None else module.weight.dtype,
+                sequence_parallel=sequence_parallel,
+            )
+        )
         if module.weight is not None and module.weight.is_meta:  # no values to copy yet
             return layer.to("meta")
         layer.load_state_dict(module.state_dict())
@@ -108,8 +137,10 @@ def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn
         module.__class__ = ReplicatedEmbedding  # same parameters, same names
         module.sequence_parallel = sequence_parallel
         return module
-    raise ValueError(f"parallelize: {name} is a {type(module).__name__}; 'replicated' takes "
-                     "an nn.LayerNorm or an nn.Embedding")
+    raise ValueError(
+        f"parallelize: {name} is a {type(module).__name__}; 'replicated' takes "
+        "an nn.LayerNorm or an nn.Embedding"
+    )
 
 
 class TiedProjection(FullStateDict, nn.Module):
@@ -128,7 +159,7 @@ class TiedProjection(FullStateDict, nn.Module):
         # different pipeline stages, or wrap() shards it, only this one is the
         # parameter trained here (and, sharded, the gathered tensor of this forward).
         logits = self._embedding._project(x, self.sequence_parallel, weight=self.weight)
-        return tp_comm.gather_last(logits)[..., :self._embedding.vocab_size]
+        return tp_comm.gather_last(logits)[..., : self._embedding.vocab_size]
 
 
 STYLES = ("colwise", "rowwise", "vocab", "tied_head", "head", "replicated")
@@ -142,8 +173,7 @@ class Plan(dict):
         self.sequence_parallel = sequence_parallel
 
 
-def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = None
-                ) -> nn.Module:
+def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = None) -> nn.Module:
     """Replace the modules that `plan` names by their tensor-parallel versions, in place.
 
     Collective in spirit: every tp rank calls it on the same plain model. Returns
@@ -162,9 +192,11 @@ def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = N
     if sequence_parallel is None:
         sequence_parallel = bool(planned)
     elif planned is not None and planned != sequence_parallel:
-        raise ValueError(f"parallelize: sequence_parallel={sequence_parallel}, but the plan "
-                         f"was made for sequence_parallel={planned} (its callables build "
-                         "layers for that layout): make the plan with the same setting")
+        raise ValueError(
+            f"parallelize: sequence_parallel={sequence_parallel}, but the plan "
+            f"was made for sequence_parallel={planned} (its callables build "
+            "layers for that layout): make the plan with the same setting"
+        )
     unused = set(plan)
     embeddings: dict[int, VPEmbedding] = {}
     # Embeddings first, so a tied head can find the vocabulary-parallel one.
@@ -178,8 +210,10 @@ def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = N
         unused.discard(pattern)
         _set(model, name, _replace(module, name, style, embeddings, sequence_parallel))
     if unused:
-        raise ValueError(f"parallelize: pattern(s) {sorted(unused)} matched no module; module "
-                         f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}")
+        raise ValueError(
+            f"parallelize: pattern(s) {sorted(unused)} matched no module; module "
+            f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}"
+        )
     # On the rank's device, as wrap() does: NCCL's collectives need CUDA tensors. A model
     # built on the meta device stays there: wrap() allocates its shards on the device.
     if any(p.is_meta for p in model.parameters()):
@@ -202,20 +236,25 @@ def _replace(module, name, style, embeddings, sp: bool):
     if callable(style):
         return style(module, name)
     if style not in STYLES:
-        raise ValueError(f"parallelize: style {style!r} for {name}; use one of "
-                         f"{', '.join(STYLES)} or a callable")
+        raise ValueError(
+            f"parallelize: style {style!r} for {name}; use one of {', '.join(STYLES)} or a callable"
+        )
     if style == "replicated":
         return replicated_from(module, name, sp)
     if style == "vocab":
         if not isinstance(module, nn.Embedding):
-            raise ValueError(f"parallelize: {name} is a {type(module).__name__}, not an "
-                             "nn.Embedding, so it cannot be 'vocab'")
+            raise ValueError(
+                f"parallelize: {name} is a {type(module).__name__}, not an "
+                "nn.Embedding, so it cannot be 'vocab'"
+            )
         layer = vocab_from(module, sequence_parallel=sp)
         embeddings[id(module.weight)] = layer
         return layer
     if not isinstance(module, nn.Linear):
-        raise ValueError(f"parallelize: {name} is a {type(module).__name__}, not an nn.Linear, "
-                         f"so it cannot be {style!r}")
+        raise ValueError(
+            f"parallelize: {name} is a {type(module).__name__}, not an nn.Linear, "
+            f"so it cannot be {style!r}"
+        )
     if style == "colwise":
         return column_from(module, gather_input=sp)
     if style == "rowwise":
@@ -224,8 +263,10 @@ def _replace(module, name, style, embeddings, sp: bool):
         return column_from(module, gather_input=sp, gather_output=True)
     embedding = embeddings.get(id(module.weight))
     if embedding is None:
-        raise ValueError(f"parallelize: {name} is 'tied_head' but its weight is not the "
-                         "weight of a module the plan makes 'vocab'")
+        raise ValueError(
+            f"parallelize: {name} is 'tied_head' but its weight is not the "
+            "weight of a module the plan makes 'vocab'"
+        )
     return TiedProjection(embedding, sequence_parallel=sp)
 
 

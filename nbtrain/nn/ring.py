@@ -1,6 +1,7 @@
 """Deprecated path: ring attention lives in `nbtrain.context_parallel` (layout, kernels,
 the ring and its autograd, the model-side `ContextParallel`). This module re-exports its
 public names for one release."""
+
 import warnings
 
 from ..context_parallel import (  # noqa: F401 (re-exported)
@@ -15,6 +16,9 @@ from ..context_parallel import (  # noqa: F401 (re-exported)
     shard_sequence,
 )
 
-warnings.warn("nbtrain.nn.ring moved to nbtrain.context_parallel (ring_attention, Ring, "
-              "shard_sequence, ...); import from there: this path goes in the next release",
-              FutureWarning, stacklevel=2)
+warnings.warn(
+    "nbtrain.nn.ring moved to nbtrain.context_parallel (ring_attention, Ring, "
+    "shard_sequence, ...); import from there: this path goes in the next release",
+    FutureWarning,
+    stacklevel=2,
+)

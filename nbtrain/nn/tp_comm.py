@@ -12,6 +12,7 @@ Two ways to lay activations out between tensor-parallel layers:
 
 All communication goes through nbtrain's counted collectives, labelled "tp ...".
 """
+
 from __future__ import annotations
 
 import torch
@@ -42,8 +43,10 @@ def _reduce_scatter_rows(x: torch.Tensor, label: str) -> torch.Tensor:
     if size == 1 or group is ALONE:
         return x
     if x.shape[0] % size:
-        raise ValueError(f"tensor parallel: the first dimension ({x.shape[0]}) must divide by "
-                         f"tp_size {size} to be split between the tp ranks")
+        raise ValueError(
+            f"tensor parallel: the first dimension ({x.shape[0]}) must divide by "
+            f"tp_size {size} to be split between the tp ranks"
+        )
     x = x.contiguous()
     out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
     C.reduce_scatter(out.view(-1), x.view(-1), op="sum", group=group, label=label)
@@ -72,31 +75,44 @@ def _own_chunk_last(x: torch.Tensor) -> torch.Tensor:
     if size == 1:
         return x
     if x.shape[-1] % size:
-        raise ValueError(f"tensor parallel: the last dimension ({x.shape[-1]}) must divide by "
-                         f"tp_size {size}")
+        raise ValueError(
+            f"tensor parallel: the last dimension ({x.shape[-1]}) must divide by tp_size {size}"
+        )
     return x.chunk(size, dim=-1)[rank].contiguous()
 
 
 def _pair(name: str, forward, backward):
     """An autograd Function running `forward` on the input and `backward` on its gradient."""
-    return type(name, (torch.autograd.Function,), {
-        "forward": staticmethod(lambda ctx, x: forward(x)),
-        "backward": staticmethod(lambda ctx, grad: backward(grad)),
-    })
+    return type(
+        name,
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(lambda ctx, x: forward(x)),
+            "backward": staticmethod(lambda ctx, grad: backward(grad)),
+        },
+    )
 
 
-_GatherRows = _pair("_GatherRows", lambda x: _gather_rows(x, "tp gather input"),
-                    lambda g: _reduce_scatter_rows(g, "tp reduce-scatter input grad"))
-_ReduceScatterRows = _pair("_ReduceScatterRows",
-                           lambda x: _reduce_scatter_rows(x, "tp reduce-scatter output"),
-                           lambda g: _gather_rows(g, "tp gather output grad"))
+_GatherRows = _pair(
+    "_GatherRows",
+    lambda x: _gather_rows(x, "tp gather input"),
+    lambda g: _reduce_scatter_rows(g, "tp reduce-scatter input grad"),
+)
+_ReduceScatterRows = _pair(
+    "_ReduceScatterRows",
+    lambda x: _reduce_scatter_rows(x, "tp reduce-scatter output"),
+    lambda g: _gather_rows(g, "tp gather output grad"),
+)
 _CopyToTp = _pair("_CopyToTp", lambda x: x, lambda g: _all_reduce(g, "tp all-reduce input grad"))
 _ReduceToTp = _pair("_ReduceToTp", lambda x: _all_reduce(x, "tp all-reduce output"), lambda g: g)
 _GatherLast = _pair("_GatherLast", lambda x: _gather_last(x, "tp gather output"), _own_chunk_last)
 # Identity whose gradient is summed over tp: a replicated parameter used on a token
 # slice (sequence parallel) gets the gradient of all tokens on every rank.
-_SumGradOverTp = _pair("_SumGradOverTp", lambda p: p.view_as(p),
-                       lambda g: _all_reduce(g, "tp all-reduce replicated grad"))
+_SumGradOverTp = _pair(
+    "_SumGradOverTp",
+    lambda p: p.view_as(p),
+    lambda g: _all_reduce(g, "tp all-reduce replicated grad"),
+)
 
 
 class _OwnChunkLast(torch.autograd.Function):
@@ -113,7 +129,7 @@ class _OwnChunkLast(torch.autograd.Function):
         # rank's columns and zeros elsewhere, so the sum assembles the whole row.
         _, size, rank = tp_group()
         full = grad.new_zeros((*grad.shape[:-1], grad.shape[-1] * size))
-        full[..., rank * grad.shape[-1]:(rank + 1) * grad.shape[-1]] = grad
+        full[..., rank * grad.shape[-1] : (rank + 1) * grad.shape[-1]] = grad
         return full, None
 
 

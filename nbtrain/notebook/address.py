@@ -16,6 +16,7 @@ The choice, in order:
 
 Finding the interface toward an address connects a UDP socket, which sends nothing.
 """
+
 from __future__ import annotations
 
 import os

@@ -5,6 +5,7 @@
 ipyparallel collects per engine (rather than printing from ipyparallel's IO thread),
 so output appears in order, labelled by rank, in the cell that asked for it.
 """
+
 from __future__ import annotations
 
 import re
@@ -14,10 +15,12 @@ import time
 from .errors import RESTART_HINT, CellTimeoutError, RankDiedError, RankError
 from .recover import abort_from_notebook, recover_group
 
-_POLL_S = 0.05           # output latency; an empty cell returns as soon as it is done
-_DEATH_CHECK_S = 0.5     # how often engine processes are checked while a cell runs
+_POLL_S = 0.05  # output latency; an empty cell returns as soon as it is done
+_DEATH_CHECK_S = 0.5  # how often engine processes are checked while a cell runs
 _INTERRUPT_GRACE_S = 3.0  # how long interrupted ranks get to raise KeyboardInterrupt
-_INTERNAL_FRAME = re.compile(r"site-packages/(ipyparallel|ipykernel|IPython)/|/nbtrain/notebook/engine_boot")
+_INTERNAL_FRAME = re.compile(
+    r"site-packages/(ipyparallel|ipykernel|IPython)/|/nbtrain/notebook/engine_boot"
+)
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -35,8 +38,13 @@ def trim_traceback(lines: list[str]) -> list[str]:
 class RankOutput:
     """Prints what each rank has produced so far, once, labelled by rank."""
 
-    def __init__(self, ranks: list[int], metadata: list[dict], stream: bool,
-                 labels: dict[int, str] | None = None):
+    def __init__(
+        self,
+        ranks: list[int],
+        metadata: list[dict],
+        stream: bool,
+        labels: dict[int, str] | None = None,
+    ):
         self.ranks, self.metadata, self.stream = ranks, metadata, stream
         self.labels = labels or {}
         self.offsets = {(r, name): 0 for r in ranks for name in ("stdout", "stderr")}
@@ -50,7 +58,7 @@ class RankOutput:
             for name in ("stdout", "stderr"):
                 self._print_stream(r, name, md.get(name) or "", final)
             outputs = md.get("outputs") or []
-            for item in outputs[self.shown_outputs[r]:]:
+            for item in outputs[self.shown_outputs[r] :]:
                 _publish(item.get("data", {}), item.get("metadata") or {}, r)
             self.shown_outputs[r] = len(outputs)
         if final:
@@ -61,7 +69,7 @@ class RankOutput:
 
     def _print_stream(self, r: int, name: str, text: str, final: bool) -> None:
         key = (r, name)
-        new = self.partial[key] + text[self.offsets[key]:]
+        new = self.partial[key] + text[self.offsets[key] :]
         self.offsets[key] = len(text)
         lines = new.split("\n")
         self.partial[key] = "" if final else lines.pop()
@@ -82,8 +90,10 @@ def rank_labels(cluster) -> dict[int, str]:
     from ..comm.topology import Topology
 
     world = cluster.world_size
-    return {r: Topology(rank=r, world_size=world, tp_size=tp, dp_size=world // tp).label()
-            for r in range(world)}
+    return {
+        r: Topology(rank=r, world_size=world, tp_size=tp, dp_size=world // tp).label()
+        for r in range(world)
+    }
 
 
 def _publish(data: dict, metadata: dict, r: int) -> None:
@@ -99,8 +109,9 @@ def _publish(data: dict, metadata: dict, r: int) -> None:
         print(f"[rank {r}] {data['text/plain']}")
 
 
-def run_cell(cluster, code: str, ranks: list[int], timeout_s: float | None, stream: bool,
-             on_poll=None):
+def run_cell(
+    cluster, code: str, ranks: list[int], timeout_s: float | None, stream: bool, on_poll=None
+):
     """Execute `code` on `ranks` of `cluster`, streaming output; raise on any failure.
 
     `on_poll(ranks, metadata, final)`, if given, sees each rank's metadata (with the
@@ -119,9 +130,17 @@ def submit_cell(cluster, code: str, ranks: list[int]):
     return cluster.client.direct_view(engine_ids).execute(code, silent=False, block=False)
 
 
-def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: bool,
-                on_poll=None, printer: "RankOutput | None" = None,
-                started: float | None = None, patience_s: float | None = None):
+def follow_cell(
+    cluster,
+    ar,
+    ranks: list[int],
+    timeout_s: float | None,
+    stream: bool,
+    on_poll=None,
+    printer: "RankOutput | None" = None,
+    started: float | None = None,
+    patience_s: float | None = None,
+):
     """Wait for the submitted cell `ar`: stream its output, raise its failures.
 
     `timeout_s` is the cell's own timeout, counted from `started` (a
@@ -161,9 +180,12 @@ def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: 
                 # makes the ranks waiting on it fail too. Keep following the cell.
                 interrupted = True
                 cluster.interrupt(_busy(ar, ranks))
-                print("nbtrain: interrupting the ranks (training loops in nbtrain.progress stop "
-                      "at the next agreed step; interrupt again to stop at once)",
-                      file=sys.stderr, flush=True)
+                print(
+                    "nbtrain: interrupting the ranks (training loops in nbtrain.progress stop "
+                    "at the next agreed step; interrupt again to stop at once)",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 continue
             _on_interrupt(cluster, ar, ranks, printer)
             if not _busy(ar, ranks):
@@ -181,8 +203,11 @@ def follow_cell(cluster, ar, ranks: list[int], timeout_s: float | None, stream: 
 
 
 def _failed_ranks(ar, ranks: list[int]) -> list[int]:
-    return [r for r, md in zip(ranks, ar._metadata)
-            if md.get("status") not in (None, "ok") and md.get("error") is not None]
+    return [
+        r
+        for r, md in zip(ranks, ar._metadata)
+        if md.get("status") not in (None, "ok") and md.get("error") is not None
+    ]
 
 
 def _finish_failed(cluster, ar, ranks: list[int]) -> None:
@@ -221,8 +246,11 @@ def _on_timeout(cluster, ar, ranks, timeout_s, printer) -> None:
 def _on_interrupt(cluster, ar, ranks, printer) -> None:
     stuck = _stop(cluster, ar, ranks, printer, "interrupted from the notebook")
     if stuck:
-        print(f"rank(s) {', '.join(map(str, stuck))} did not stop, even with their collectives "
-              f"aborted. {RESTART_HINT}", file=sys.stderr)
+        print(
+            f"rank(s) {', '.join(map(str, stuck))} did not stop, even with their collectives "
+            f"aborted. {RESTART_HINT}",
+            file=sys.stderr,
+        )
 
 
 def _stop(cluster, ar, ranks, printer, reason: str) -> list[int]:

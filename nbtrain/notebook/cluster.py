@@ -14,6 +14,7 @@ Security: the controller listens on 127.0.0.1 unless `controller_ip` says
 otherwise, and every message is signed with the key ipyparallel generates per
 cluster (HMAC-SHA256); nbtrain opens no listener of its own.
 """
+
 from __future__ import annotations
 
 import os
@@ -21,16 +22,18 @@ import signal
 import sys
 import time
 
-from . import address, engine_boot as _engine_boot, engine_pull, rendezvous, slurm as _slurm
+from ..comm.topology import check_sizes
+from . import address, engine_pull, rendezvous
+from . import engine_boot as _engine_boot
+from . import slurm as _slurm
 from .cell_run import rank_labels, run_cell, submit_cell
 from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config, engine_launcher
-from ..comm.topology import check_sizes
+from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 from .pending import PendingCell, refuse_while_pending
 from .procs import pid_alive, rss_bytes
 from .targets import one_rank, select_ranks
 from .watchdog import Watchdog
-from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 
 _STOP_GRACE_S = 5.0
 # Request ids the ipyparallel Client keeps (`client.history` gains one per rank per cell,
@@ -61,11 +64,19 @@ class Cluster:
         profile_dir: ipyparallel profile directory (default: ipyparallel's).
     """
 
-    def __init__(self, n: int | None = None, backend: str | None = None,
-                 launcher: str = "local", controller_ip: str = "127.0.0.1",
-                 start_timeout_s: float = 120.0, pg_timeout_s: float = 600.0,
-                 slurm: dict | None = None, profile_dir: str | None = None,
-                 tp_size: int = 1, master_addr: str | None = None):
+    def __init__(
+        self,
+        n: int | None = None,
+        backend: str | None = None,
+        launcher: str = "local",
+        controller_ip: str = "127.0.0.1",
+        start_timeout_s: float = 120.0,
+        pg_timeout_s: float = 600.0,
+        slurm: dict | None = None,
+        profile_dir: str | None = None,
+        tp_size: int = 1,
+        master_addr: str | None = None,
+    ):
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
         if backend not in (None, "gloo", "nccl"):
@@ -73,8 +84,9 @@ class Cluster:
         if n is not None and n < 1:
             raise ValueError(f"n={n}: a cluster needs at least one rank")
         if slurm and launcher != "slurm":
-            raise ValueError(f"slurm options {sorted(slurm)} need launcher='slurm', "
-                             f"not {launcher!r}")
+            raise ValueError(
+                f"slurm options {sorted(slurm)} need launcher='slurm', not {launcher!r}"
+            )
         if launcher == "slurm":
             n, slurm = _slurm.resolve_layout(n, slurm or {})  # before anything is submitted
         self.n, self.backend, self.launcher, self.tp_size = n, backend, launcher, tp_size
@@ -126,15 +138,20 @@ class Cluster:
             _slurm.refuse_loopback(self.controller_ip, partition=self.slurm.get("partition", ""))
         kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}
         self._ipp = ipp.Cluster(
-            n=n, engines=engine_launcher(self.launcher), controller_ip=self.controller_ip,
+            n=n,
+            engines=engine_launcher(self.launcher),
+            controller_ip=self.controller_ip,
             cluster_id=f"nbtrain-{os.getpid()}-{int(time.time() * 1000) % 10**8}",
-            engine_timeout=int(self.start_timeout_s), log_level=40,
+            engine_timeout=int(self.start_timeout_s),
+            log_level=40,
             # The hub's default in-memory store keeps the last 1024 requests (up to 1 GB)
             # with their output and published telemetry: the controller grew 35 KB per
             # 3-rank training cell of tests/stress/soak_session.py, and a cell that prints
             # much keeps much. nbtrain never reads results back from the hub.
             controller_args=["--nodb"],
-            config=engine_config(self.launcher, self.slurm), **kwargs)
+            config=engine_config(self.launcher, self.slurm),
+            **kwargs,
+        )
         _LIVE.add(self)
         self._watchdog = Watchdog()
         try:
@@ -175,9 +192,11 @@ class Cluster:
             if self.job is not None and not self.job.running(max_age_s=0):
                 raise self.job.ended_error("before all its engines registered")
         tail = self.job.output_tail() if self.job is not None else ""
-        raise DistributedError(f"expected {n} engines, {len(self.client.ids)} registered within "
-                               f"{self.start_timeout_s:g} s" + (f"; the job's output ends with:\n"
-                                                                f"{tail}" if tail else ""))
+        raise DistributedError(
+            f"expected {n} engines, {len(self.client.ids)} registered within "
+            f"{self.start_timeout_s:g} s"
+            + (f"; the job's output ends with:\n{tail}" if tail else "")
+        )
 
     def stop(self) -> None:
         """Stop every engine and the controller; no process of the cluster remains."""
@@ -197,8 +216,11 @@ class Cluster:
         if watchdog is not None:  # ipyparallel stops by signal and does not wait
             watchdog.reap(_STOP_GRACE_S)
         if self.job is not None and not self.job.wait_ended(_JOB_END_S):
-            print(f"nbtrain: {self.job.describe()} after scancel; Slurm ends its "
-                  "processes after its KillWait", file=sys.stderr)
+            print(
+                f"nbtrain: {self.job.describe()} after scancel; Slurm ends its "
+                "processes after its KillWait",
+                file=sys.stderr,
+            )
         self.ranks, self._stuck, self._pending, self.job = [], None, None, None
         if watchdog is not None:
             watchdog.stop()
@@ -246,23 +268,30 @@ class Cluster:
         try:
             master_port = rank0.apply_sync(_engine_boot.free_port, master_addr)
         except Exception as err:  # noqa: BLE001 - an ipyparallel RemoteError wraps the OSError
-            raise DistributedError(f"rank 0 (on {self.ranks[0]['host']}) cannot listen on "
-                                   f"{master_addr} ({err}): the rendezvous address must be one "
-                                   "of rank 0's host (--master-addr)") from None
+            raise DistributedError(
+                f"rank 0 (on {self.ranks[0]['host']}) cannot listen on "
+                f"{master_addr} ({err}): the rendezvous address must be one "
+                "of rank 0's host (--master-addr)"
+            ) from None
         envs = rendezvous.rank_envs(self.ranks, master_addr, master_port)
         self.master_addr, self.master_port = master_addr, master_port
         self.recovery_generation = 0  # fresh ranks: a fresh process group
-        result = view.apply_async(_engine_boot.boot, envs, self.backend, self.pg_timeout_s,
-                                  self.tp_size)
-        for info, booted in zip(sorted(self.ranks, key=lambda i: i["engine_id"]),
-                                result.get(timeout=self.start_timeout_s)):
+        result = view.apply_async(
+            _engine_boot.boot, envs, self.backend, self.pg_timeout_s, self.tp_size
+        )
+        for info, booted in zip(
+            sorted(self.ranks, key=lambda i: i["engine_id"]),
+            result.get(timeout=self.start_timeout_s),
+        ):
             info["device"] = booted["device"]
 
     # --------------------------------------------------------------- operations
     def _require_running(self) -> None:
         if not self.running:
-            raise DistributedError("no nbtrain cluster is running: start one with "
-                                   "`%nbtrain start -n 2` (or nbtrain.Cluster(n=2).start())")
+            raise DistributedError(
+                "no nbtrain cluster is running: start one with "
+                "`%nbtrain start -n 2` (or nbtrain.Cluster(n=2).start())"
+            )
 
     def targets(self, targets=None) -> list[int]:
         """Sorted ranks `targets` means (see `targets.select_ranks`: None, an int, a
@@ -273,8 +302,14 @@ class Cluster:
     def engine_id(self, rank: int) -> int:
         return self.ranks[rank]["engine_id"]
 
-    def execute(self, code: str, targets=None, timeout: float | None = None,
-                stream: bool = True, on_poll=None):
+    def execute(
+        self,
+        code: str,
+        targets=None,
+        timeout: float | None = None,
+        stream: bool = True,
+        on_poll=None,
+    ):
         """Run `code` on the target ranks, streaming each rank's output as it comes.
 
         `on_poll(ranks, metadata, final)` observes the ranks while the cell runs
@@ -295,8 +330,10 @@ class Cluster:
         ranks = self.targets(targets)
         refuse_while_pending(self._pending, "cannot run another cell")
         if self._stuck is not None and not self._stuck.done():
-            raise DistributedError("an earlier cell is still running on some ranks and did not "
-                                   "respond to an interrupt; run `%nbtrain restart`")
+            raise DistributedError(
+                "an earlier cell is still running on some ranks and did not "
+                "respond to an interrupt; run `%nbtrain restart`"
+            )
         self._stuck = None
         self._forget_finished()
         dead = self.dead_ranks(range(self.world_size))
@@ -318,16 +355,18 @@ class Cluster:
             client.purge_local_results(jobs=finished)
         del client.history[:-HISTORY_KEPT]
 
-    def submit(self, code: str, targets=None, timeout: float | None = None,
-               stream: bool = True) -> PendingCell:
+    def submit(
+        self, code: str, targets=None, timeout: float | None = None, stream: bool = True
+    ) -> PendingCell:
         """Start `code` on the target ranks and return at once (`%%distributed --noblock`).
 
         Collect it with `wait()` or `result()`; until then other cells, push and
         pull are refused. `timeout` counts from now and is enforced while waiting.
         """
         ranks = self._ready_ranks(targets)
-        self._pending = PendingCell(submit_cell(self, code, ranks), ranks, timeout, stream,
-                                    rank_labels(self))
+        self._pending = PendingCell(
+            submit_cell(self, code, ranks), ranks, timeout, stream, rank_labels(self)
+        )
         return self._pending
 
     def wait(self, timeout: float | None = None, on_poll=None):
@@ -338,8 +377,9 @@ class Cluster:
         """
         pending = self._pending
         if pending is None:
-            raise DistributedError("no non-blocking cell to wait for: run one with "
-                                   "`%%distributed --noblock`")
+            raise DistributedError(
+                "no non-blocking cell to wait for: run one with `%%distributed --noblock`"
+            )
         try:
             ar = pending.follow(self, timeout, on_poll)
         except BaseException:
@@ -390,9 +430,11 @@ class Cluster:
             return self._get(full, timeout)[0]
         missing = [str(r) for r, kind in zip(ranks, kinds) if kind == "missing"]
         if missing:
-            raise NameError(f"{name.split('.')[0]!r} is not defined on rank(s) "
-                            f"{', '.join(missing)}: set it in a %%distributed cell or "
-                            "send it with `%nbtrain push`")
+            raise NameError(
+                f"{name.split('.')[0]!r} is not defined on rank(s) "
+                f"{', '.join(missing)}: set it in a %%distributed cell or "
+                "send it with `%nbtrain push`"
+            )
         values = self._get(view.apply_async(engine_pull.pull_value, name), timeout)
         return values[0] if one_rank(targets) else list(values)
 
@@ -401,8 +443,10 @@ class Cluster:
         try:
             return async_result.get(timeout=timeout)
         except TimeoutError:
-            raise DistributedError(f"the ranks did not answer within {timeout:.0f} s (a cell "
-                                   "still running?); run `%nbtrain restart`") from None
+            raise DistributedError(
+                f"the ranks did not answer within {timeout:.0f} s (a cell "
+                "still running?); run `%nbtrain restart`"
+            ) from None
 
     def status(self) -> list[dict]:
         """Per rank: rank, engine_id, pid, host, address, node (Slurm's node name or None),
@@ -417,13 +461,23 @@ class Cluster:
         rows = []
         for rank, info in enumerate(self.ranks):
             eid = info["engine_id"]
-            busy = rank not in dead and (rank in running
-                                         or queues.get(eid, {}).get("queue", 0) > 0)
-            row = {"rank": rank, "engine_id": eid, "pid": info["pid"], "host": info["host"],
-                   "address": info.get("address"), "node": info.get("node"),
-                   "local_rank": info.get("local_rank"), "device": info.get("device"),
-                   "busy": busy, "alive": rank not in dead,
-                   "rss_bytes": None, "cuda_bytes": None, "step": None, "loss": None}
+            busy = rank not in dead and (rank in running or queues.get(eid, {}).get("queue", 0) > 0)
+            row = {
+                "rank": rank,
+                "engine_id": eid,
+                "pid": info["pid"],
+                "host": info["host"],
+                "address": info.get("address"),
+                "node": info.get("node"),
+                "local_rank": info.get("local_rank"),
+                "device": info.get("device"),
+                "busy": busy,
+                "alive": rank not in dead,
+                "rss_bytes": None,
+                "cuda_bytes": None,
+                "step": None,
+                "loss": None,
+            }
             if rank not in dead and not busy:
                 try:
                     row.update(self.client[eid].apply_async(_engine_boot.stats).get(timeout=5))

@@ -15,6 +15,7 @@ second at most) from the running cell's AsyncResult, while `%%distributed` waits
 The picture is redrawn at most once per `redraw_s` (matplotlib, same panels as
 `nbtrain report`); the header table of numbers updates on every poll.
 """
+
 from __future__ import annotations
 
 import copy
@@ -146,8 +147,10 @@ class Dashboard:
 
     def poll(self, ranks: list[int], metadata: list[dict], final: bool = False) -> None:
         """Read what each rank published into its AsyncResult metadata (`md["data"]`)."""
-        self.update({r: (md.get("data") or {}).get("nbtrain") for r, md in zip(ranks, metadata)},
-                    final=final)
+        self.update(
+            {r: (md.get("data") or {}).get("nbtrain") for r, md in zip(ranks, metadata)},
+            final=final,
+        )
 
     def refresh(self, cluster) -> None:
         """Ask every rank for its summary now (only while no cell is running) and wait
@@ -167,9 +170,16 @@ class Dashboard:
             losses = [m["loss"] for m in s.get("metrics", []) if m.get("loss") is not None]
             times = step_times(s)
             mem = s.get("memory") or {}
-            rows.append((rank, s.get("step", 0), losses[-1] if losses else None,
-                         times[max(times)] * 1e3 if times else None, last.get("overlap"),
-                         mem.get("cuda_allocated_bytes", mem.get("rss_bytes"))))
+            rows.append(
+                (
+                    rank,
+                    s.get("step", 0),
+                    losses[-1] if losses else None,
+                    times[max(times)] * 1e3 if times else None,
+                    last.get("overlap"),
+                    mem.get("cuda_allocated_bytes", mem.get("rss_bytes")),
+                )
+            )
         if len(rows) > MAX_RANKS_SHOWN:
             rows = _aggregate(rows)
         cells = "".join(
@@ -177,11 +187,14 @@ class Dashboard:
             f"<td>{_fmt(ms, '.1f')} ms</td>"
             f"<td>{_fmt(None if ov is None else 100 * ov, '.0f')}%</td>"
             f"<td>{_fmt(None if mem is None else mem / 2**20, '.0f')} MiB</td></tr>"
-            for r, step, loss, ms, ov, mem in rows)
-        self.header.value = ("<table style='font-family:monospace'><tr><th>rank</th>"
-                             "<th>step</th><th>loss</th><th>step time</th>"
-                             "<th>hidden comm</th><th>memory</th>"
-                             f"</tr>{cells}</table>")
+            for r, step, loss, ms, ov, mem in rows
+        )
+        self.header.value = (
+            "<table style='font-family:monospace'><tr><th>rank</th>"
+            "<th>step</th><th>loss</th><th>step time</th>"
+            "<th>hidden comm</th><th>memory</th>"
+            f"</tr>{cells}</table>"
+        )
 
 
 def _in_thread(fn, *args) -> Future:

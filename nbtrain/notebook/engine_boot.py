@@ -4,6 +4,7 @@ They are pickled by reference, so every engine imports this module: keep it free
 ipyparallel and of anything slow. Each returns plain dicts so that the client needs
 nothing from the engine's Python objects.
 """
+
 from __future__ import annotations
 
 import os
@@ -35,10 +36,17 @@ def probe() -> dict:
     """
     from . import address
 
-    info = {"engine_id": _engine_id(), "pid": os.getpid(), "ppid": os.getppid(),
-            "host": address.host_name(), "address": address.host_address(address.controller_host()),
-            "machine": address.machine_id(), "node": os.environ.get("SLURMD_NODENAME"),
-            "launcher_rank": None, "launcher_local_rank": None}
+    info = {
+        "engine_id": _engine_id(),
+        "pid": os.getpid(),
+        "ppid": os.getppid(),
+        "host": address.host_name(),
+        "address": address.host_address(address.controller_host()),
+        "machine": address.machine_id(),
+        "node": os.environ.get("SLURMD_NODENAME"),
+        "launcher_rank": None,
+        "launcher_local_rank": None,
+    }
     for rank_var, local_var in _LAUNCHER_RANK_VARS:
         if os.environ.get(rank_var, "").isdigit():
             info["launcher_rank"] = int(os.environ[rank_var])
@@ -55,8 +63,7 @@ def free_port(address: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
-def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float,
-         tp_size: int = 1) -> dict:
+def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float, tp_size: int = 1) -> dict:
     """Set this engine's rank variables, initialise torch.distributed, fill the namespace.
 
     Collective: every engine of the cluster runs this at the same time.
@@ -97,18 +104,25 @@ def _cell_failed(shell, etype, value, tb, tb_offset=None):
     stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
     # The exception's own notes (e.g. the pipeline stage that raised), where IPython
     # did not show them (before 8.15 it drops __notes__).
-    notes = [n for n in getattr(value, "__notes__", ()) or ()
-             if isinstance(n, str) and not any(n in line for line in stb[-3:])]
+    notes = [
+        n
+        for n in getattr(value, "__notes__", ()) or ()
+        if isinstance(n, str) and not any(n in line for line in stb[-3:])
+    ]
     who, _, why = (origin or "").partition(": ")
     if who.startswith("rank") and who != f"rank {recovery.rank()}":
-        notes.append(f"nbtrain: this rank stopped because {who} failed ({why}); "
-                     "its collectives were aborted.")
+        notes.append(
+            f"nbtrain: this rank stopped because {who} failed ({why}); "
+            "its collectives were aborted."
+        )
     elif who == "the notebook":
         notes.append(f"nbtrain: the notebook aborted this rank's collectives ({why}).")
     if phase is not None:
-        notes.append(f"nbtrain: the step was interrupted half way, during {phase}: "
-                     "parameters or optimizer state may be partly updated. Reload a "
-                     "checkpoint (nbtrain.load_checkpoint) before training on.")
+        notes.append(
+            f"nbtrain: the step was interrupted half way, during {phase}: "
+            "parameters or optimizer state may be partly updated. Reload a "
+            "checkpoint (nbtrain.load_checkpoint) before training on."
+        )
     # What showtraceback does, with the notes appended.
     shell._showtraceback(etype, value, stb + notes)
     return None
@@ -139,8 +153,12 @@ def stats() -> dict:
 
     import psutil
 
-    info = {"rss_bytes": psutil.Process().memory_info().rss, "cuda_bytes": 0,
-            "step": None, "loss": None}
+    info = {
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "cuda_bytes": 0,
+        "step": None,
+        "loss": None,
+    }
     try:
         import torch
 

@@ -4,6 +4,7 @@ A sharded value comes back whole: `pull_kind` tells a DistributedParameter
 ("param") or a tensor of a model sharded by nbtrain ("state_dict") from a plain
 value; `pull_full` gathers it on every rank (a collective) and returns rank 0's.
 """
+
 from __future__ import annotations
 
 
@@ -31,8 +32,9 @@ def _resolve(name: str):
 def _is_sharded(model) -> bool:
     from nbtrain.zero import Block, DistributedParameter
 
-    return (any(isinstance(m, Block) for m in model.modules())
-            or any(isinstance(p, DistributedParameter) for p in model.parameters()))
+    return any(isinstance(m, Block) for m in model.modules()) or any(
+        isinstance(p, DistributedParameter) for p in model.parameters()
+    )
 
 
 def pull_kind(name: str) -> str:
@@ -45,13 +47,18 @@ def pull_kind(name: str) -> str:
     except Exception:  # a parameter moved into a Block's flat buffer
         value = None
     import torch
+
     from nbtrain.zero import DistributedParameter
 
     if isinstance(value, DistributedParameter) and not value.in_block:
         return "param"  # (one a Block holds shows only its part: the block's state dict)
     model = _user_ns()[root]
-    if (rest and isinstance(model, torch.nn.Module) and _is_sharded(model)
-            and (value is None or isinstance(value, torch.Tensor))):
+    if (
+        rest
+        and isinstance(model, torch.nn.Module)
+        and _is_sharded(model)
+        and (value is None or isinstance(value, torch.Tensor))
+    ):
         return "state_dict"
     return "plain"
 
@@ -66,8 +73,10 @@ def pull_full(name: str, kind: str):
         module, key = _state_dict_owner(name)
         state = dict(module.state_dict())
         if key not in state:
-            raise KeyError(f"{name!r}: no {key!r} in the state dict; keys are like "
-                           f"{', '.join(list(state)[:4])}")
+            raise KeyError(
+                f"{name!r}: no {key!r} in the state dict; keys are like "
+                f"{', '.join(list(state)[:4])}"
+            )
         value = state[key]
     return value.detach().cpu() if nbtrain.get_context().rank == 0 else None
 
@@ -84,7 +93,7 @@ def _state_dict_owner(name: str):
         if module is None:
             break
         if isinstance(module, Block):
-            owner, key = module, ".".join(path[i + 1:])
+            owner, key = module, ".".join(path[i + 1 :])
     return owner, key
 
 

@@ -2,6 +2,7 @@
 
 All are `DistributedError`s, which IPython shows without nbtrain's own frames.
 """
+
 from __future__ import annotations
 
 RESTART_HINT = "Run `%nbtrain restart` (or Cluster.restart()) for fresh ranks."
@@ -25,8 +26,9 @@ class RankError(DistributedError):
     it (their collectives were aborted): its error is listed and shown first.
     """
 
-    def __init__(self, tracebacks: dict[int, list[str]], summaries: dict[int, str],
-                 origin: int | None = None):
+    def __init__(
+        self, tracebacks: dict[int, list[str]], summaries: dict[int, str], origin: int | None = None
+    ):
         ranks = sorted(tracebacks)
         if origin in tracebacks:
             ranks.remove(origin)
@@ -61,8 +63,10 @@ class RankDiedError(DistributedError):
     def __init__(self, ranks: list[int]):
         self.ranks = sorted(ranks)
         who = ", ".join(f"rank {r}" for r in self.ranks)
-        super().__init__(f"{who} died while the cell ran (killed, out of memory or crashed). "
-                         f"The other ranks cannot finish a collective without it. {RESTART_HINT}")
+        super().__init__(
+            f"{who} died while the cell ran (killed, out of memory or crashed). "
+            f"The other ranks cannot finish a collective without it. {RESTART_HINT}"
+        )
 
 
 class CellTimeoutError(DistributedError, TimeoutError):
@@ -73,9 +77,11 @@ class CellTimeoutError(DistributedError, TimeoutError):
         names = ", ".join(str(r) for r in self.busy)
         msg = f"cell timed out after {timeout_s:g} s; still busy: rank(s) {names}."
         if self.stuck:
-            msg += (f" Rank(s) {', '.join(map(str, self.stuck))} did not respond to an interrupt: "
-                    "a rank blocked in a collective (all_reduce, barrier, ...) cannot be "
-                    f"interrupted. {RESTART_HINT}")
+            msg += (
+                f" Rank(s) {', '.join(map(str, self.stuck))} did not respond to an interrupt: "
+                "a rank blocked in a collective (all_reduce, barrier, ...) cannot be "
+                f"interrupted. {RESTART_HINT}"
+            )
         else:
             msg += " They were interrupted and the cluster is usable."
         super().__init__(msg)

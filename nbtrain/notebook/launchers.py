@@ -6,14 +6,18 @@ nbtrain importable, inline figures) and, for Slurm, a batch script that places
 `ntasks_per_node` ranks on each of `nodes` nodes (see `nbtrain.notebook.slurm` for the
 job itself: its options, its wait in the queue, its end).
 """
+
 from __future__ import annotations
 
 import os
 
 LAUNCHERS = ("local", "mpi", "slurm")
 
-_ENGINE_SET_CLASSES = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
-                       "slurm": "SlurmEngineSetLauncher"}
+_ENGINE_SET_CLASSES = {
+    "local": "LocalEngineSetLauncher",
+    "mpi": "MPIEngineSetLauncher",
+    "slurm": "SlurmEngineSetLauncher",
+}
 
 # {cluster_id}, {output_file} and {program_and_args} are filled in by ipyparallel; the
 # rest by nbtrain. The output file holds the engines' own errors, shown if the job ends.
@@ -47,9 +51,16 @@ def engine_environment(launcher: str) -> dict[str, str]:
     return env
 
 
-def slurm_template(nodes: int = 1, ntasks_per_node: int = 1, gpus_per_node: int = 0,
-                   gpus_per_task: int = 0, partition: str = "", account: str = "",
-                   time: str = "", options: str | list = "") -> str:
+def slurm_template(
+    nodes: int = 1,
+    ntasks_per_node: int = 1,
+    gpus_per_node: int = 0,
+    gpus_per_task: int = 0,
+    partition: str = "",
+    account: str = "",
+    time: str = "",
+    options: str | list = "",
+) -> str:
     """The sbatch script for the engines, before ipyparallel fills in its fields.
 
     ipyparallel adds partition/account/time lines only to its own default template,
@@ -57,15 +68,29 @@ def slurm_template(nodes: int = 1, ntasks_per_node: int = 1, gpus_per_node: int 
     or a list): "--qos=high" becomes "#SBATCH --qos=high"; a line that starts with
     "#" is kept as it is.
     """
-    extra = [f"#SBATCH --{flag}={value}" for flag, value in (
-        ("gpus-per-node", gpus_per_node), ("gpus-per-task", gpus_per_task),
-        ("partition", partition), ("account", account), ("time", time)) if value]
+    extra = [
+        f"#SBATCH --{flag}={value}"
+        for flag, value in (
+            ("gpus-per-node", gpus_per_node),
+            ("gpus-per-task", gpus_per_task),
+            ("partition", partition),
+            ("account", account),
+            ("time", time),
+        )
+        if value
+    ]
     lines = options.splitlines() if isinstance(options, str) else list(options)
-    extra += [line.strip() if line.strip().startswith("#") else f"#SBATCH {line.strip()}"
-              for line in lines if line.strip()]
-    return SLURM_TEMPLATE.format(nodes=nodes, ntasks=nodes * ntasks_per_node,
-                                 ntasks_per_node=ntasks_per_node,
-                                 extra="".join(line + "\n" for line in extra))
+    extra += [
+        line.strip() if line.strip().startswith("#") else f"#SBATCH {line.strip()}"
+        for line in lines
+        if line.strip()
+    ]
+    return SLURM_TEMPLATE.format(
+        nodes=nodes,
+        ntasks=nodes * ntasks_per_node,
+        ntasks_per_node=ntasks_per_node,
+        extra="".join(line + "\n" for line in extra),
+    )
 
 
 def engine_launcher(launcher: str):
@@ -103,8 +128,12 @@ def slurm_script(n: int, cluster_id: str, profile_dir: str, slurm: dict | None =
     from .slurm import resolve_layout
 
     n, slurm = resolve_layout(n, slurm or {})
-    launcher = SlurmEngineSetLauncher(config=engine_config("slurm", slurm), work_dir=profile_dir,
-                                      profile_dir=profile_dir, cluster_id=cluster_id)
+    launcher = SlurmEngineSetLauncher(
+        config=engine_config("slurm", slurm),
+        work_dir=profile_dir,
+        profile_dir=profile_dir,
+        cluster_id=cluster_id,
+    )
     launcher.write_batch_script(n)
     with open(launcher.batch_file) as f:
         return f.read()

@@ -3,6 +3,7 @@
 `Cluster.start` adds each cluster to `_LIVE`; `stop_leftover_clusters` is what test and
 notebook teardowns call to make sure no cluster outlives them.
 """
+
 from __future__ import annotations
 
 import atexit

@@ -11,6 +11,7 @@ waiting, streaming and error handling.
     torch.distributed.all_reduce(x)   # on the rank's device: NCCL needs CUDA tensors
     print(x)
 """
+
 from __future__ import annotations
 
 from IPython.core.error import UsageError
@@ -18,9 +19,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..comm.renamed import RenamedFlag, warn_renamed
+from .cluster import Cluster, _default_n
 from .errors import NoClusterError
 from .launchers import LAUNCHERS
-from .cluster import Cluster, _default_n
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
 
@@ -44,14 +45,18 @@ def _format_loss(loss) -> str:
 
 def format_status(rows: list[dict]) -> str:
     """`%nbtrain status` as a fixed-width table, one line per rank."""
-    lines = [f"{'rank':>4}  {'pid':>7}  {'host':<16} {'device':<8} {'rss':>9} {'cuda':>9} "
-             f"{'step':>6} {'loss':>10}  state"]
+    lines = [
+        f"{'rank':>4}  {'pid':>7}  {'host':<16} {'device':<8} {'rss':>9} {'cuda':>9} "
+        f"{'step':>6} {'loss':>10}  state"
+    ]
     for r in rows:
         state = "dead" if not r["alive"] else ("busy" if r["busy"] else "idle")
         step = "-" if r.get("step") is None else r["step"]
-        lines.append(f"{r['rank']:>4}  {r['pid']:>7}  {r['host'][:16]:<16} {str(r['device']):<8} "
-                     f"{_format_bytes(r['rss_bytes']):>9} {_format_bytes(r['cuda_bytes']):>9} "
-                     f"{step:>6} {_format_loss(r.get('loss')):>10}  {state}")
+        lines.append(
+            f"{r['rank']:>4}  {r['pid']:>7}  {r['host'][:16]:<16} {str(r['device']):<8} "
+            f"{_format_bytes(r['rss_bytes']):>9} {_format_bytes(r['cuda_bytes']):>9} "
+            f"{step:>6} {_format_loss(r.get('loss')):>10}  {state}"
+        )
     return "\n".join(lines)
 
 
@@ -82,9 +87,15 @@ def _check_n(n: int | None) -> None:
         raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")
 
 
-_SLURM_FLAGS = {"nodes": "--nodes", "ntasks_per_node": "--ntasks-per-node",
-                "gpus_per_node": "--gpus-per-node", "partition": "--partition",
-                "time": "--time", "account": "--account", "options": "--sbatch"}
+_SLURM_FLAGS = {
+    "nodes": "--nodes",
+    "ntasks_per_node": "--ntasks-per-node",
+    "gpus_per_node": "--gpus-per-node",
+    "partition": "--partition",
+    "time": "--time",
+    "account": "--account",
+    "options": "--sbatch",
+}
 
 
 def _slurm_options(args) -> dict:
@@ -93,9 +104,19 @@ def _slurm_options(args) -> dict:
     Raises:
         UsageError: a Slurm flag without `--launcher slurm`.
     """
-    given = {"options" if key == "sbatch" else key: getattr(args, key)
-             for key in ("nodes", "ntasks_per_node", "gpus_per_node", "partition", "time",
-                         "account", "sbatch") if getattr(args, key) is not None}
+    given = {
+        "options" if key == "sbatch" else key: getattr(args, key)
+        for key in (
+            "nodes",
+            "ntasks_per_node",
+            "gpus_per_node",
+            "partition",
+            "time",
+            "account",
+            "sbatch",
+        )
+        if getattr(args, key) is not None
+    }
     if given and args.launcher != "slurm":
         flags = ", ".join(_SLURM_FLAGS[k] for k in given)
         raise UsageError(f"{flags}: Slurm options, for `%nbtrain start --launcher slurm`")
@@ -137,54 +158,117 @@ class NbtrainMagics(Magics):
     @line_magic
     @magic_arguments()
     @argument("action", choices=ACTIONS, help="what to do with the cluster (see above)")
-    @argument("names", nargs="*", metavar="NAME",
-              help="pull: the variable to bring back; push: the variables to send")
-    @argument("-n", type=int, default=None,
-              help="start/restart: number of ranks (start default: GPUs, or 2; "
-                   "restart default: as now)")
-    @argument("--backend", choices=["gloo", "nccl"], default=None,
-              help="start: torch.distributed backend (default: nccl with CUDA, else gloo)")
-    @argument("--launcher", choices=LAUNCHERS, default="local",
-              help="start: how engines are launched (mpi/slurm for several nodes)")
-    @argument("--timeout", type=float, default=None,
-              help="wait: seconds to wait for the cell (default: until done)")
-    @argument("--start-timeout-s", type=float, default=None, metavar="S",
-              help="start: seconds to wait for the engines to register and rendezvous "
-                   "(default 120)")
-    @argument("--tp-size", type=int, default=1, metavar="T",
-              help="start: tensor-parallel size (init_distributed(tp_size=T) on every rank; "
-                   "it must divide -n); output lines then show each rank's coordinates")
-    @argument("--pg-timeout-s", type=float, default=None, metavar="S",
-              help="start: torch.distributed timeout in seconds for a collective that a "
-                   "peer never joins (default 600); a failing rank aborts the others' "
-                   "collectives at once, so this only bounds true deadlocks")
-    @argument("--controller-ip", default="127.0.0.1", metavar="ADDR",
-              help="start: address the controller listens on (loopback by default; engines "
-                   "on other hosts need an address of this host that they can reach)")
+    @argument(
+        "names",
+        nargs="*",
+        metavar="NAME",
+        help="pull: the variable to bring back; push: the variables to send",
+    )
+    @argument(
+        "-n",
+        type=int,
+        default=None,
+        help="start/restart: number of ranks (start default: GPUs, or 2; restart default: as now)",
+    )
+    @argument(
+        "--backend",
+        choices=["gloo", "nccl"],
+        default=None,
+        help="start: torch.distributed backend (default: nccl with CUDA, else gloo)",
+    )
+    @argument(
+        "--launcher",
+        choices=LAUNCHERS,
+        default="local",
+        help="start: how engines are launched (mpi/slurm for several nodes)",
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="wait: seconds to wait for the cell (default: until done)",
+    )
+    @argument(
+        "--start-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start: seconds to wait for the engines to register and rendezvous (default 120)",
+    )
+    @argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        metavar="T",
+        help="start: tensor-parallel size (init_distributed(tp_size=T) on every rank; "
+        "it must divide -n); output lines then show each rank's coordinates",
+    )
+    @argument(
+        "--pg-timeout-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="start: torch.distributed timeout in seconds for a collective that a "
+        "peer never joins (default 600); a failing rank aborts the others' "
+        "collectives at once, so this only bounds true deadlocks",
+    )
+    @argument(
+        "--controller-ip",
+        default="127.0.0.1",
+        metavar="ADDR",
+        help="start: address the controller listens on (loopback by default; engines "
+        "on other hosts need an address of this host that they can reach)",
+    )
     # The old flags (docs/naming.md), with a FutureWarning; `start --timeout` is in nbtrain().
     @argument("--tp", dest="tp_size", type=int, action=RenamedFlag, new="--tp-size")
-    @argument("--pg-timeout", dest="pg_timeout_s", type=float, action=RenamedFlag,
-              new="--pg-timeout-s")
+    @argument(
+        "--pg-timeout", dest="pg_timeout_s", type=float, action=RenamedFlag, new="--pg-timeout-s"
+    )
     @argument("--ip", dest="controller_ip", action=RenamedFlag, new="--controller-ip")
-    @argument("--master-addr", default=None, metavar="ADDR",
-              help="start: rendezvous address (MASTER_ADDR; default: rank 0's address)")
-    @argument("--nodes", type=int, default=None,
-              help="start, slurm: number of nodes (default 1)")
-    @argument("--ntasks-per-node", type=int, default=None, metavar="K",
-              help="start, slurm: ranks per node (default -n / nodes); -n must equal "
-                   "nodes x K")
-    @argument("--gpus-per-node", type=int, default=None, metavar="G",
-              help="start, slurm: GPUs per node (#SBATCH --gpus-per-node)")
+    @argument(
+        "--master-addr",
+        default=None,
+        metavar="ADDR",
+        help="start: rendezvous address (MASTER_ADDR; default: rank 0's address)",
+    )
+    @argument("--nodes", type=int, default=None, help="start, slurm: number of nodes (default 1)")
+    @argument(
+        "--ntasks-per-node",
+        type=int,
+        default=None,
+        metavar="K",
+        help="start, slurm: ranks per node (default -n / nodes); -n must equal nodes x K",
+    )
+    @argument(
+        "--gpus-per-node",
+        type=int,
+        default=None,
+        metavar="G",
+        help="start, slurm: GPUs per node (#SBATCH --gpus-per-node)",
+    )
     @argument("--partition", default=None, help="start, slurm: the partition (queue)")
-    @argument("--time", default=None, metavar="LIMIT",
-              help="start, slurm: the job's time limit, e.g. 02:00:00")
+    @argument(
+        "--time",
+        default=None,
+        metavar="LIMIT",
+        help="start, slurm: the job's time limit, e.g. 02:00:00",
+    )
     @argument("--account", default=None, help="start, slurm: the account to charge")
-    @argument("--sbatch", action="append", default=None, metavar="OPTION",
-              help="start, slurm: an extra sbatch option, repeatable; write "
-                   "--sbatch=--qos=high (with '=' as the option starts with '-')")
-    @argument("-t", "--targets", default=None,
-              help="pull/push: ranks, e.g. 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all); "
-                   "write --targets=-1: for a slice that starts with '-'")
+    @argument(
+        "--sbatch",
+        action="append",
+        default=None,
+        metavar="OPTION",
+        help="start, slurm: an extra sbatch option, repeatable; write "
+        "--sbatch=--qos=high (with '=' as the option starts with '-')",
+    )
+    @argument(
+        "-t",
+        "--targets",
+        default=None,
+        help="pull/push: ranks, e.g. 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all); "
+        "write --targets=-1: for a slice that starts with '-'",
+    )
     def nbtrain(self, line):
         """Manage the notebook's cluster of ranks.
 
@@ -227,18 +311,24 @@ class NbtrainMagics(Magics):
             if args.launcher == "slurm":
                 n = _slurm_layout(args)[0]
             if tp < 1 or n % tp:
-                raise UsageError(f"--tp-size {tp} must divide the number of ranks ({n}), "
-                                 f"e.g. -n {2 * max(tp, 1)} --tp-size {max(tp, 1)}")
+                raise UsageError(
+                    f"--tp-size {tp} must divide the number of ranks ({n}), "
+                    f"e.g. -n {2 * max(tp, 1)} --tp-size {max(tp, 1)}"
+                )
         if args.pg_timeout_s is not None and args.pg_timeout_s <= 0:
-            raise UsageError(f"--pg-timeout-s {args.pg_timeout_s:g}: give a positive number "
-                             "of seconds, e.g. --pg-timeout-s 120")
+            raise UsageError(
+                f"--pg-timeout-s {args.pg_timeout_s:g}: give a positive number "
+                "of seconds, e.g. --pg-timeout-s 120"
+            )
         if args.action in ("pull", "push") and not args.names:
             example = "pull loss" if args.action == "pull" else "push lr batch_size"
-            raise UsageError(f"%nbtrain {args.action}: name the variable(s), "
-                             f"e.g. `%nbtrain {example}`")
+            raise UsageError(
+                f"%nbtrain {args.action}: name the variable(s), e.g. `%nbtrain {example}`"
+            )
         if args.action == "pull" and len(args.names) > 1:
-            raise UsageError(f"%nbtrain pull takes one NAME, got {' '.join(args.names)}: "
-                             "pull them one at a time")
+            raise UsageError(
+                f"%nbtrain pull takes one NAME, got {' '.join(args.names)}: pull them one at a time"
+            )
         return getattr(self, f"_{args.action}")(args)
 
     def _start(self, args) -> None:
@@ -253,24 +343,36 @@ class NbtrainMagics(Magics):
                     f"{cluster.launcher} launcher, tp {cluster.tp_size}, id "
                     f"{cluster.cluster_id}), and this start asks for {', '.join(asked)}: "
                     "`%nbtrain stop` first, then start again (or `%nbtrain restart -n N` "
-                    "to change only the number of ranks)")
-            print(f"a cluster is already running ({cluster.world_size} ranks, "
-                  f"id {cluster.cluster_id}); keeping it. "
-                  "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first.")
+                    "to change only the number of ranks)"
+                )
+            print(
+                f"a cluster is already running ({cluster.world_size} ranks, "
+                f"id {cluster.cluster_id}); keeping it. "
+                "Use `%nbtrain restart` for fresh ranks or `%nbtrain stop` first."
+            )
             return
         timeout = _START_TIMEOUT_S if args.start_timeout_s is None else args.start_timeout_s
         extra = {} if args.pg_timeout_s is None else {"pg_timeout_s": args.pg_timeout_s}
         extra["tp_size"] = args.tp_size
         if args.launcher == "slurm":
             _slurm_layout(args)  # a wrong -n is a usage error, refused before submitting
-        cluster = Cluster(n=args.n, backend=args.backend, launcher=args.launcher,
-                          controller_ip=args.controller_ip, start_timeout_s=timeout,
-                          slurm=args.slurm, master_addr=args.master_addr, **extra)
+        cluster = Cluster(
+            n=args.n,
+            backend=args.backend,
+            launcher=args.launcher,
+            controller_ip=args.controller_ip,
+            start_timeout_s=timeout,
+            slurm=args.slurm,
+            master_addr=args.master_addr,
+            **extra,
+        )
         _current = cluster.start()
         devices = sorted({r["device"] for r in _current.ranks})
         job = f", Slurm job {_current.job.job_id}" if _current.job is not None else ""
-        print(f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
-              f"({_current.launcher} launcher{job}, id {_current.cluster_id})")
+        print(
+            f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
+            f"({_current.launcher} launcher{job}, id {_current.cluster_id})"
+        )
 
     def _stop(self, args) -> None:
         global _current
@@ -286,11 +388,15 @@ class NbtrainMagics(Magics):
             raise NoClusterError(_NO_CLUSTER)
         tp = getattr(_current, "tp_size", 1)
         if args.n is not None and args.n % tp:
-            raise UsageError(f"restart -n {args.n}: the cluster has tensor-parallel size {tp}, "
-                             f"which must divide the number of ranks, e.g. -n {2 * tp}")
+            raise UsageError(
+                f"restart -n {args.n}: the cluster has tensor-parallel size {tp}, "
+                f"which must divide the number of ranks, e.g. -n {2 * tp}"
+            )
         _current.restart(n=args.n)
-        print(f"nbtrain cluster restarted: {_current.world_size} fresh ranks "
-              f"(id {_current.cluster_id})")
+        print(
+            f"nbtrain cluster restarted: {_current.world_size} fresh ranks "
+            f"(id {_current.cluster_id})"
+        )
 
     def _status(self, args) -> None:
         cluster = _require_cluster()
@@ -309,8 +415,10 @@ class NbtrainMagics(Magics):
         board = widgets.current()
         cluster = _require_cluster()
         if cluster.wait(args.timeout, board.poll if board is not None else None) is None:
-            print(f"{_pending_line(cluster.pending)}; it keeps running: "
-                  "`%nbtrain wait` again to collect it")
+            print(
+                f"{_pending_line(cluster.pending)}; it keeps running: "
+                "`%nbtrain wait` again to collect it"
+            )
 
     def _result(self, args) -> None:
         cluster = _require_cluster()
@@ -330,26 +438,52 @@ class NbtrainMagics(Magics):
         cluster = _require_cluster()
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
-            raise UsageError(f"%nbtrain push: {', '.join(missing)} not defined in the "
-                             "notebook; run the cell that defines it first")
+            raise UsageError(
+                f"%nbtrain push: {', '.join(missing)} not defined in the "
+                "notebook; run the cell that defines it first"
+            )
         targets = _targets(cluster, args.targets)
         cluster.push({n: self.shell.user_ns[n] for n in args.names}, targets)
 
     @cell_magic
     @magic_arguments()
-    @argument("-t", "--targets", default=None,
-              help="ranks to run on: 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all)")
-    @argument("--timeout", type=float, default=None,
-              help="seconds after which the cell fails, naming the ranks still busy")
-    @argument("--no-stream", dest="stream", action="store_false",
-              help="print each rank's output when the cell ends instead of live")
-    @argument("--dashboard", action="store_true",
-              help="show the live telemetry dashboard above the cell's output")
-    @argument("--noblock", dest="noblock", action="store_true", default=False,
-              help="return at once; the ranks run the cell while the notebook stays "
-                   "free; `%%nbtrain wait` or `%%nbtrain result` collects it")
-    @argument("--block", dest="noblock", action="store_false",
-              help="wait for the cell to finish (the default)")
+    @argument(
+        "-t",
+        "--targets",
+        default=None,
+        help="ranks to run on: 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all)",
+    )
+    @argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help="seconds after which the cell fails, naming the ranks still busy",
+    )
+    @argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="print each rank's output when the cell ends instead of live",
+    )
+    @argument(
+        "--dashboard",
+        action="store_true",
+        help="show the live telemetry dashboard above the cell's output",
+    )
+    @argument(
+        "--noblock",
+        dest="noblock",
+        action="store_true",
+        default=False,
+        help="return at once; the ranks run the cell while the notebook stays "
+        "free; `%%nbtrain wait` or `%%nbtrain result` collects it",
+    )
+    @argument(
+        "--block",
+        dest="noblock",
+        action="store_false",
+        help="wait for the cell to finish (the default)",
+    )
     def distributed(self, line, cell):
         """Run the cell on every rank (or --targets); each rank keeps its namespace.
 
@@ -366,19 +500,26 @@ class NbtrainMagics(Magics):
             widgets.Dashboard().show()
         board = widgets.current()
         if args.noblock:
-            pending = cluster.submit(cell, targets=targets, timeout=args.timeout,
-                                     stream=args.stream)
+            pending = cluster.submit(
+                cell, targets=targets, timeout=args.timeout, stream=args.stream
+            )
             ranks = ", ".join(map(str, pending.ranks))
-            print(f"running on ranks {ranks} without blocking: `%nbtrain wait` shows its "
-                  "output and errors (`%nbtrain result` checks without waiting)")
+            print(
+                f"running on ranks {ranks} without blocking: `%nbtrain wait` shows its "
+                "output and errors (`%nbtrain result` checks without waiting)"
+            )
             if board is not None:  # the dashboard keeps updating while the notebook is free
                 from .pending import feed_dashboard
 
                 feed_dashboard(cluster.pending, board)
             return
-        cluster.execute(cell, targets=targets, timeout=args.timeout, stream=args.stream,
-                        on_poll=board.poll if board is not None else None)
-
+        cluster.execute(
+            cell,
+            targets=targets,
+            timeout=args.timeout,
+            stream=args.stream,
+            on_poll=board.poll if board is not None else None,
+        )
 
     @line_magic
     def autodistributed(self, line):
@@ -390,12 +531,14 @@ class NbtrainMagics(Magics):
         """
         arg = line.strip().lower()
         if arg not in ("", "on", "off"):
-            raise UsageError(f"%autodistributed {line.strip()}: use on, off, or nothing to "
-                             "toggle")
+            raise UsageError(f"%autodistributed {line.strip()}: use on, off, or nothing to toggle")
         on = not autodistributed_on(self.shell) if arg == "" else arg == "on"
         _set_autodistributed(self.shell, on)
-        print("autodistributed on: cells run on the ranks (`%autodistributed off` to stop)"
-              if on else "autodistributed off: cells run in the notebook")
+        print(
+            "autodistributed on: cells run on the ranks (`%autodistributed off` to stop)"
+            if on
+            else "autodistributed off: cells run in the notebook"
+        )
 
 
 def _pending_line(pending) -> str:

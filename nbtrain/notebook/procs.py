@@ -1,4 +1,5 @@
 """Process checks by PID for the notebook side of the cluster (liveness, memory)."""
+
 from __future__ import annotations
 
 import psutil

@@ -7,6 +7,7 @@ namespace is kept. When ranks sit in a collective that nobody will complete (a
 rank blocked in a barrier its peers never enter), `abort_from_notebook` writes the
 same abort key from the notebook: their collectives fail within a second.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,10 @@ def recover_group(cluster, timeout_s: float = 120.0) -> int | None:
     try:
         results = view.apply_async(engine_boot.rebuild).get(timeout=timeout_s)
     except Exception as exc:  # noqa: BLE001 - whatever went wrong, the group is unusable
-        raise DistributedError(f"the process group could not be re-established after the "
-                               f"failure ({type(exc).__name__}: {exc}). {RESTART_HINT}") from None
+        raise DistributedError(
+            f"the process group could not be re-established after the "
+            f"failure ({type(exc).__name__}: {exc}). {RESTART_HINT}"
+        ) from None
     if any(r is None for r in results):  # ranks without recovery (a world of one)
         return None
     cluster.recovery_generation += 1
@@ -54,10 +57,16 @@ def abort_from_notebook(cluster, reason: str) -> bool:
     try:
         import torch.distributed as dist
 
-        store = dist.TCPStore(cluster.master_addr, int(cluster.master_port), is_master=False,
-                              timeout=timedelta(seconds=5), wait_for_workers=False)
-        store.compare_set(_KEY.format(generation=cluster.recovery_generation), "",
-                          f"the notebook: {reason}")
+        store = dist.TCPStore(
+            cluster.master_addr,
+            int(cluster.master_port),
+            is_master=False,
+            timeout=timedelta(seconds=5),
+            wait_for_workers=False,
+        )
+        store.compare_set(
+            _KEY.format(generation=cluster.recovery_generation), "", f"the notebook: {reason}"
+        )
         return True
     except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone
         return False

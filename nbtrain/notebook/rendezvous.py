@@ -6,6 +6,7 @@ counts the ranks of each host (the launcher's own local rank when it gives one);
 MASTER_ADDR is rank 0's reported address unless the user names one. Nothing here
 assumes that the ranks share a host.
 """
+
 from __future__ import annotations
 
 
@@ -42,7 +43,11 @@ def rank_envs(ranks: list[dict], master_addr: str, master_port: int) -> dict[int
         counted[host] = counted.get(host, 0) + 1
         info.update(rank=rank, local_rank=local_rank, local_world_size=per_host[host])
         envs[info["engine_id"]] = {
-            "RANK": str(rank), "WORLD_SIZE": str(len(ranks)), "LOCAL_RANK": str(local_rank),
-            "LOCAL_WORLD_SIZE": str(per_host[host]), "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port)}
+            "RANK": str(rank),
+            "WORLD_SIZE": str(len(ranks)),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(per_host[host]),
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
     return envs

@@ -13,6 +13,7 @@ launcher (the script is `launchers.slurm_template`). What this module adds:
 
 Every command runs with the caller's environment (`SLURM_CONF` included).
 """
+
 from __future__ import annotations
 
 import os
@@ -23,18 +24,48 @@ import time
 
 from .errors import DistributedError
 
-SLURM_KEYS = ("nodes", "ntasks_per_node", "gpus_per_node", "gpus_per_task", "partition",
-              "account", "time", "options")
+SLURM_KEYS = (
+    "nodes",
+    "ntasks_per_node",
+    "gpus_per_node",
+    "gpus_per_task",
+    "partition",
+    "account",
+    "time",
+    "options",
+)
 
 # squeue states of a job that will not run (again); PENDING and CONFIGURING wait.
-_ENDED = {"FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "BOOT_FAIL", "DEADLINE",
-          "OUT_OF_MEMORY", "COMPLETED", "COMPLETING", "SPECIAL_EXIT", "REVOKED", "STOPPED"}
+_ENDED = {
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "OUT_OF_MEMORY",
+    "COMPLETED",
+    "COMPLETING",
+    "SPECIAL_EXIT",
+    "REVOKED",
+    "STOPPED",
+}
 # Pending reasons that no amount of waiting clears: the request exceeds what the
 # partition, account or QOS allows (with Slurm's default EnforcePartLimits=NO such a
 # job is accepted and then waits forever).
-_NEVER = {"PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints",
-          "InvalidAccount", "InvalidQOS", "AccountNotAllowed", "QOSNotAllowed",
-          "DependencyNeverSatisfied", "PartitionInactive"}
+_NEVER = {
+    "PartitionNodeLimit",
+    "PartitionTimeLimit",
+    "PartitionConfig",
+    "BadConstraints",
+    "InvalidAccount",
+    "InvalidQOS",
+    "AccountNotAllowed",
+    "QOSNotAllowed",
+    "DependencyNeverSatisfied",
+    "PartitionInactive",
+}
 _POLL_S = 1.0
 
 
@@ -63,22 +94,27 @@ def resolve_layout(n: int | None, slurm: dict) -> tuple[int, dict]:
         if n is None:
             per_node = int(slurm.get("gpus_per_node") or 1)
         elif n % nodes:
-            raise ValueError(f"-n {n} ranks do not divide over {nodes} nodes: pass a multiple of "
-                             f"{nodes}, or --ntasks-per-node")
+            raise ValueError(
+                f"-n {n} ranks do not divide over {nodes} nodes: pass a multiple of "
+                f"{nodes}, or --ntasks-per-node"
+            )
         else:
             per_node = n // nodes
     per_node = int(per_node)
     if n is not None and n != nodes * per_node:
-        raise ValueError(f"-n {n} does not match nodes x tasks per node ({nodes} x {per_node} = "
-                         f"{nodes * per_node}): pass -n {nodes * per_node}, or --nodes and "
-                         f"--ntasks-per-node that multiply to {n}")
+        raise ValueError(
+            f"-n {n} does not match nodes x tasks per node ({nodes} x {per_node} = "
+            f"{nodes * per_node}): pass -n {nodes * per_node}, or --nodes and "
+            f"--ntasks-per-node that multiply to {n}"
+        )
     slurm.update(nodes=nodes, ntasks_per_node=per_node)
     return nodes * per_node, slurm
 
 
 def _run(argv: list[str], timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+    )
 
 
 def engine_launcher_class():
@@ -98,14 +134,15 @@ def engine_launcher_class():
             self.batch_file = os.path.join(log_dir, f"slurm-engines-{self.cluster_id}.sbatch")
 
         def _run_command(self, command, **kwargs):
-            done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL,
-                                  **kwargs)
+            done = subprocess.run(command, capture_output=True, stdin=subprocess.DEVNULL, **kwargs)
             out = done.stdout.decode("utf8", "replace")
             # scancel of a job that already ended fails too: only sbatch's failure matters
             if done.returncode != 0 and command[:1] == self.submit_command[:1]:
                 why = (done.stderr.decode("utf8", "replace") or out).strip()
-                raise SlurmError(f"Slurm refused the engines' job ({os.path.basename(command[0])} "
-                                 f"exited with {done.returncode}): {why}")
+                raise SlurmError(
+                    f"Slurm refused the engines' job ({os.path.basename(command[0])} "
+                    f"exited with {done.returncode}): {why}"
+                )
             return out
 
     return NbtrainSlurmEngineSetLauncher
@@ -158,12 +195,15 @@ def refuse_loopback(controller_ip: str, nodes: str = "", partition: str = "") ->
     if not controller_ip.startswith("127."):
         return
     everywhere = node_hosts(nodes, partition)
-    others = sorted(name for name, (host, addr) in everywhere.items()
-                    if not on_this_host(host, addr))
+    others = sorted(
+        name for name, (host, addr) in everywhere.items() if not on_this_host(host, addr)
+    )
     if others and (nodes or len(others) == len(everywhere)):
-        raise ValueError(f"Slurm node(s) {', '.join(others)} are other hosts and cannot reach a "
-                         f"controller on {controller_ip}: pass controller_ip (`--controller-ip`) "
-                         "with an address of this host that the compute nodes can reach")
+        raise ValueError(
+            f"Slurm node(s) {', '.join(others)} are other hosts and cannot reach a "
+            f"controller on {controller_ip}: pass controller_ip (`--controller-ip`) "
+            "with an address of this host that the compute nodes can reach"
+        )
 
 
 class QueueReport:
@@ -243,26 +283,35 @@ class SlurmJob:
             state = self.refresh()
             if state == "RUNNING":
                 if report.last is not None:
-                    report.show(f"{self.describe()} after {time.monotonic() - start:.0f} s "
-                                "in the queue", ("RUNNING",))
+                    report.show(
+                        f"{self.describe()} after {time.monotonic() - start:.0f} s in the queue",
+                        ("RUNNING",),
+                    )
                 return
             if state in _ENDED or state == "GONE":
                 raise self.ended_error("before its engines started")
             if self.reason in _NEVER or self.reason.endswith("PerJobLimit"):
                 self.cancel()
-                raise SlurmError(f"Slurm job {self.job_id} can never start: Slurm's reason is "
-                                 f"{self.reason}. The request exceeds what the partition, "
-                                 "account or QOS allows (nodes, time, GPUs): change the options "
-                                 "(`sinfo` shows the partitions' limits). The job was cancelled.")
-            report.show(f"{self.describe()}: waiting in the queue for "
-                        f"{time.monotonic() - start:.0f} s (not counted against the start "
-                        "timeout; interrupt to cancel)", (state, self.reason))
+                raise SlurmError(
+                    f"Slurm job {self.job_id} can never start: Slurm's reason is "
+                    f"{self.reason}. The request exceeds what the partition, "
+                    "account or QOS allows (nodes, time, GPUs): change the options "
+                    "(`sinfo` shows the partitions' limits). The job was cancelled."
+                )
+            report.show(
+                f"{self.describe()}: waiting in the queue for "
+                f"{time.monotonic() - start:.0f} s (not counted against the start "
+                "timeout; interrupt to cancel)",
+                (state, self.reason),
+            )
             time.sleep(_POLL_S)
 
     def ended_error(self, when: str) -> SlurmError:
         tail = self.output_tail()
-        return SlurmError(f"{self.describe()}: the job ended {when}."
-                          + (f" Its output ends with:\n{tail}" if tail else ""))
+        return SlurmError(
+            f"{self.describe()}: the job ended {when}."
+            + (f" Its output ends with:\n{tail}" if tail else "")
+        )
 
     def output_tail(self, lines: int = 12) -> str:
         if not self.output_file or not os.path.exists(self.output_file):

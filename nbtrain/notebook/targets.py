@@ -1,4 +1,5 @@
 """Which ranks a magic or a Cluster call means: "0,2", "0:2", "::2", "1:", "-1"."""
+
 from __future__ import annotations
 
 
@@ -39,8 +40,10 @@ def one_rank(targets) -> bool:
 
 
 def _valid_ranks(world: int) -> str:
-    return (f"ranks are 0..{world - 1} (-1 is the last); use a rank, a list (0,2) "
-            "or a slice (0:2, ::2, 1:)")
+    return (
+        f"ranks are 0..{world - 1} (-1 is the last); use a rank, a list (0,2) "
+        "or a slice (0:2, ::2, 1:)"
+    )
 
 
 def _check_rank(rank, world: int) -> int:
@@ -64,5 +67,6 @@ def _parse_target(part: str, world: int) -> list[int]:
     except ValueError as err:
         if "out of range" in str(err):
             raise
-        raise ValueError(f"target {part!r} is not a rank or a slice: "
-                         f"{_valid_ranks(world)}") from None
+        raise ValueError(
+            f"target {part!r} is not a rank or a slice: {_valid_ranks(world)}"
+        ) from None

@@ -15,6 +15,7 @@ the profile, naming a cluster that no longer exists).
 `Watchdog` is the kernel's end of the pipe and the cluster's list of what to end
 (used by `nbtrain.notebook.cluster`).
 """
+
 import os
 import signal
 import subprocess
@@ -33,8 +34,12 @@ class Watchdog:
         self.procs: list[psutil.Process] = []
         self.groups: dict[int, float] = {}  # pgid -> creation time of its leader
         # Own session: a Ctrl-C in the notebook must not reach it.
-        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__)],
-                                     stdin=subprocess.PIPE, text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__)],
+            stdin=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
 
     def _send(self, text: str) -> None:
         try:

@@ -5,6 +5,7 @@ weights for bf16/fp16 parameters); `OptimManager` adds loss scaling with a
 cross-rank overflow check, gradient clipping over all ranks, accumulation and
 learning-rate schedules.
 """
+
 from .adam import AdamOptimizer, adam_update
 from .adam_offload import AdamOffloadOptimizer
 from .manager import OptimManager

@@ -15,6 +15,7 @@ Gradients: `param.main_grad` (fp32, from a Block with reduce_dtype=torch.float32
 when present, else `param.grad`. The whole update goes through `adam_update`: the
 fused Triton kernel on CUDA, torch `_foreach` ops elsewhere.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,20 @@ def clear_grad(param: torch.Tensor) -> None:
         param.main_grad = None
 
 
-def adam_update(params, grads, exp_avgs, exp_avg_sqs, model_copies, steps, *, lr, beta1,
-                beta2, eps, weight_decay) -> None:
+def adam_update(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    model_copies,
+    steps,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+) -> None:
     """One AdamW step over lists of flat fp32 tensors, in place.
 
     Args:
@@ -55,29 +68,49 @@ def adam_update(params, grads, exp_avgs, exp_avg_sqs, model_copies, steps, *, lr
         from .. import kernels  # imports triton: only on the GPU path
 
         for p, g, m, v, c, s in zip(params, grads, exp_avgs, exp_avg_sqs, model_copies, steps):
-            kernels.adam_step_(p.view(-1), g.reshape(-1), m.view(-1), v.view(-1), lr=lr,
-                               beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-                               step=s, model_copy=None if c is None else c.view(-1))
+            kernels.adam_step_(
+                p.view(-1),
+                g.reshape(-1),
+                m.view(-1),
+                v.view(-1),
+                lr=lr,
+                beta1=beta1,
+                beta2=beta2,
+                eps=eps,
+                weight_decay=weight_decay,
+                step=s,
+                model_copy=None if c is None else c.view(-1),
+            )
         return
     by_step: dict[int, list[int]] = {}
     for i, s in enumerate(steps):
         by_step.setdefault(s, []).append(i)
     for step, idx in by_step.items():
-        _foreach_adam([params[i] for i in idx], [grads[i].float() for i in idx],
-                      [exp_avgs[i] for i in idx], [exp_avg_sqs[i] for i in idx], step,
-                      lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay)
+        _foreach_adam(
+            [params[i] for i in idx],
+            [grads[i].float() for i in idx],
+            [exp_avgs[i] for i in idx],
+            [exp_avg_sqs[i] for i in idx],
+            step,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
         for i in idx:
             if model_copies[i] is not None:
                 model_copies[i].copy_(params[i])
 
 
 @torch.no_grad()
-def _foreach_adam(params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps,
-                  weight_decay) -> None:
+def _foreach_adam(
+    params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps, weight_decay
+) -> None:
     # The same operations, in the same order, as torch.optim.AdamW's single-tensor
     # path, so a run matches it to rounding (and is bitwise reproducible).
-    bias_correction1 = 1.0 - beta1 ** step
-    bias_correction2_sqrt = math.sqrt(1.0 - beta2 ** step)
+    bias_correction1 = 1.0 - beta1**step
+    bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     step_size = lr / bias_correction1
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
@@ -107,15 +140,23 @@ class AdamOptimizer(torch.optim.Optimizer):
     scaling, the cross-rank overflow check and clipping.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, hold_steps: int = 0):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        hold_steps: int = 0,
+    ):
         self._hold_steps = int(hold_steps)
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas={betas}: each must be in [0, 1)")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay))
+        super().__init__(
+            params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        )
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         """Where this parameter's optimizer state lives (overridden by offload)."""
@@ -148,10 +189,12 @@ class AdamOptimizer(torch.optim.Optimizer):
         """
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups) or any(
-                len(a["params"]) != len(b["params"])
-                for a, b in zip(saved_groups, self.param_groups)):
-            raise ValueError("load_state_dict: the saved param groups do not match this "
-                             "optimizer's (different number of groups or parameters)")
+            len(a["params"]) != len(b["params"]) for a, b in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError(
+                "load_state_dict: the saved param groups do not match this "
+                "optimizer's (different number of groups or parameters)"
+            )
         self.state.clear()
         for saved, group in zip(saved_groups, self.param_groups):
             group.update({k: v for k, v in saved.items() if k != "params"})
@@ -162,8 +205,7 @@ class AdamOptimizer(torch.optim.Optimizer):
 
     def _restore_state(self, param: torch.Tensor, entry: dict) -> dict:
         device = self._state_device(param)
-        return {k: v.to(device, copy=True) if torch.is_tensor(v) else v
-                for k, v in entry.items()}
+        return {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in entry.items()}
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -195,17 +237,26 @@ class AdamOptimizer(torch.optim.Optimizer):
             target = p if master is None else master
             grad = grad.to(target.device)  # blocking: the host update reads it at once
             # The fused path writes the half copy itself when it lives on the same device.
-            copy = p if master is not None and master.device == p.device and p.dtype in _HALF \
-                else None
+            copy = (
+                p if master is not None and master.device == p.device and p.dtype in _HALF else None
+            )
             if master is not None and copy is None:
                 write_back.append((p, master))
-            for out, value in zip(by_hold[holding], (target, grad, state["exp_avg"],
-                                                      state["exp_avg_sq"], copy, state["step"])):
+            for out, value in zip(
+                by_hold[holding],
+                (target, grad, state["exp_avg"], state["exp_avg_sq"], copy, state["step"]),
+            ):
                 out.append(value)
         beta1, beta2 = group["betas"]
         for holding, lists in by_hold.items():
             if lists[0]:  # held: the moments move, the weights do not (BMTrain's hold_steps)
-                adam_update(*lists, lr=0.0 if holding else group["lr"], beta1=beta1,
-                            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+                adam_update(
+                    *lists,
+                    lr=0.0 if holding else group["lr"],
+                    beta1=beta1,
+                    beta2=beta2,
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )
         for p, master in write_back:
             p.copy_(master, non_blocking=True)

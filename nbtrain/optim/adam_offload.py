@@ -6,6 +6,7 @@ the new weights back. That trades PCIe traffic for 12-16 bytes per parameter of
 device memory (fp32 master + two moments). On a CPU-only machine the parameters
 already live on the host and the optimizer is exactly AdamOptimizer.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,10 +23,18 @@ class AdamOffloadOptimizer(AdamOptimizer):
     Local: `step()` talks to no other rank.
     """
 
-    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, hold_steps: int = 0):
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                         hold_steps=hold_steps)
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas=(0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        hold_steps: int = 0,
+    ):
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, hold_steps=hold_steps
+        )
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         return torch.device("cpu")

@@ -13,6 +13,7 @@ As in BMTrain, a subclass may define `get_lr_warmup(num_iter)` and
 those call. Unlike BMTrain's, Linear and Cosine stay at 0 after `end_iter` (BMTrain's
 cosine rises again) and a zero-length decay divides by 1, not 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,8 +30,9 @@ class WarmupLRScheduler:
         num_iter: the step to start at (resuming).
     """
 
-    def __init__(self, optimizer, start_lr: float, warmup_iter: int, end_iter: int,
-                 num_iter: int = 0):
+    def __init__(
+        self, optimizer, start_lr: float, warmup_iter: int, end_iter: int, num_iter: int = 0
+    ):
         if warmup_iter < 0 or num_iter < 0:
             raise ValueError(f"warmup_iter={warmup_iter} and num_iter={num_iter} must be >= 0")
         self.optimizer = optimizer
@@ -71,8 +73,12 @@ class WarmupLRScheduler:
             group["lr"] = self._current_lr
 
     def state_dict(self) -> dict:
-        return {"start_lr": self.start_lr, "warmup_iter": self.warmup_iter,
-                "end_iter": self.end_iter, "num_iter": self.num_iter}
+        return {
+            "start_lr": self.start_lr,
+            "warmup_iter": self.warmup_iter,
+            "end_iter": self.end_iter,
+            "num_iter": self.num_iter,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.start_lr = float(state["start_lr"])
@@ -122,8 +128,15 @@ class Exponential(WarmupLRScheduler):
         gamma: decay per step (BMTrain's default 0.95).
     """
 
-    def __init__(self, optimizer, start_lr: float, warmup_iter: int, end_iter: int,
-                 num_iter: int = 0, gamma: float = 0.95):
+    def __init__(
+        self,
+        optimizer,
+        start_lr: float,
+        warmup_iter: int,
+        end_iter: int,
+        num_iter: int = 0,
+        gamma: float = 0.95,
+    ):
         self.gamma = float(gamma)  # before super(): construction computes a rate
         super().__init__(optimizer, start_lr, warmup_iter, end_iter, num_iter)
 

@@ -12,6 +12,7 @@ Gradients stay multiplied by the loss scale until the first of `clip_grad_norm` 
 `step` divides them, once. The scale is a power of two by default, so scaling and
 unscaling are exact in floating point and a scaled fp32 run equals an unscaled one.
 """
+
 from __future__ import annotations
 
 import math
@@ -19,10 +20,11 @@ import time
 
 import torch
 
-from ..comm import collectives as C, events
+from ..comm import collectives as C
+from ..comm import events
 from ..comm.context import get_context
 from ..zero import is_sharded, slice_kind
-from .adam import param_grad, clear_grad
+from .adam import clear_grad, param_grad
 
 
 class OptimManager:
@@ -43,14 +45,22 @@ class OptimManager:
     backward) must be called by every rank, in the same order.
     """
 
-    def __init__(self, loss_scale: float | None = None, loss_scale_factor: float = 2,
-                 loss_scale_steps: int = 1024, min_loss_scale: float = 1,
-                 max_loss_scale: float = 2**24, grad_scale: float | None = None):
+    def __init__(
+        self,
+        loss_scale: float | None = None,
+        loss_scale_factor: float = 2,
+        loss_scale_steps: int = 1024,
+        min_loss_scale: float = 1,
+        max_loss_scale: float = 2**24,
+        grad_scale: float | None = None,
+    ):
         if loss_scale is not None and loss_scale <= 0:
             raise ValueError(f"loss_scale={loss_scale} must be > 0 (or None for no scaling)")
         if loss_scale_factor <= 1 or loss_scale_steps < 1:
-            raise ValueError(f"loss_scale_factor={loss_scale_factor} must be > 1 and "
-                             f"loss_scale_steps={loss_scale_steps} >= 1")
+            raise ValueError(
+                f"loss_scale_factor={loss_scale_factor} must be > 1 and "
+                f"loss_scale_steps={loss_scale_steps} >= 1"
+            )
         if grad_scale is not None and grad_scale <= 0:
             raise ValueError(f"grad_scale={grad_scale} must be > 0 (or None)")
         self._grad_scale = grad_scale
@@ -62,8 +72,8 @@ class OptimManager:
         self.optimizers: list = []
         self.lr_schedulers: list = []
         self.steps_since_rescale = 0
-        self.num_steps = 0          # steps applied
-        self.num_skipped = 0        # steps skipped for inf/nan
+        self.num_steps = 0  # steps applied
+        self.num_skipped = 0  # steps skipped for inf/nan
         self._unscaled = False
         self._found_inf: bool | None = None
         self._grad_norm: float | None = None
@@ -126,8 +136,10 @@ class OptimManager:
         Collective (the sharded model's backward reduce-scatters gradients).
         """
         if self._unscaled:
-            raise RuntimeError("backward() after clip_grad_norm()/step() unscaled the "
-                               "gradients; call zero_grad() first")
+            raise RuntimeError(
+                "backward() after clip_grad_norm()/step() unscaled the "
+                "gradients; call zero_grad() first"
+            )
         if self._step_start is None:
             self._step_start = time.perf_counter()
         self._loss_sum = self._loss_sum + loss.detach().float()  # no host sync here
@@ -153,8 +165,9 @@ class OptimManager:
         stage), other replicated parameters on rank 0."""
         ctx = get_context()
         # Counts (norm_type 0) in float64: exact far beyond float32's 2**24.
-        out = torch.zeros(2, dtype=torch.float64 if norm_type == 0 else torch.float32,
-                          device=ctx.device)
+        out = torch.zeros(
+            2, dtype=torch.float64 if norm_type == 0 else torch.float32, device=ctx.device
+        )
         dp_rank, tp_rank = ctx.topology.dp_rank, ctx.topology.tp_rank
         edp_rank = ctx.topology.edp_rank
         parts: tuple[list, list] = ([], [])  # [0]: summed over every rank, [1]: rank 0's
@@ -171,7 +184,7 @@ class OptimManager:
             elif getattr(p, "tp_split_dim", None) is not None:
                 if dp_rank != 0:
                     continue  # a tensor-parallel slice: counted by its first replica only
-                part = 0      # ... and summed over the tp ranks, each holding one slice
+                part = 0  # ... and summed over the tp ranks, each holding one slice
             elif getattr(p, "_nbtrain_stage_replica", False):
                 if dp_rank != 0 or tp_rank != 0:
                     continue  # held by its pipeline stage's ranks: counted by the first
@@ -201,8 +214,9 @@ class OptimManager:
         C.all_reduce(sums, op="sum", label="grad_nonzeros")
         return int(sums.sum())
 
-    def clip_grad_norm(self, param_groups, max_norm: float | None = None,
-                       norm_type: float = 2) -> float:
+    def clip_grad_norm(
+        self, param_groups, max_norm: float | None = None, norm_type: float = 2
+    ) -> float:
         """Scales gradients so their global norm is at most `max_norm`; returns the norm.
 
         `clip_grad_norm(param_groups, max_norm, norm_type)` is BMTrain's form;
@@ -215,8 +229,10 @@ class OptimManager:
         Collective: every rank calls this (one all-reduce).
         """
         if max_norm is None:
-            param_groups, max_norm = [g for o in self.optimizers for g in o.param_groups], \
-                param_groups
+            param_groups, max_norm = (
+                [g for o in self.optimizers for g in o.param_groups],
+                param_groups,
+            )
         self._unscale()
         norm_type = float(norm_type)
         params = [p for group in param_groups for p in group["params"]]
@@ -243,8 +259,7 @@ class OptimManager:
             return self._found_inf
         ctx = get_context()
         flag = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-        finite = [torch.isfinite(g).all() for g in map(param_grad, self._params())
-                  if g is not None]
+        finite = [torch.isfinite(g).all() for g in map(param_grad, self._params()) if g is not None]
         if finite:  # one device-side reduction: no host sync per parameter
             flag += (~torch.stack(finite).all()).float()
         C.all_reduce(flag, op="max", label="overflow")  # inf/nan on ANY rank
@@ -269,8 +284,7 @@ class OptimManager:
             self.num_skipped += 1
             self.steps_since_rescale = 0
             if self.loss_scale_enabled:
-                self.loss_scale = max(self.loss_scale / self.loss_scale_factor,
-                                      self.min_loss_scale)
+                self.loss_scale = max(self.loss_scale / self.loss_scale_factor, self.min_loss_scale)
         else:
             for opt, sched in zip(self.optimizers, self.lr_schedulers):
                 opt.step()
@@ -279,8 +293,7 @@ class OptimManager:
             self.num_steps += 1
             self.steps_since_rescale += 1
             if self.loss_scale_enabled and self.steps_since_rescale >= self.loss_scale_steps:
-                self.loss_scale = min(self.loss_scale * self.loss_scale_factor,
-                                      self.max_loss_scale)
+                self.loss_scale = min(self.loss_scale * self.loss_scale_factor, self.max_loss_scale)
                 self.steps_since_rescale = 0
         self._emit(skipped, scale_used)
         self._reset_step_state()  # the next backward starts a new step
@@ -291,19 +304,27 @@ class OptimManager:
         now = time.perf_counter()
         step_time = now - self._step_start if self._step_start is not None else None
         loss = float(self._loss_sum)
-        events.metric(loss=loss, lr=lr, loss_scale=scale_used,
-                      grad_norm=self._grad_norm, skipped=bool(skipped),
-                      step_time_s=step_time)
+        events.metric(
+            loss=loss,
+            lr=lr,
+            loss_scale=scale_used,
+            grad_norm=self._grad_norm,
+            skipped=bool(skipped),
+            step_time_s=step_time,
+        )
         events.end_step()
         self._step_start = None
 
     # -- state ------------------------------------------------------------------------
     def scalar_state(self) -> dict:
         """Loss-scale and schedule state (no tensors): the same on every rank."""
-        return {"loss_scale": self.loss_scale, "steps_since_rescale": self.steps_since_rescale,
-                "num_steps": self.num_steps, "num_skipped": self.num_skipped,
-                "lr_schedulers": [None if s is None else s.state_dict()
-                                  for s in self.lr_schedulers]}
+        return {
+            "loss_scale": self.loss_scale,
+            "steps_since_rescale": self.steps_since_rescale,
+            "num_steps": self.num_steps,
+            "num_skipped": self.num_skipped,
+            "lr_schedulers": [None if s is None else s.state_dict() for s in self.lr_schedulers],
+        }
 
     def load_scalar_state(self, state: dict) -> None:
         self.loss_scale = float(state["loss_scale"])
@@ -312,12 +333,14 @@ class OptimManager:
         self.num_skipped = int(state.get("num_skipped", 0))
         saved = state.get("lr_schedulers", [])
         if len(saved) != len(self.lr_schedulers):
-            raise ValueError(f"state has {len(saved)} lr schedulers, this manager "
-                             f"{len(self.lr_schedulers)}")
+            raise ValueError(
+                f"state has {len(saved)} lr schedulers, this manager {len(self.lr_schedulers)}"
+            )
         for sched, sd in zip(self.lr_schedulers, saved):
             if (sched is None) != (sd is None):
-                raise ValueError("lr scheduler present in the state but not in the manager "
-                                 "(or the reverse)")
+                raise ValueError(
+                    "lr scheduler present in the state but not in the manager (or the reverse)"
+                )
             if sched is not None:
                 sched.load_state_dict(sd)
 
@@ -326,15 +349,15 @@ class OptimManager:
 
         Restores on the same world size; `nbtrain.save_checkpoint` reshards. Local.
         """
-        return {**self.scalar_state(),
-                "optimizers": [opt.state_dict() for opt in self.optimizers]}
+        return {**self.scalar_state(), "optimizers": [opt.state_dict() for opt in self.optimizers]}
 
     def load_state_dict(self, state: dict) -> None:
         """Restores `state_dict()` output (same world size). Local."""
         saved = state.get("optimizers", [])
         if len(saved) != len(self.optimizers):
-            raise ValueError(f"state has {len(saved)} optimizers, this manager "
-                             f"{len(self.optimizers)}")
+            raise ValueError(
+                f"state has {len(saved)} optimizers, this manager {len(self.optimizers)}"
+            )
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)
         self.load_scalar_state(state)

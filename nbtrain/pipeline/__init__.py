@@ -18,10 +18,19 @@ SCHEDULES names the schedules: "gpipe", "1f1b", "interleaved". See schedule.py f
 schedules, interleaved.py for the interleaved one and p2p.py for the transfers between
 stages.
 """
+
 from .blocklist import PipelineTransformerBlockList
 from .interleaved import VirtualStages, stages_of
 from .schedule import SCHEDULES, run
 from .split import Stage, balanced_split, stage_of
 
-__all__ = ["PipelineTransformerBlockList", "SCHEDULES", "Stage", "VirtualStages",
-           "balanced_split", "run", "stage_of", "stages_of"]
+__all__ = [
+    "PipelineTransformerBlockList",
+    "SCHEDULES",
+    "Stage",
+    "VirtualStages",
+    "balanced_split",
+    "run",
+    "stage_of",
+    "stages_of",
+]

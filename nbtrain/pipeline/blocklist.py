@@ -35,6 +35,7 @@ the stage holding the layer). nbtrain's own checkpoints (`nbtrain.save`, stream.
 walk each stage's modules instead: each stage writes its own layers, nothing is sent
 between stages.
 """
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -70,8 +71,10 @@ class PipelineTransformerBlockList(nn.Module):
     def __init__(self, modules, num_hidden: int = 1):
         super().__init__()
         if num_hidden != 1:
-            raise NotImplementedError(f"num_hidden={num_hidden}: PipelineTransformerBlockList "
-                                      "passes one hidden state between blocks")
+            raise NotImplementedError(
+                f"num_hidden={num_hidden}: PipelineTransformerBlockList "
+                "passes one hidden state between blocks"
+            )
         modules = list(modules)
         topo = get_context().topology
         self.split = balanced_split([max(1, _numel(m)) for m in modules], topo.pipe_size)
@@ -94,8 +97,10 @@ class PipelineTransformerBlockList(nn.Module):
 
     def forward(self, hidden: torch.Tensor, *args):
         if args:
-            raise NotImplementedError("PipelineTransformerBlockList takes the hidden state "
-                                      "only; extra block arguments are not passed yet")
+            raise NotImplementedError(
+                "PipelineTransformerBlockList takes the hidden state "
+                "only; extra block arguments are not passed yet"
+            )
         if get_context().topology.pipe_size == 1:
             return self.run_stage(hidden)
         if torch.is_grad_enabled() and hidden.is_floating_point() and not hidden.requires_grad:
@@ -120,8 +125,7 @@ class PipelineTransformerBlockList(nn.Module):
             prefix = given.get("prefix", prefix)
             keep_vars = given.get("keep_vars", keep_vars)
         if get_context().topology.pipe_size == 1:
-            return super().state_dict(destination=destination, prefix=prefix,
-                                      keep_vars=keep_vars)
+            return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
         own = self.stage_state_dict(prefix=prefix, keep_vars=keep_vars)
         if destination is None:
             destination = OrderedDict()
@@ -132,10 +136,12 @@ class PipelineTransformerBlockList(nn.Module):
                 destination._metadata.update(metadata)
         return destination
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
-                              missing_keys, unexpected_keys, error_msgs):
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                      missing_keys, unexpected_keys, error_msgs)
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
         # The other stages' layers: their keys are known, their tensors not kept here.
         # Reported alike on every rank, so a strict load fails on all of them or none.
         others = [prefix + k for k in self._other_keys]
@@ -151,8 +157,10 @@ def _exchange(own: dict):
     over every rank of the pipeline."""
     topo, group, ranks = _pipe()
     device = get_context().device
-    described = ([(k, tuple(v.shape), v.dtype) for k, v in own.items()],
-                 dict(getattr(own, "_metadata", {})))
+    described = (
+        [(k, tuple(v.shape), v.dtype) for k, v in own.items()],
+        dict(getattr(own, "_metadata", {})),
+    )
     everyone = C.all_gather_object(described, group=group)
     for stage, (entries, metadata) in enumerate(everyone):
         mine = stage == topo.pipe_rank
@@ -176,8 +184,7 @@ def _gather(x: torch.Tensor, label: str) -> torch.Tensor:
     """Every pipeline rank's `x` (same shape), stacked along the first dimension."""
     topo, group, _ = _pipe()
     x = x.contiguous()
-    out = torch.empty((topo.pipe_size * x.shape[0], *x.shape[1:]), dtype=x.dtype,
-                      device=x.device)
+    out = torch.empty((topo.pipe_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
     C.all_gather(out.view(-1), x.view(-1), group=group, label=label)
     return out
 
@@ -201,9 +208,11 @@ class _Pipelined(torch.autograd.Function):
         micro = get_context().num_micro_batches or stages
         full = _gather(hidden, "pp gather batch")
         if full.shape[0] % micro:
-            raise ValueError(f"PipelineTransformerBlockList: the gathered batch of "
-                             f"{full.shape[0]} rows does not split into num_micro_batches="
-                             f"{micro}: choose a number that divides it")
+            raise ValueError(
+                f"PipelineTransformerBlockList: the gathered batch of "
+                f"{full.shape[0]} rows does not split into num_micro_batches="
+                f"{micro}: choose a number that divides it"
+            )
         prev = None if me == 0 else Link(ranks[me - 1], device, f"pp {me - 1}<-{me}")
         nxt = None if me == stages - 1 else Link(ranks[me + 1], device, f"pp {me}->{me + 1}")
         saved, outputs = [], []
@@ -220,8 +229,13 @@ class _Pipelined(torch.autograd.Function):
             if link is not None:
                 link.finish()
         last = torch.cat(outputs) if nxt is None else None
-        like = torch.empty((full.shape[0], *saved[0][1].shape[1:]), dtype=saved[0][1].dtype,
-                           device=device) if last is None else last
+        like = (
+            torch.empty(
+                (full.shape[0], *saved[0][1].shape[1:]), dtype=saved[0][1].dtype, device=device
+            )
+            if last is None
+            else last
+        )
         out = _share(last, like, stages - 1, "pp share output")
         ctx.blocks, ctx.saved, ctx.rows, ctx.like_input = blocks, saved, hidden.shape[0], full
         return out.chunk(stages)[me].clone()

@@ -21,6 +21,7 @@ Transfers (p2p.Mailbox): one pair of ranks carries activations and gradients of 
 chunks in each direction, matched by their order, not by tags. Each chunk's output
 keeps one dtype and shape over the micro-batches (announced once, with its first).
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,8 +39,9 @@ class VirtualStages(nn.ModuleList):
 
     `ties` lists, like `Stage.ties`, the parameters that several chunks share (a tied
     embedding; chunks on several ranks, or of this rank only: group `ALONE`), each copy
-    once: `run` sums their gradients over those chunks after the schedule. Each chunk keeps its own share of them (`chunk.ties`), so a plain list of
-    the chunks, wrapped one by one, passed to `run` keeps them too.
+    once: `run` sums their gradients over those chunks after the schedule. Each chunk keeps
+    its own share of them (`chunk.ties`), so a plain list of the chunks, wrapped one by one,
+    passed to `run` keeps them too.
     """
 
     @property
@@ -86,16 +88,20 @@ def stages_of(layers, virtual: int, split: list[range] | None = None) -> Virtual
     parts = stages * virtual
     if split is None:
         if parts > len(layers):
-            raise ValueError(f"{len(layers)} layers cannot fill pipe_size {stages} x "
-                             f"virtual {virtual} = {parts} chunks: use virtual <= "
-                             f"{max(1, len(layers) // stages)}")
-        split = balanced_split([max(1, sum(p.numel() for p in m.parameters()))
-                                for m in layers], parts)
+            raise ValueError(
+                f"{len(layers)} layers cannot fill pipe_size {stages} x "
+                f"virtual {virtual} = {parts} chunks: use virtual <= "
+                f"{max(1, len(layers) // stages)}"
+            )
+        split = balanced_split(
+            [max(1, sum(p.numel() for p in m.parameters())) for m in layers], parts
+        )
     if len(split) != parts:
-        raise ValueError(f"split has {len(split)} ranges for pipe_size {stages} x virtual "
-                         f"{virtual} = {parts} parts: give one range per part, in order")
-    per_rank = [[i for v in range(virtual) for i in split[v * stages + p]]
-                for p in range(stages)]
+        raise ValueError(
+            f"split has {len(split)} ranges for pipe_size {stages} x virtual "
+            f"{virtual} = {parts} parts: give one range per part, in order"
+        )
+    per_rank = [[i for v in range(virtual) for i in split[v * stages + p]] for p in range(stages)]
     chunks = []
     for v in range(virtual):
         part = split[v * stages + topo.pipe_rank]
@@ -118,12 +124,14 @@ def _ties_within_rank(chunks: list[Stage], keys: dict[int, int], across: set[int
     for v, chunk in enumerate(chunks):
         for p in chunk.parameters():
             holders.setdefault(id(p), (p, set()))[1].add(v)
-    return [(keys[id(p)], p, ALONE) for p, vs in holders.values()
-            if len(vs) > 1 and id(p) not in across]
+    return [
+        (keys[id(p)], p, ALONE) for p, vs in holders.values() if len(vs) > 1 and id(p) not in across
+    ]
 
 
-def interleaved_order(stages: int, stage: int, virtual: int,
-                      micro: int) -> list[tuple[str, int, int]]:
+def interleaved_order(
+    stages: int, stage: int, virtual: int, micro: int
+) -> list[tuple[str, int, int]]:
     """Rank `stage`'s steps (of `stages` ranks, `virtual` chunks each, `micro`
     micro-batches, a multiple of `stages`): ("f", i, v) is the forward of micro-batch i
     through chunk v, ("b", i, v) its backward. Megatron-LM's order."""
@@ -136,8 +144,7 @@ def interleaved_order(stages: int, stage: int, virtual: int,
     def step(kind: str, k: int) -> tuple[str, int, int]:
         group, rest = divmod(k, stages * virtual)
         chunk = rest // stages
-        return (kind, group * stages + rest % stages,
-                chunk if kind == "f" else virtual - 1 - chunk)
+        return (kind, group * stages + rest % stages, chunk if kind == "f" else virtual - 1 - chunk)
 
     steps = [step("f", k) for k in range(warmup)]
     for k in range(total - warmup):
@@ -171,24 +178,31 @@ class Interleaved:
         self.stages, self.index = topo.pipe_size, topo.pipe_rank
         self.virtual, self.micro = len(chunks), len(inputs)
         if not self.virtual:
-            raise ValueError("schedule='interleaved' needs this rank's chunks, at least one: "
-                             "pass stages_of(layers, virtual=V)")
+            raise ValueError(
+                "schedule='interleaved' needs this rank's chunks, at least one: "
+                "pass stages_of(layers, virtual=V)"
+            )
         self.parts = self.stages * self.virtual
         if self.micro % self.stages:
             raise ValueError(
                 f"schedule='interleaved' runs micro-batches in groups of pipe_size: "
                 f"M={self.micro} micro-batches is not a multiple of P={self.stages}; split "
                 f"the batch into a multiple of {self.stages} micro-batches (e.g. "
-                f"{-(-self.micro // self.stages) * self.stages}) or use schedule='1f1b'")
+                f"{-(-self.micro // self.stages) * self.stages}) or use schedule='1f1b'"
+            )
         self.first, self.last = self.index == 0, self.index == self.stages - 1
         self.prev, self.next = (self.index - 1) % self.stages, (self.index + 1) % self.stages
         ranks = topo.ranks("pipe")
         self.boxes = {}  # pipe rank -> Mailbox (one when prev == next)
         for peer in (self.prev, self.next):
-            incoming = [key for dst, key in sends_of(self.stages, peer, self.virtual,
-                                                     self.micro) if dst == self.index]
-            self.boxes[peer] = Mailbox(ranks[peer], ranks[self.index], ctx.device,
-                                       f"pp {self.index}->{peer}", incoming)
+            incoming = [
+                key
+                for dst, key in sends_of(self.stages, peer, self.virtual, self.micro)
+                if dst == self.index
+            ]
+            self.boxes[peer] = Mailbox(
+                ranks[peer], ranks[self.index], ctx.device, f"pp {self.index}->{peer}", incoming
+            )
         self.saved: dict[tuple, tuple] = {}  # (chunk, micro-batch) -> (input, output)
         self.losses = torch.zeros(self.micro, dtype=torch.float32, device=ctx.device)
         self.live_peak = 0  # most chunk activations of micro-batches held at once

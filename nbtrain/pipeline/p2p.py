@@ -14,6 +14,7 @@ which its peer sends (every rank's schedule is deterministic), receives in that 
 keeps the messages that came before the one it needs. Sends never wait, so a receive
 waits only for a message its peer's schedule sends earlier: no deadlock.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -22,20 +23,21 @@ import torch
 
 from ..comm import collectives as C
 
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64,
-           torch.int32)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _HEADER = 10  # ndim, dtype, and up to 8 dimensions
 
 
 def _header(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The header announcing `tensor`'s dtype and shape (int64, `_HEADER` long)."""
     if tensor.dim() > _HEADER - 2 or tensor.dtype not in _DTYPES:
-        raise ValueError(f"pipeline: a stage's output must be a tensor of at most "
-                         f"{_HEADER - 2} dimensions and one of {_DTYPES}; got "
-                         f"{tensor.dtype} of shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"pipeline: a stage's output must be a tensor of at most "
+            f"{_HEADER - 2} dimensions and one of {_DTYPES}; got "
+            f"{tensor.dtype} of shape {tuple(tensor.shape)}"
+        )
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape)
+    header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape)
     return header
 
 
@@ -43,7 +45,7 @@ def _recv_header(peer: int, device: torch.device, label: str) -> tuple[torch.dty
     header = torch.zeros(_HEADER, dtype=torch.int64, device=device)
     C.recv(header, peer, label=f"{label} header")
     ndim = int(header[0])
-    return _DTYPES[int(header[1])], tuple(int(n) for n in header[2:2 + ndim])
+    return _DTYPES[int(header[1])], tuple(int(n) for n in header[2 : 2 + ndim])
 
 
 class Link:
@@ -59,8 +61,9 @@ class Link:
     def send(self, tensor: torch.Tensor, what: str) -> None:
         if not self.sent_header and what == "act":
             self.sent_header = True
-            self.pending.append(C.send(_header(tensor, self.device), self.peer,
-                                       label=f"{self.label} header"))
+            self.pending.append(
+                C.send(_header(tensor, self.device), self.peer, label=f"{self.label} header")
+            )
         self.pending.append(C.send(tensor.detach(), self.peer, label=f"{self.label} {what}"))
 
     def recv_act(self) -> torch.Tensor:
@@ -94,8 +97,7 @@ class Mailbox:
     A rank's mailbox with itself (a pipeline of one rank) hands tensors over unsent.
     """
 
-    def __init__(self, peer: int, me: int, device: torch.device, label: str,
-                 incoming: list):
+    def __init__(self, peer: int, me: int, device: torch.device, label: str, incoming: list):
         self.peer, self.device, self.label = peer, device, label
         self.local = peer == me
         self.incoming = deque(incoming)
@@ -113,21 +115,25 @@ class Mailbox:
         what, part, micro = key
         if what == "act" and part not in self.sent:
             self.sent[part] = (tensor.dtype, tuple(tensor.shape))
-            self.pending.append(C.send(_header(tensor, self.device), self.peer,
-                                       label=f"{self.label} header"))
+            self.pending.append(
+                C.send(_header(tensor, self.device), self.peer, label=f"{self.label} header")
+            )
         elif what == "act" and self.sent[part] != (tensor.dtype, tuple(tensor.shape)):
             raise ValueError(
                 f"pipeline: part {part}'s output for micro-batch {micro} is {tensor.dtype} "
                 f"of shape {tuple(tensor.shape)}, its first was {self.sent[part][0]} of "
-                f"shape {self.sent[part][1]}: give every micro-batch the same shape")
+                f"shape {self.sent[part][1]}: give every micro-batch the same shape"
+            )
         self.pending.append(C.send(tensor, self.peer, label=f"{self.label} {what}"))
 
     def recv(self, key: tuple) -> torch.Tensor:
         """The peer's message `key`; blocks until it has come, keeping earlier ones."""
         while key not in self.arrived:
             if self.local or not self.incoming:
-                raise RuntimeError(f"pipeline: message {key} is not in the schedule of "
-                                   f"rank {self.peer}'s messages to this rank")
+                raise RuntimeError(
+                    f"pipeline: message {key} is not in the schedule of "
+                    f"rank {self.peer}'s messages to this rank"
+                )
             nxt = self.incoming.popleft()
             what, part, _ = nxt
             if what == "act" and part not in self.received:

@@ -23,12 +23,14 @@ Telemetry: each micro-batch's forward and backward is a compute span
 ("stage{s}.mb{i}"; interleaved: "stage{s}.v{v}.mb{i}" for chunk v) and each send a p2p
 transfer with its bytes.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..comm import collectives as C, events
+from ..comm import collectives as C
+from ..comm import events
 from ..comm.context import get_context
 from ..comm.topology import ALONE
 from ..zero import has_grad_owner, micro_batches
@@ -59,10 +61,16 @@ class _Stage:
         self.stages, self.index = topo.pipe_size, topo.pipe_rank
         ranks = topo.ranks("pipe")
         self.first, self.last = self.index == 0, self.index == self.stages - 1
-        self.prev = None if self.first else Link(ranks[self.index - 1], ctx.device,
-                                                 f"pp {self.index - 1}<-{self.index}")
-        self.next = None if self.last else Link(ranks[self.index + 1], ctx.device,
-                                                f"pp {self.index}->{self.index + 1}")
+        self.prev = (
+            None
+            if self.first
+            else Link(ranks[self.index - 1], ctx.device, f"pp {self.index - 1}<-{self.index}")
+        )
+        self.next = (
+            None
+            if self.last
+            else Link(ranks[self.index + 1], ctx.device, f"pp {self.index}->{self.index + 1}")
+        )
         self.micro = len(inputs)
         self.saved: dict[int, tuple] = {}  # micro-batch -> (input, output)
         self.losses = torch.zeros(self.micro, dtype=torch.float32, device=ctx.device)
@@ -112,7 +120,8 @@ def _check_owned(stage: torch.nn.Module) -> None:
                 f"pipeline.run: stage parameter {name!r} has no owner that reduces its "
                 "gradient over the stage's data-parallel ranks, so they would drift apart: "
                 "wrap the stage (nbtrain.wrap(stage) for ZeRO, or make it a "
-                "nbtrain.DistributedModule)")
+                "nbtrain.DistributedModule)"
+            )
 
 
 def _ties_of(chunks) -> list[tuple[object, list]]:
@@ -146,7 +155,8 @@ def _check_ties(ties) -> None:
                     f"stage (a tied embedding) is a {type(p).__name__} that no owner reduces "
                     "over the stage's data-parallel ranks before the stages sum it: wrap the "
                     "stage with nbtrain.wrap(stage), which shards it as a DistributedParameter "
-                    "(interleaved: wrap each chunk)")
+                    "(interleaved: wrap each chunk)"
+                )
 
 
 def _sum_tied_grads(ties) -> None:
@@ -183,17 +193,26 @@ def _mark_for_norms(chunks, ties) -> None:
             p._nbtrain_norm_skip = not first or i > 0
 
 
-def _name_the_stage(exc: BaseException, state: "_Stage", kind: str, micro: int,
-                    chunk: int | None = None) -> None:
+def _name_the_stage(
+    exc: BaseException, state: "_Stage", kind: str, micro: int, chunk: int | None = None
+) -> None:
     """Notes on the error which stage raised, and where in the schedule."""
     what = "forward" if kind == "f" else "backward"
     where = "" if chunk is None else f" through chunk {chunk}"
-    exc.add_note(f"nbtrain.pipeline: raised on stage {state.index} of {state.stages} "
-                 f"(rank {get_context().rank}), in the {what} of micro-batch {micro}{where}")
+    exc.add_note(
+        f"nbtrain.pipeline: raised on stage {state.index} of {state.stages} "
+        f"(rank {get_context().rank}), in the {what} of micro-batch {micro}{where}"
+    )
 
 
-def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_fn=None,
-        schedule: str = "1f1b", stats: dict | None = None) -> list[float]:
+def run(
+    stage: torch.nn.Module,
+    inputs: list,
+    targets: list | None = None,
+    loss_fn=None,
+    schedule: str = "1f1b",
+    stats: dict | None = None,
+) -> list[float]:
     """Runs forward and backward of every micro-batch through the pipeline.
 
     Args:
@@ -219,7 +238,8 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
         raise ValueError(
             f"pipeline.run: schedule={schedule!r} with a {type(stage).__name__}: "
             "schedule='interleaved' takes this rank's chunks (stages_of(layers, virtual=V)) "
-            "and the other schedules one stage (stage_of(layers))")
+            "and the other schedules one stage (stage_of(layers))"
+        )
     chunks = list(stage) if chunked else [stage]
     for chunk in chunks:
         _check_owned(chunk)
@@ -233,8 +253,10 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
         state = _Stage(stage, inputs, targets, loss_fn)
         steps = _order(schedule, state.stages, state.index, state.micro)
     if state.last and (loss_fn is None or targets is None or len(targets) != state.micro):
-        raise ValueError(f"pipeline.run: the last stage needs loss_fn and {state.micro} "
-                         f"targets (got {None if targets is None else len(targets)})")
+        raise ValueError(
+            f"pipeline.run: the last stage needs loss_fn and {state.micro} "
+            f"targets (got {None if targets is None else len(targets)})"
+        )
     # On an error the sends still in flight are not waited for: the peer they go to may
     # have failed too (and the notebook's recovery aborts the group under them).
     # The stage's Blocks gather once and reduce their gradients once, after the last
@@ -252,6 +274,7 @@ def run(stage: torch.nn.Module, inputs: list, targets: list | None = None, loss_
         stats["live_peak"] = state.live_peak
     topo = get_context().topology
     if state.stages > 1:  # the last stage's losses, to every stage
-        C.broadcast(state.losses, src=topo.ranks("pipe")[-1], group=topo.group("pipe"),
-                    label="pp losses")
+        C.broadcast(
+            state.losses, src=topo.ranks("pipe")[-1], group=topo.group("pipe"), label="pp losses"
+        )
     return state.losses.tolist()

@@ -7,6 +7,7 @@ written at one pipeline layout loads at another (pp=2 -> pp=1 with dp=2, the
 reverse, ZeRO inside stages), model and optimizer state. A tied parameter is stored
 once, under its first plain name, and restored on every stage holding it.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -20,8 +21,10 @@ def balanced_split(sizes: list[int], stages: int) -> list[range]:
     """Contiguous ranges of `sizes` (one weight per layer), one per stage, every stage at
     least one layer, the heaviest stage as light as it can be (a binary search on it)."""
     if not 1 <= stages <= len(sizes):
-        raise ValueError(f"{len(sizes)} layers cannot fill {stages} pipeline stages: use "
-                         f"pipe_size <= {len(sizes)}")
+        raise ValueError(
+            f"{len(sizes)} layers cannot fill {stages} pipeline stages: use "
+            f"pipe_size <= {len(sizes)}"
+        )
 
     def cuts(limit):
         out, start, load = [], 0, 0
@@ -45,7 +48,7 @@ def balanced_split(sizes: list[int], stages: int) -> list[range]:
         i = max(range(len(parts)), key=lambda k: len(parts[k]))
         r = parts[i]
         half = r.start + len(r) // 2
-        parts[i:i + 1] = [range(r.start, half), range(half, r.stop)]
+        parts[i : i + 1] = [range(r.start, half), range(half, r.stop)]
     return parts
 
 
@@ -78,8 +81,10 @@ class Stage(nn.Module):
         layers = list(layers)
         positions = list(range(len(layers))) if positions is None else [int(i) for i in positions]
         if len(positions) != len(layers) or len(set(positions)) != len(positions):
-            raise ValueError(f"Stage: positions {positions} must give {len(layers)} distinct "
-                             "indices, one per layer")
+            raise ValueError(
+                f"Stage: positions {positions} must give {len(layers)} distinct "
+                "indices, one per layer"
+            )
         self.positions = positions
         for i, layer in zip(positions, layers):
             self.add_module(str(i), layer)
@@ -101,8 +106,7 @@ class Stage(nn.Module):
     def tie_keys(self) -> list[tuple[int, nn.Parameter, object]]:
         """(key, parameter, group): the key names the logical parameter, the same on
         every rank and chunk holding it (chunks wrapped one by one hold copies)."""
-        return [(key, _parameter_at(self, name), group)
-                for name, group, key in self._tie_names]
+        return [(key, _parameter_at(self, name), group) for name, group, key in self._tie_names]
 
     def set_ties(self, ties) -> None:
         """Records (key, parameter, group) triples by this stage's name of each parameter;
@@ -112,8 +116,10 @@ class Stage(nn.Module):
             names.setdefault(id(p), name)
         missing = [tuple(p.shape) for _, p, _ in ties if id(p) not in names]
         if missing:
-            raise ValueError(f"Stage.ties: parameters of shapes {missing} are not in this "
-                             "stage; list only parameters its layers hold")
+            raise ValueError(
+                f"Stage.ties: parameters of shapes {missing} are not in this "
+                "stage; list only parameters its layers hold"
+            )
         self._tie_names = [(names[id(p)], group, key) for key, p, group in ties]
 
     @property
@@ -146,8 +152,9 @@ def stage_of(layers, split: list[range] | None = None) -> Stage:
     layers = list(layers)
     topo = get_context().topology
     if split is None:
-        split = balanced_split([max(1, sum(p.numel() for p in m.parameters()))
-                                for m in layers], topo.pipe_size)
+        split = balanced_split(
+            [max(1, sum(p.numel() for p in m.parameters())) for m in layers], topo.pipe_size
+        )
     if len(split) != topo.pipe_size:
         raise ValueError(f"split has {len(split)} ranges for pipe_size {topo.pipe_size}")
     mine = split[topo.pipe_rank]
@@ -163,9 +170,11 @@ def _parameter_at(module: nn.Module, name: str) -> nn.Parameter:
     owner, _, leaf = name.rpartition(".")
     param = module.get_submodule(owner)._parameters.get(leaf)
     if param is None:
-        raise ValueError(f"the tied parameter {name!r} is no longer a parameter of its "
-                         "module (a Block took it?): keep layers holding a parameter shared "
-                         "with another stage out of Blocks; nbtrain.wrap(stage) does")
+        raise ValueError(
+            f"the tied parameter {name!r} is no longer a parameter of its "
+            "module (a Block took it?): keep layers holding a parameter shared "
+            "with another stage out of Blocks; nbtrain.wrap(stage) does"
+        )
     return param
 
 
@@ -202,8 +211,7 @@ def _tie_groups(layers: list, split: list) -> list[tuple[int, nn.Parameter, obje
     for key, p, stages in owners.values():
         if len(stages) < 2:
             continue
-        for pipeline in _topology.group_ranks("pipe", ctx.world_size, topo.tp_size,
-                                              topo.pipe_size):
+        for pipeline in _topology.group_ranks("pipe", ctx.world_size, topo.tp_size, topo.pipe_size):
             members = [pipeline[s] for s in sorted(stages)]
             group = dist.new_group(members)
             if ctx.rank in members:

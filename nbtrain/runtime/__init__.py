@@ -34,6 +34,7 @@ Expert and context parallelism are carved from the data-parallel ranks:
 `ParallelConfig(cp_size=2)` splits each sequence over 2 ranks with ring attention ("gpt",
 "gpt2", "gpt_moe", "llama"; with pp too, not with tp).
 """
+
 from .compare import compare
 from .config import NBConfig, ParallelConfig, RuntimeConfig
 from .create import create_runtime

@@ -4,6 +4,7 @@ the train/eval contexts, the schedule step and checkpoints.
 A backend (reference.py, nbtrain_backend.py) adds `build_model`, `forward_backward` and
 `optimizer_step`. Every call takes the `ModelHandle` that `build_model` returned.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,12 @@ from .contracts import IGNORE_INDEX, ModelHandle, PackedBatch
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The default `loss_fn`: per-token cross-entropy (rows, seq_len) float32 of logits
     (rows, seq_len, vocab) against labels (rows, seq_len); 0 where labels are -100."""
-    flat = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="none")
+    flat = F.cross_entropy(
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="none",
+    )
     return flat.view(labels.shape)
 
 
@@ -31,8 +36,10 @@ def labelled_weight(data: PackedBatch) -> float:
     holds the global batch)."""
     total = float(data.token_weights().sum())
     if total <= 0:
-        raise ValueError("forward_backward: the batch has no labelled token (every label is "
-                         "-100, or every weight 0): nothing to take a loss over")
+        raise ValueError(
+            "forward_backward: the batch has no labelled token (every label is "
+            "-100, or every weight 0): nothing to take a loss over"
+        )
     return total
 
 
@@ -84,8 +91,13 @@ class Runtime:
         spec = self.nb.lr_schedule
         warmup = int(spec.get("warmup_steps", 0)) if spec.get("name") == "warmup" else 0
         # num_iter=1: the first step already trains, at lr / warmup_steps.
-        return NoDecay(optimizer, start_lr=optimizer.param_groups[0]["lr"], warmup_iter=warmup,
-                       end_iter=warmup, num_iter=1)
+        return NoDecay(
+            optimizer,
+            start_lr=optimizer.param_groups[0]["lr"],
+            warmup_iter=warmup,
+            end_iter=warmup,
+            num_iter=1,
+        )
 
     # -- the calls both backends share --------------------------------------------------
     @contextlib.contextmanager
@@ -122,8 +134,12 @@ class Runtime:
     def save(self, handle: ModelHandle, path: str) -> None:
         """Writes model, optimizer state, loss scale and schedule to the directory `path`
         (`nbtrain.save_checkpoint`). Collective: every rank calls this."""
-        save_checkpoint(handle.model, path, handle.manager,
-                        step={"steps": handle.steps, "lr_scheduler": handle.scheduler.state_dict()})
+        save_checkpoint(
+            handle.model,
+            path,
+            handle.manager,
+            step={"steps": handle.steps, "lr_scheduler": handle.scheduler.state_dict()},
+        )
 
     def load(self, handle: ModelHandle, path: str) -> None:
         """Restores `save`'s directory into `handle`; training then continues as the saved
@@ -131,7 +147,8 @@ class Runtime:
         meta = load_checkpoint(handle.model, path, handle.manager)
         saved = meta.get("step") or {}
         if "lr_scheduler" not in saved:
-            raise ValueError(f"{path}: not a runtime checkpoint (no schedule state); save it "
-                             "with Runtime.save")
+            raise ValueError(
+                f"{path}: not a runtime checkpoint (no schedule state); save it with Runtime.save"
+            )
         handle.scheduler.load_state_dict(saved["lr_scheduler"])
         handle.steps = int(saved["steps"])

@@ -10,6 +10,7 @@ against the reference.
 Runtime a runs all its steps first, then runtime b, so two "nbtrain" layouts that need
 different process groups can be compared too.
 """
+
 from __future__ import annotations
 
 from .config import RuntimeConfig
@@ -36,6 +37,7 @@ def train_steps(cfg: RuntimeConfig, steps: int, data: list[PackedBatch]) -> list
 def max_deviation(rows: list[dict]) -> dict:
     """The largest |loss_a - loss_b| and |grad_norm_a - grad_norm_b| over `rows`, with
     the steps where they occur."""
+
     def worst(key):
         diffs = [(abs(r[f"{key}_a"] - r[f"{key}_b"]), r["step"]) for r in rows]
         return max(diffs) if diffs else (0.0, None)
@@ -47,20 +49,31 @@ def max_deviation(rows: list[dict]) -> dict:
 def format_table(rows: list[dict], names: tuple[str, str] = ("a", "b")) -> str:
     """The rows as a text table, then the largest deviations."""
     a, b = names
-    lines = [f"{'step':>4}  {'loss ' + a:>14}  {'loss ' + b:>14}  {'|diff|':>9}  "
-             f"{'grad_norm ' + a:>16}  {'grad_norm ' + b:>16}  {'|diff|':>9}"]
+    lines = [
+        f"{'step':>4}  {'loss ' + a:>14}  {'loss ' + b:>14}  {'|diff|':>9}  "
+        f"{'grad_norm ' + a:>16}  {'grad_norm ' + b:>16}  {'|diff|':>9}"
+    ]
     for r in rows:
-        lines.append(f"{r['step']:>4}  {r['loss_a']:>14.8f}  {r['loss_b']:>14.8f}  "
-                     f"{abs(r['loss_a'] - r['loss_b']):>9.2e}  {r['grad_norm_a']:>16.8f}  "
-                     f"{r['grad_norm_b']:>16.8f}  {abs(r['grad_norm_a'] - r['grad_norm_b']):>9.2e}")
+        lines.append(
+            f"{r['step']:>4}  {r['loss_a']:>14.8f}  {r['loss_b']:>14.8f}  "
+            f"{abs(r['loss_a'] - r['loss_b']):>9.2e}  {r['grad_norm_a']:>16.8f}  "
+            f"{r['grad_norm_b']:>16.8f}  {abs(r['grad_norm_a'] - r['grad_norm_b']):>9.2e}"
+        )
     dev = max_deviation(rows)
-    lines.append(f"largest deviation: loss {dev['loss']:.3e} (step {dev['loss_step']}), "
-                 f"grad norm {dev['grad_norm']:.3e} (step {dev['grad_norm_step']})")
+    lines.append(
+        f"largest deviation: loss {dev['loss']:.3e} (step {dev['loss_step']}), "
+        f"grad norm {dev['grad_norm']:.3e} (step {dev['grad_norm_step']})"
+    )
     return "\n".join(lines)
 
 
-def compare(cfg_a: RuntimeConfig, cfg_b: RuntimeConfig, steps: int,
-            data: list[PackedBatch], verbose: bool = True) -> list[dict]:
+def compare(
+    cfg_a: RuntimeConfig,
+    cfg_b: RuntimeConfig,
+    steps: int,
+    data: list[PackedBatch],
+    verbose: bool = True,
+) -> list[dict]:
     """Trains a fresh model of each config for `steps` steps on `data` (a list of global
     batches, cycled) and returns one row per step: {"step", "loss_a", "loss_b",
     "grad_norm_a", "grad_norm_b", "num_zeros_a", "num_zeros_b"} (the gradient's zero
@@ -76,9 +89,18 @@ def compare(cfg_a: RuntimeConfig, cfg_b: RuntimeConfig, steps: int,
         raise TypeError("compare: data must be a non-empty list of PackedBatch")
     first = train_steps(cfg_a, steps, data)
     second = train_steps(cfg_b, steps, data)
-    rows = [{"step": i, "loss_a": la, "loss_b": lb, "grad_norm_a": na, "grad_norm_b": nb,
-             "num_zeros_a": za, "num_zeros_b": zb}
-            for i, ((la, na, _, za), (lb, nb, _, zb)) in enumerate(zip(first, second))]
+    rows = [
+        {
+            "step": i,
+            "loss_a": la,
+            "loss_b": lb,
+            "grad_norm_a": na,
+            "grad_norm_b": nb,
+            "num_zeros_a": za,
+            "num_zeros_b": zb,
+        }
+        for i, ((la, na, _, za), (lb, nb, _, zb)) in enumerate(zip(first, second))
+    ]
     if verbose:
         from ..comm.context import get_context
 

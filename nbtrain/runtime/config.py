@@ -9,6 +9,7 @@ Every field is checked when the config is made (and the layout against the world
 when `create_runtime` runs): a bad or not-yet-supported value is an error that names it
 and says what to use instead, never a silent fallback.
 """
+
 from __future__ import annotations
 
 import os
@@ -22,8 +23,13 @@ SCHEDULES = ("constant", "warmup")
 
 
 # The old field names (docs/naming.md): accepted with a FutureWarning for one release.
-_RENAMED = {"tp": "tp_size", "pp": "pipe_size", "ep": "ep_size", "cp": "cp_size",
-            "num_microbatches": "num_micro_batches"}
+_RENAMED = {
+    "tp": "tp_size",
+    "pp": "pipe_size",
+    "ep": "ep_size",
+    "cp": "cp_size",
+    "num_microbatches": "num_micro_batches",
+}
 
 
 @renamed_kwargs(**_RENAMED)
@@ -69,7 +75,8 @@ class ParallelConfig:
         if self.cp_size > 1 and self.tp_size > 1:
             raise NotImplementedError(
                 f"ParallelConfig: cp_size={self.cp_size} with tp_size={self.tp_size}: ring "
-                "attention does not split heads; use tp_size=1 with context parallelism")
+                "attention does not split heads; use tp_size=1 with context parallelism"
+            )
         if self.zero_level not in (2, 3):
             raise ValueError(f"ParallelConfig: zero_level={self.zero_level!r}: use 2 or 3")
 
@@ -82,7 +89,8 @@ class ParallelConfig:
                 f"ParallelConfig: tp_size={self.tp_size} x pipe_size={self.pipe_size} = "
                 f"{model_ranks} does not divide the world size {world_size}: choose tp_size "
                 f"and pipe_size whose product divides {world_size}, or run on a multiple of "
-                f"{model_ranks} ranks")
+                f"{model_ranks} ranks"
+            )
         dp = world_size // model_ranks
         for name in ("ep_size", "cp_size"):
             if dp % getattr(self, name):
@@ -90,7 +98,8 @@ class ParallelConfig:
                     f"ParallelConfig: {name}={getattr(self, name)} does not divide the "
                     f"data-parallel size {dp} (world {world_size} / tp_size {self.tp_size} / "
                     f"pipe_size {self.pipe_size}): {name} ranks are carved from the "
-                    "data-parallel ranks")
+                    "data-parallel ranks"
+                )
 
 
 @dataclass
@@ -133,33 +142,42 @@ class NBConfig:
         try:
             entry = get_model(self.model_name)
         except KeyError:
-            raise ValueError(f"NBConfig: model_name={self.model_name!r} is not registered: "
-                             f"choose one of {registered()}, or register it with "
-                             "nbtrain.models.register_model") from None
+            raise ValueError(
+                f"NBConfig: model_name={self.model_name!r} is not registered: "
+                f"choose one of {registered()}, or register it with "
+                "nbtrain.models.register_model"
+            ) from None
         if self.impl not in entry.impls:
-            raise ValueError(f"NBConfig: impl={self.impl!r} for model {self.model_name!r}: "
-                             f"choose one of {sorted(entry.impls)}")
+            raise ValueError(
+                f"NBConfig: impl={self.impl!r} for model {self.model_name!r}: "
+                f"choose one of {sorted(entry.impls)}"
+            )
         if self.model_config is None:
             self.model_config = {"preset": "tiny"} if self.model_name == "gpt" else {}
         if not isinstance(self.parallel, ParallelConfig):
-            raise TypeError(f"NBConfig: parallel must be a ParallelConfig, got "
-                            f"{type(self.parallel).__name__}")
+            raise TypeError(
+                f"NBConfig: parallel must be a ParallelConfig, got {type(self.parallel).__name__}"
+            )
         name = self.optimizer.get("name", "adamw")
         if name not in OPTIMIZERS:
             raise ValueError(f"NBConfig: optimizer name {name!r}: choose one of {OPTIMIZERS}")
         allowed = {"name", "lr", "weight_decay"} | (
-            {"betas", "eps"} if name == "adamw" else {"momentum"})
+            {"betas", "eps"} if name == "adamw" else {"momentum"}
+        )
         unknown = sorted(set(self.optimizer) - allowed)
         if unknown:
-            raise ValueError(f"NBConfig: optimizer keys {unknown} are not understood for "
-                             f"{name!r}: use {sorted(allowed)}")
+            raise ValueError(
+                f"NBConfig: optimizer keys {unknown} are not understood for "
+                f"{name!r}: use {sorted(allowed)}"
+            )
         schedule = self.lr_schedule.get("name", "constant")
         if schedule not in SCHEDULES:
-            raise ValueError(f"NBConfig: lr_schedule name {schedule!r}: choose one of "
-                             f"{SCHEDULES}")
+            raise ValueError(f"NBConfig: lr_schedule name {schedule!r}: choose one of {SCHEDULES}")
         if self.clip_grad_norm is not None and self.clip_grad_norm <= 0:
-            raise ValueError(f"NBConfig: clip_grad_norm={self.clip_grad_norm} must be > 0 "
-                             "(or None for no clipping)")
+            raise ValueError(
+                f"NBConfig: clip_grad_norm={self.clip_grad_norm} must be > 0 "
+                "(or None for no clipping)"
+            )
 
     def entry(self):
         """The registered model (`nbtrain.models.registry.ModelEntry`)."""
@@ -201,11 +219,12 @@ class RuntimeConfig:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"RuntimeConfig: backend={self.backend!r}: choose one of "
-                             f"{BACKENDS}")
+            raise ValueError(f"RuntimeConfig: backend={self.backend!r}: choose one of {BACKENDS}")
         if not isinstance(self.backend_cfg, NBConfig):
-            raise TypeError(f"RuntimeConfig: backend_cfg must be an NBConfig, got "
-                            f"{type(self.backend_cfg).__name__}")
+            raise TypeError(
+                f"RuntimeConfig: backend_cfg must be an NBConfig, got "
+                f"{type(self.backend_cfg).__name__}"
+            )
         if self.hf_path is not None:
             self._check_hf_path()
 
@@ -214,13 +233,16 @@ class RuntimeConfig:
 
         path = os.fspath(self.hf_path)
         if not os.path.isdir(path):
-            raise FileNotFoundError(f"RuntimeConfig: hf_path={path!r} is not a folder: give a "
-                                    "local folder a Hugging Face model was saved to")
+            raise FileNotFoundError(
+                f"RuntimeConfig: hf_path={path!r} is not a folder: give a "
+                "local folder a Hugging Face model was saved to"
+            )
         model_type = read_hf_config(path).get("model_type")
         entry = self.backend_cfg.entry()
         if model_type not in entry.hf_model_types:
             raise ValueError(
                 f"RuntimeConfig: hf_path={path!r} holds model_type {model_type!r}, which model "
                 f"{entry.name!r} does not load (it loads {entry.hf_model_types or 'none'}); "
-                "choose the model_name registered for it")
+                "choose the model_name registered for it"
+            )
         self.hf_path = path

@@ -8,6 +8,7 @@ back in one row, `position_ids` restarting at 0 where each document starts (that
 the boundaries are known), `labels` the next token within the document and -100 where
 no loss is taken (the last token of a document, padding).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -39,20 +40,29 @@ class PackedBatch:
         shape = tuple(self.input_ids.shape)
         if len(shape) != 2:
             raise ValueError(f"PackedBatch: input_ids must be (rows, seq_len), got shape {shape}")
-        named = {"position_ids": self.position_ids, "labels": self.labels,
-                 "loss_weights": self.loss_weights}
+        named = {
+            "position_ids": self.position_ids,
+            "labels": self.labels,
+            "loss_weights": self.loss_weights,
+        }
         for name, t in named.items():
             if t is not None and tuple(t.shape) != shape:
-                raise ValueError(f"PackedBatch: {name} has shape {tuple(t.shape)}, input_ids "
-                                 f"{shape}: give every tensor the same (rows, seq_len)")
+                raise ValueError(
+                    f"PackedBatch: {name} has shape {tuple(t.shape)}, input_ids "
+                    f"{shape}: give every tensor the same (rows, seq_len)"
+                )
         pos = self.position_ids
         if shape[1] and bool((pos[:, 0] != 0).any()):
-            raise ValueError("PackedBatch: every row must start a document (position_ids[:, 0] "
-                             f"== 0), got {pos[:, 0].tolist()}")
+            raise ValueError(
+                "PackedBatch: every row must start a document (position_ids[:, 0] "
+                f"== 0), got {pos[:, 0].tolist()}"
+            )
         steps = pos[:, 1:] - pos[:, :-1]
         if bool(((steps != 1) & (pos[:, 1:] != 0)).any()):
-            raise ValueError("PackedBatch: position_ids must rise by 1 within a document and "
-                             "restart at 0 at the next one")
+            raise ValueError(
+                "PackedBatch: position_ids must rise by 1 within a document and "
+                "restart at 0 at the next one"
+            )
 
     @property
     def rows(self) -> int:
@@ -80,8 +90,9 @@ class PackedBatch:
     def select_rows(self, rows: slice) -> "PackedBatch":
         """The batch made of `rows` (a slice of row indices)."""
         weights = None if self.loss_weights is None else self.loss_weights[rows]
-        return PackedBatch(self.input_ids[rows], self.position_ids[rows], self.labels[rows],
-                           weights)
+        return PackedBatch(
+            self.input_ids[rows], self.position_ids[rows], self.labels[rows], weights
+        )
 
     def rows_for(self, dp_rank: int, dp_size: int) -> "PackedBatch":
         """Data-parallel rank `dp_rank`'s share of the rows: rows [dp_rank * r, (dp_rank +
@@ -92,15 +103,18 @@ class PackedBatch:
             raise ValueError(
                 f"PackedBatch has {self.rows} rows, which {dp_size} data-parallel ranks cannot "
                 f"split evenly: use a multiple of {dp_size} rows (e.g. "
-                f"{-(-self.rows // dp_size) * dp_size})")
+                f"{-(-self.rows // dp_size) * dp_size})"
+            )
         per = self.rows // dp_size
         return self.select_rows(slice(dp_rank * per, (dp_rank + 1) * per))
 
     def split(self, parts: int) -> list["PackedBatch"]:
         """`parts` micro-batches of rows / parts rows each, in order."""
         if parts < 1 or self.rows % parts:
-            raise ValueError(f"{self.rows} rows cannot make {parts} micro-batches of equal "
-                             f"size: use num_micro_batches dividing {self.rows}")
+            raise ValueError(
+                f"{self.rows} rows cannot make {parts} micro-batches of equal "
+                f"size: use num_micro_batches dividing {self.rows}"
+            )
         per = self.rows // parts
         return [self.select_rows(slice(i * per, (i + 1) * per)) for i in range(parts)]
 
@@ -126,23 +140,27 @@ class PackedBatch:
             doc = torch.as_tensor(doc, dtype=torch.long).flatten()
             n = doc.numel()
             if n > seq_len:
-                raise ValueError(f"document {i} has {n} tokens, more than seq_len={seq_len}: "
-                                 "split it first or raise seq_len")
+                raise ValueError(
+                    f"document {i} has {n} tokens, more than seq_len={seq_len}: "
+                    "split it first or raise seq_len"
+                )
             if n == 0:
                 continue
             if used[row] + n > seq_len:
                 row += 1
             if row >= rows:
-                raise ValueError(f"the documents need {_rows_needed(docs, seq_len)} rows of "
-                                 f"seq_len={seq_len}, rows={rows}: raise rows or pass fewer "
-                                 "documents")
+                raise ValueError(
+                    f"the documents need {_rows_needed(docs, seq_len)} rows of "
+                    f"seq_len={seq_len}, rows={rows}: raise rows or pass fewer "
+                    "documents"
+                )
             col = used[row]
-            ids[row, col:col + n] = doc
-            pos[row, col:col + n] = torch.arange(n)
-            labels[row, col:col + n - 1] = doc[1:]
+            ids[row, col : col + n] = doc
+            pos[row, col : col + n] = torch.arange(n)
+            labels[row, col : col + n - 1] = doc[1:]
             used[row] = col + n
         for r in range(rows):  # padding: a position run of its own, no labels
-            pos[r, used[r]:] = torch.arange(seq_len - used[r])
+            pos[r, used[r] :] = torch.arange(seq_len - used[r])
         return cls(ids, pos, labels)
 
 

@@ -1,4 +1,5 @@
 """`create_runtime(cfg)`: the backend `cfg.backend` names, checked before anything is built."""
+
 from __future__ import annotations
 
 import os

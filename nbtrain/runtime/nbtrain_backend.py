@@ -17,6 +17,7 @@ every stage's layers through a `StagePositions` (models/gpt_pipe.py), fed
 one micro-batch per stage forward during `pipeline.run`; attention stays within each
 document, as in the reference. The loss ignores -100 labels.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,8 +44,9 @@ class NBTrainRuntime(Runtime):
         from ..zero import wrap
 
         par = self.nb.parallel
-        ctx = self._context(tp_size=par.tp_size, pipe_size=par.pipe_size, ep_size=par.ep_size,
-                            cp_size=par.cp_size)
+        ctx = self._context(
+            tp_size=par.tp_size, pipe_size=par.pipe_size, ep_size=par.ep_size, cp_size=par.cp_size
+        )
         hf_path = self.cfg.hf_path
         protocol = self.nb.protocol()
         # From a folder: built on the meta device, so a rank allocates only its shards.
@@ -60,7 +62,8 @@ class NBTrainRuntime(Runtime):
                     f"ParallelConfig(cp_size={par.cp_size}): model {self.nb.model_name!r} "
                     f"({type(model).__name__}) has no context-parallel attention; the "
                     "built-in 'gpt', 'gpt2', 'gpt_moe' and 'llama' have: use one of "
-                    "them, or cp_size=1")
+                    "them, or cp_size=1"
+                )
         if par.tp_size > 1:
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
@@ -73,27 +76,40 @@ class NBTrainRuntime(Runtime):
         optimizer = self._optimizer(stage.parameters())
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)  # the schedule is stepped by lr_scheduler_step
-        return ModelHandle(stage, optimizer, self._scheduler(optimizer), manager, "nbtrain",
-                           extra={"layout": (par.tp_size, par.pipe_size, par.ep_size,
-                                             ctx.world_size),
-                                  "positions": positions, "numel": numel})
+        return ModelHandle(
+            stage,
+            optimizer,
+            self._scheduler(optimizer),
+            manager,
+            "nbtrain",
+            extra={
+                "layout": (par.tp_size, par.pipe_size, par.ep_size, ctx.world_size),
+                "positions": positions,
+                "numel": numel,
+            },
+        )
 
     def _topology(self, handle: ModelHandle):
         topo = self._context().topology
-        if (topo.tp_size, topo.pipe_size, topo.ep_size, topo.world_size) != \
-                handle.extra["layout"]:
+        if (topo.tp_size, topo.pipe_size, topo.ep_size, topo.world_size) != handle.extra["layout"]:
             tp, pp, ep, world = handle.extra["layout"]
             raise RuntimeError(
                 f"this model was built for tp={tp}, pp={pp}, ep={ep} on {world} ranks, but "
                 f"the distributed context now has tp={topo.tp_size}, pp={topo.pipe_size}, "
                 f"ep={topo.ep_size}: "
                 "another runtime re-made the groups; finish with one layout before building "
-                "the next")
+                "the next"
+            )
         return topo
 
     @renamed_kwargs(num_microbatches="num_micro_batches")
-    def forward_backward(self, handle: ModelHandle, data: PackedBatch, loss_fn=None,
-                         num_micro_batches: int | None = None) -> ForwardResult:
+    def forward_backward(
+        self,
+        handle: ModelHandle,
+        data: PackedBatch,
+        loss_fn=None,
+        num_micro_batches: int | None = None,
+    ) -> ForwardResult:
         """Forward and backward of the global batch `data`: this data-parallel rank's
         rows, in `num_micro_batches` micro-batches (default `ParallelConfig.
         num_micro_batches`) through the pipeline schedule (1F1B).
@@ -126,16 +142,22 @@ class NBTrainRuntime(Runtime):
         from .. import pipeline
 
         shards = [_shard(p, cp) for p in parts]  # (ids, pos, docs, labels, weights)
-        with handle.extra["positions"].feeding(handle.model, [t[1] for t in shards],
-                                               [t[2] for t in shards], cp):
-            pipeline.run(handle.model, [t[0] for t in shards],
-                         [(t[3], t[4]) for t in shards], stage_loss)
+        with handle.extra["positions"].feeding(
+            handle.model, [t[1] for t in shards], [t[2] for t in shards], cp
+        ):
+            pipeline.run(
+                handle.model, [t[0] for t in shards], [(t[3], t[4]) for t in shards], stage_loss
+            )
         tokens = self._gather_token_losses(token_losses, mine, topo, cp)
         loss = float((tokens * data.token_weights()).sum()) / labelled_weight(data)
         return ForwardResult(
-            metrics={"loss": loss, "tokens": int((data.labels != -100).sum()),
-                     "num_micro_batches": micro},
-            token_losses=tokens)
+            metrics={
+                "loss": loss,
+                "tokens": int((data.labels != -100).sum()),
+                "num_micro_batches": micro,
+            },
+            token_losses=tokens,
+        )
 
     @torch.no_grad()
     def logits(self, handle: ModelHandle, data: PackedBatch) -> torch.Tensor:
@@ -162,8 +184,9 @@ class NBTrainRuntime(Runtime):
             out.send(y, "act")
             out.finish()
         if topo.pipe_size > 1:  # the vocabulary's width, then the logits
-            width = torch.tensor([y.shape[-1] if index == topo.pipe_size - 1 else 0],
-                                 device=ctx.device)
+            width = torch.tensor(
+                [y.shape[-1] if index == topo.pipe_size - 1 else 0], device=ctx.device
+            )
             C.broadcast(width, src=ranks[-1], group=topo.group("pipe"), label="logits width")
             if index < topo.pipe_size - 1:
                 y = torch.empty(mine.rows, ids.shape[1], int(width), device=ctx.device)
@@ -172,19 +195,24 @@ class NBTrainRuntime(Runtime):
             C.broadcast(y, src=ranks[-1], group=topo.group("pipe"), label="logits")
         return _gather_rows(y, topo, cp, "logits").view(data.rows, mine.seq_len, -1).cpu()
 
-    def _gather_token_losses(self, parts: list, mine: PackedBatch, topo, cp=None
-                             ) -> torch.Tensor:
+    def _gather_token_losses(self, parts: list, mine: PackedBatch, topo, cp=None) -> torch.Tensor:
         """The global batch's token losses (rows, seq_len) on the CPU, on every rank:
         from the last stage to its pipeline, then over the cp and data ranks."""
         device = self._context().device
         local_seq = mine.seq_len // (cp.size if cp is not None else 1)
-        local = torch.cat(parts) if parts else \
-            torch.zeros(mine.rows, local_seq, dtype=torch.float32, device=device)
+        local = (
+            torch.cat(parts)
+            if parts
+            else torch.zeros(mine.rows, local_seq, dtype=torch.float32, device=device)
+        )
         if topo.pipe_size > 1:
-            C.broadcast(local, src=topo.ranks("pipe")[-1], group=topo.group("pipe"),
-                        label="runtime token losses")
-        return _gather_rows(local, topo, cp, "runtime token losses").view(
-            -1, mine.seq_len).cpu()
+            C.broadcast(
+                local,
+                src=topo.ranks("pipe")[-1],
+                group=topo.group("pipe"),
+                label="runtime token losses",
+            )
+        return _gather_rows(local, topo, cp, "runtime token losses").view(-1, mine.seq_len).cpu()
 
     def optimizer_step(self, handle: ModelHandle) -> tuple[bool, float, int]:
         """Unscales, clips the global gradient norm to `NBConfig.clip_grad_norm`, checks
@@ -243,4 +271,4 @@ def _gather_rows(local: torch.Tensor, topo, cp, label: str) -> torch.Tensor:
         return local
     out = torch.empty(topo.dp_size * local.numel(), dtype=local.dtype, device=local.device)
     C.all_gather(out, local.reshape(-1), group=topo.group("dp"), label=label)
-    return out.view(topo.dp_size, *local.shape)[::topo.cp_size].reshape(-1, *local.shape[1:])
+    return out.view(topo.dp_size, *local.shape)[:: topo.cp_size].reshape(-1, *local.shape[1:])

@@ -11,6 +11,7 @@ start at 0 and its tokens attend only to earlier tokens of the same document; a
 packed row computes what its documents would one by one. The loss ignores -100
 labels, so it is taken only within documents.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,12 +42,23 @@ class ReferenceRuntime(Runtime):
         # container; its collective methods are never called here.
         manager = OptimManager(loss_scale=self.nb.loss_scale)
         manager.add_optimizer(optimizer)
-        return ModelHandle(model, optimizer, self._scheduler(optimizer), manager, "reference",
-                           extra={"step": protocol.make_forward_step(model)})
+        return ModelHandle(
+            model,
+            optimizer,
+            self._scheduler(optimizer),
+            manager,
+            "reference",
+            extra={"step": protocol.make_forward_step(model)},
+        )
 
     @renamed_kwargs(num_microbatches="num_micro_batches")
-    def forward_backward(self, handle: ModelHandle, data: PackedBatch, loss_fn=None,
-                         num_micro_batches: int | None = None) -> ForwardResult:
+    def forward_backward(
+        self,
+        handle: ModelHandle,
+        data: PackedBatch,
+        loss_fn=None,
+        num_micro_batches: int | None = None,
+    ) -> ForwardResult:
         """Forward and backward of the whole global batch; gradients accumulate.
 
         Args:
@@ -67,9 +79,13 @@ class ReferenceRuntime(Runtime):
         loss = (tokens * weights).sum() / total
         (loss * handle.manager.loss_scale).backward()
         return ForwardResult(
-            metrics={"loss": float(loss.detach()), "tokens": int((data.labels != -100).sum()),
-                     "num_micro_batches": 1},
-            token_losses=(tokens.detach() * (weights > 0)).cpu())
+            metrics={
+                "loss": float(loss.detach()),
+                "tokens": int((data.labels != -100).sum()),
+                "num_micro_batches": 1,
+            },
+            token_losses=(tokens.detach() * (weights > 0)).cpu(),
+        )
 
     @torch.no_grad()
     def logits(self, handle: ModelHandle, data: PackedBatch) -> torch.Tensor:
@@ -93,27 +109,32 @@ class ReferenceRuntime(Runtime):
         manager = handle.manager
         params = [p for p in handle.model.parameters() if p.grad is not None]
         grads = [p.grad for p in params]
-        zeros = sum(p.numel() if p.grad is None else p.numel() - int(torch.count_nonzero(p.grad))
-                    for p in handle.model.parameters())
+        zeros = sum(
+            p.numel() if p.grad is None else p.numel() - int(torch.count_nonzero(p.grad))
+            for p in handle.model.parameters()
+        )
         if grads and manager.loss_scale != 1.0:
             torch._foreach_mul_(grads, 1.0 / manager.loss_scale)
         clip = self.nb.clip_grad_norm
-        norm = float(torch.nn.utils.clip_grad_norm_(
-            params, clip if clip is not None else math.inf))
+        norm = float(torch.nn.utils.clip_grad_norm_(params, clip if clip is not None else math.inf))
         ok = math.isfinite(norm)
         if ok:
             handle.optimizer.step()
             handle.steps += 1
             manager.steps_since_rescale += 1
-            if manager.loss_scale_enabled and \
-                    manager.steps_since_rescale >= manager.loss_scale_steps:
-                manager.loss_scale = min(manager.loss_scale * manager.loss_scale_factor,
-                                         manager.max_loss_scale)
+            if (
+                manager.loss_scale_enabled
+                and manager.steps_since_rescale >= manager.loss_scale_steps
+            ):
+                manager.loss_scale = min(
+                    manager.loss_scale * manager.loss_scale_factor, manager.max_loss_scale
+                )
                 manager.steps_since_rescale = 0
         else:
             manager.steps_since_rescale = 0
             if manager.loss_scale_enabled:
-                manager.loss_scale = max(manager.loss_scale / manager.loss_scale_factor,
-                                         manager.min_loss_scale)
+                manager.loss_scale = max(
+                    manager.loss_scale / manager.loss_scale_factor, manager.min_loss_scale
+                )
         events.end_step()  # as OptimManager.step: the step's end (a MoE bias moves)
         return ok, norm, zeros

@@ -16,6 +16,7 @@ turns recording off; the hot paths then cost one attribute read. Scripts call
 `start(run_dir)` to write one JSONL file per rank; notebook engines publish the
 summary to the notebook (`publish_to_notebook`, done when an engine boots).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -56,8 +57,9 @@ class Recorder:
     def __call__(self, event: dict) -> None:
         """The subscriber: a step's end is preceded by a memory sample of that step."""
         if event["type"] == "step_end":
-            self.emit({"type": "memory", "t": event["t"], "step": event["step"],
-                       **io.memory_sample()})
+            self.emit(
+                {"type": "memory", "t": event["t"], "step": event["step"], **io.memory_sample()}
+            )
         self.emit(event)
 
     def emit(self, event: dict) -> None:
@@ -89,8 +91,9 @@ class Recorder:
         """This rank's StepLog summary plus rank, step and the newest sequence number."""
         with self._lock:
             out = self.log.summary(max_points)
-            out.update(rank=io.current_rank(), step=self.step, seq=self.last_seq,
-                       progress=self.progress)
+            out.update(
+                rank=io.current_rank(), step=self.step, seq=self.last_seq, progress=self.progress
+            )
         return out
 
 

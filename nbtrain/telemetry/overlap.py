@@ -10,6 +10,7 @@ was hidden behind compute; 0.0 means none was.
 Pure functions on `(start, end)` pairs, so the same numbers come from a live
 recorder, from a JSONL file and from hand-built spans in the unit tests.
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -11,21 +11,24 @@ some layer recorded it), and `panels_base` holds what they share (up to
 `MAX_RANKS_SHOWN` ranks a line each, above that a min/median/max band; integer
 step ticks).
 """
+
 from __future__ import annotations
 
 import io
 
 from . import panels_moe as moe
 from . import panels_system as system
-from . import pipeline_view
 from . import panels_train as train
+from . import pipeline_view
 from .panels_base import MAX_RANKS_SHOWN, shown_ranks, step_times  # noqa: F401 (public)
 
 # Row by row, left to right; the last step's timeline takes the bottom row (the routing
 # panel, when drawn, the row above it).
-GRID = ((train.draw_step_time, train.draw_throughput, train.draw_loss),
-        (train.draw_grad_norm, train.draw_lr, system.draw_hidden_share),
-        (system.draw_memory, system.draw_model_state, system.draw_comm))
+GRID = (
+    (train.draw_step_time, train.draw_throughput, train.draw_loss),
+    (train.draw_grad_norm, train.draw_lr, system.draw_hidden_share),
+    (system.draw_memory, system.draw_model_state, system.draw_comm),
+)
 
 
 def figure(summaries: dict, width_in: float = 13.0, height_in: float = 11.0):

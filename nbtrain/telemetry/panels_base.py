@@ -4,6 +4,7 @@ Up to `MAX_RANKS_SHOWN` ranks get a line each; above that a curve is a median li
 in a min-max band across ranks, so 64 ranks read as one. Every step axis has
 integer ticks. Inputs are {rank: StepLog summary}.
 """
+
 from __future__ import annotations
 
 MAX_RANKS_SHOWN = 8
@@ -22,8 +23,17 @@ def shown_ranks(values: dict) -> list[tuple[str, int]]:
 
 
 def empty(ax, text: str) -> None:
-    ax.text(0.5, 0.5, text, ha="center", va="center", transform=ax.transAxes,
-            fontsize="small", color="gray", wrap=True)
+    ax.text(
+        0.5,
+        0.5,
+        text,
+        ha="center",
+        va="center",
+        transform=ax.transAxes,
+        fontsize="small",
+        color="gray",
+        wrap=True,
+    )
 
 
 def step_axis(ax) -> None:
@@ -60,18 +70,20 @@ def draw_series(ax, per_rank: dict, scale: float = 1.0, name: str = "", **style)
 
     steps = by_step(per_rank)
     xs = sorted(steps)
-    lo, mid, hi = (np.array([np.percentile(steps[x], q) for x in xs]) * scale
-                   for q in (0, 50, 100))
+    lo, mid, hi = (np.array([np.percentile(steps[x], q) for x in xs]) * scale for q in (0, 50, 100))
     color = style.pop("color", BAND_COLOR)
-    ax.fill_between(xs, lo, hi, color=color, alpha=0.25, lw=0,
-                    label=f"{prefix}min-max of {len(per_rank)} ranks")
+    ax.fill_between(
+        xs, lo, hi, color=color, alpha=0.25, lw=0, label=f"{prefix}min-max of {len(per_rank)} ranks"
+    )
     ax.plot(xs, mid, color=color, label=f"{prefix}median of the ranks", **style)
 
 
 def metric_by_rank(summaries: dict, key: str) -> dict:
     """{rank: {step: value}} of one metric name."""
-    return {r: {m["step"]: m[key] for m in s.get("metrics", []) if m.get(key) is not None}
-            for r, s in summaries.items()}
+    return {
+        r: {m["step"]: m[key] for m in s.get("metrics", []) if m.get(key) is not None}
+        for r, s in summaries.items()
+    }
 
 
 def lead_rank(summaries: dict) -> int:
@@ -81,12 +93,14 @@ def lead_rank(summaries: dict) -> int:
 def step_times(summary: dict) -> dict:
     """{step: seconds}: the `step_time_s` metric where recorded, else step_end to step_end."""
     out = {row["step"]: row["duration_s"] for row in summary.get("steps", [])}
-    out.update({m["step"]: m["step_time_s"] for m in summary.get("metrics", [])
-                if m.get("step_time_s")})
+    out.update(
+        {m["step"]: m["step_time_s"] for m in summary.get("metrics", []) if m.get("step_time_s")}
+    )
     return out
 
 
 def skew(per_rank: dict) -> dict:
     """{step: slowest / fastest} over the ranks that timed the step (two or more)."""
-    return {step: max(v) / min(v) for step, v in by_step(per_rank).items()
-            if len(v) > 1 and min(v) > 0}
+    return {
+        step: max(v) / min(v) for step, v in by_step(per_rank).items() if len(v) > 1 and min(v) > 0
+    }

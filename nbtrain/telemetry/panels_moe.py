@@ -8,6 +8,7 @@ twin axis) instead of the loss panel's user metrics. Up to `MAX_LAYERS_SHOWN` la
 get a line each; above that the balance is a min-max band across layers around
 their median, and the dropped share the layers' worst.
 """
+
 from __future__ import annotations
 
 import re
@@ -32,8 +33,7 @@ def routing_layers(summaries: dict) -> list[str]:
                 m = ROUTING_METRIC.match(name)
                 if m and m.group(2) == "balance":
                     labels.add(m.group(1))
-    return sorted(labels, key=lambda label: int(label.rsplit(".", 1)[1])
-                  if label != "moe" else -1)
+    return sorted(labels, key=lambda label: int(label.rsplit(".", 1)[1]) if label != "moe" else -1)
 
 
 def _median_by_step(summaries: dict, name: str) -> dict:
@@ -54,16 +54,29 @@ def draw_routing(ax, summaries: dict) -> None:
     if len(labels) <= MAX_LAYERS_SHOWN:
         for i, label in enumerate(labels):
             xs = sorted(balance[label])
-            ax.plot(xs, [balance[label][x] for x in xs], "-", lw=1.2, color=f"C{i % 10}",
-                    label=f"{label} balance")
+            ax.plot(
+                xs,
+                [balance[label][x] for x in xs],
+                "-",
+                lw=1.2,
+                color=f"C{i % 10}",
+                label=f"{label} balance",
+            )
     else:
         import numpy as np
 
         steps = by_step(balance)
         xs = sorted(steps)
         lo, mid, hi = (np.array([np.percentile(steps[x], q) for x in xs]) for q in (0, 50, 100))
-        ax.fill_between(xs, lo, hi, color=BAND_COLOR, alpha=0.25, lw=0,
-                        label=f"balance: min-max of {len(labels)} layers")
+        ax.fill_between(
+            xs,
+            lo,
+            hi,
+            color=BAND_COLOR,
+            alpha=0.25,
+            lw=0,
+            label=f"balance: min-max of {len(labels)} layers",
+        )
         ax.plot(xs, mid, color=BAND_COLOR, lw=1.2, label="balance: median of the layers")
     ax.set_ylabel("max / mean expert load")
     step_axis(ax)
@@ -71,13 +84,25 @@ def draw_routing(ax, summaries: dict) -> None:
     if len(labels) <= MAX_LAYERS_SHOWN:
         for i, label in enumerate(labels):
             xs = sorted(dropped[label])
-            twin.plot(xs, [100 * dropped[label][x] for x in xs], ":", lw=1.2,
-                      color=f"C{i % 10}", label=f"{label} dropped")
+            twin.plot(
+                xs,
+                [100 * dropped[label][x] for x in xs],
+                ":",
+                lw=1.2,
+                color=f"C{i % 10}",
+                label=f"{label} dropped",
+            )
     else:
         worst = {x: max(v) for x, v in by_step(dropped).items()}
         xs = sorted(worst)
-        twin.plot(xs, [100 * worst[x] for x in xs], ":", lw=1.2, color=SKEW_COLOR,
-                  label="dropped: worst layer")
+        twin.plot(
+            xs,
+            [100 * worst[x] for x in xs],
+            ":",
+            lw=1.2,
+            color=SKEW_COLOR,
+            label="dropped: worst layer",
+        )
     top = max((v for d in dropped.values() for v in d.values()), default=0.0)
     twin.set_ylim(0.0, max(5.0, 110 * top))
     twin.set_ylabel("assignments dropped (%)")

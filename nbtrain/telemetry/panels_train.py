@@ -2,16 +2,26 @@
 with user metrics, gradient norm and learning rate (each on its own labelled axis).
 The MoE routing metrics are not user metrics here: panels_moe draws them.
 """
+
 from __future__ import annotations
 
-from .panels_base import (COMPUTE_COLOR, SKEW_COLOR, by_step, draw_series, empty, lead_rank,
-                          metric_by_rank, skew, step_axis, step_times)
+from .panels_base import (
+    COMPUTE_COLOR,
+    SKEW_COLOR,
+    by_step,
+    draw_series,
+    empty,
+    lead_rank,
+    metric_by_rank,
+    skew,
+    step_axis,
+    step_times,
+)
 from .panels_moe import is_routing_metric
 
 # Metric names drawn by a panel of their own; any other number is a user metric (the
 # MoE layers' "moe.<i>.balance" / "moe.<i>.dropped" go to the routing panel, panels_moe).
-OWN_PANEL = frozenset(("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s",
-                       "tokens"))
+OWN_PANEL = frozenset(("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s", "tokens"))
 
 
 def draw_step_time(ax, summaries: dict) -> None:
@@ -26,8 +36,9 @@ def draw_step_time(ax, summaries: dict) -> None:
     if ratio:
         twin = ax.twinx()
         xs = sorted(ratio)
-        twin.plot(xs, [ratio[x] for x in xs], ":", color=SKEW_COLOR, lw=1.2,
-                  label="slowest / fastest")
+        twin.plot(
+            xs, [ratio[x] for x in xs], ":", color=SKEW_COLOR, lw=1.2, label="slowest / fastest"
+        )
         twin.set_ylabel("slowest / fastest rank", color=SKEW_COLOR)
         twin.set_ylim(1.0, 1.15 * max(ratio.values()))
         ax.set_title(f"step time per rank (skew {ratio[xs[-1]]:.2f}x at step {xs[-1]})")
@@ -55,8 +66,15 @@ def draw_throughput(ax, summaries: dict) -> None:
     last = {r: v[max(v)] for r, v in per_rank.items() if v}
     ax.set_title(f"{unit} per rank (all ranks: {sum(last.values()):,.0f})")
     if not has_tokens:
-        ax.text(0.5, 0.02, "telemetry.metric(tokens=n) gives tokens/s",
-                transform=ax.transAxes, ha="center", fontsize="x-small", color="gray")
+        ax.text(
+            0.5,
+            0.02,
+            "telemetry.metric(tokens=n) gives tokens/s",
+            transform=ax.transAxes,
+            ha="center",
+            fontsize="x-small",
+            color="gray",
+        )
     ax.legend(loc="upper left", fontsize="x-small")
 
 
@@ -96,8 +114,11 @@ def draw_grad_norm(ax, summaries: dict) -> None:
     norms = metric_by_rank(summaries, "grad_norm")
     ax.set_title("gradient norm")
     if not any(norms.values()):
-        return empty(ax, "no grad_norm recorded\n(OptimManager.clip_grad_norm or\n"
-                         "telemetry.metric(grad_norm=...))")
+        return empty(
+            ax,
+            "no grad_norm recorded\n(OptimManager.clip_grad_norm or\n"
+            "telemetry.metric(grad_norm=...))",
+        )
     draw_series(ax, norms)
     ax.set_ylabel("grad norm (L2)")
     step_axis(ax)
@@ -119,7 +140,6 @@ def draw_lr(ax, summaries: dict) -> None:
     if scale and set(scale.values()) != {1.0}:  # a loss scale of 1 is no scaling
         twin = ax.twinx()
         xs = sorted(scale)
-        twin.plot(xs, [scale[x] for x in xs], ":", color=SKEW_COLOR, lw=1.2,
-                  label="loss scale")
+        twin.plot(xs, [scale[x] for x in xs], ":", color=SKEW_COLOR, lw=1.2, label="loss scale")
         twin.set_yscale("log")
         twin.set_ylabel("loss scale", color=SKEW_COLOR)

@@ -9,6 +9,7 @@ which a stage computes nothing. The theory's bubble, for equal stages and free
 transfers, is (P - 1) / (V * M + P - 1); the measured one also counts the transfers
 and unequal stages. `draw` makes the dashboard's and `nbtrain report`'s panel.
 """
+
 from __future__ import annotations
 
 import re
@@ -59,9 +60,15 @@ def analyse(summaries: dict) -> dict | None:
     stages = 1 + max(info["stage"] for info in ranks.values())
     micro = 1 + max(s[2] for s in every)
     virtual = 1 + max(s[3] for s in every)
-    return {"ranks": ranks, "stages": stages, "micro": micro, "virtual": virtual,
-            "window": window, "bubble": statistics.mean(i["bubble"] for i in ranks.values()),
-            "theory": theory(stages, micro, virtual)}
+    return {
+        "ranks": ranks,
+        "stages": stages,
+        "micro": micro,
+        "virtual": virtual,
+        "window": window,
+        "bubble": statistics.mean(i["bubble"] for i in ranks.values()),
+        "theory": theory(stages, micro, virtual),
+    }
 
 
 def describe(info: dict) -> str:
@@ -70,12 +77,15 @@ def describe(info: dict) -> str:
     per_stage: dict = {}
     for r in info["ranks"].values():
         per_stage.setdefault(r["stage"], []).append(r["bubble"])
-    stages = ", ".join(f"stage {s} {100 * statistics.mean(b):.0f}%"
-                       for s, b in sorted(per_stage.items()))
+    stages = ", ".join(
+        f"stage {s} {100 * statistics.mean(b):.0f}%" for s, b in sorted(per_stage.items())
+    )
     formula = f"(P-1)/({'V*' if info['virtual'] > 1 else ''}M+P-1)"
-    return (f"pipeline: {info['stages']} stages{v}, {info['micro']} micro-batches; "
-            f"bubble {100 * info['bubble']:.1f}% measured ({stages}), "
-            f"{100 * info['theory']:.1f}% in theory {formula}")
+    return (
+        f"pipeline: {info['stages']} stages{v}, {info['micro']} micro-batches; "
+        f"bubble {100 * info['bubble']:.1f}% measured ({stages}), "
+        f"{100 * info['theory']:.1f}% in theory {formula}"
+    )
 
 
 def draw(ax, summaries: dict, info: dict | None = None) -> None:
@@ -87,24 +97,42 @@ def draw(ax, summaries: dict, info: dict | None = None) -> None:
         return empty(ax, "no pipeline step yet")
     rows = sorted(info["ranks"].items(), key=lambda kv: (kv[1]["stage"], kv[0]))
     start, end = info["window"]
-    for y, (r, rank) in enumerate(rows):
+    for y, (_r, rank) in enumerate(rows):
         for phase, color in (("forward", FORWARD_COLOR), ("backward", BACKWARD_COLOR)):
             bars = [(s, e - s) for s, e, _, _, p in rank["spans"] if p == phase]
             ax.broken_barh(bars, (y - 0.4, 0.6), color=color)
-        ax.broken_barh([(s, e - s) for s, e in rank["p2p"]], (y + 0.25, 0.15),
-                       color=P2P_COLOR, alpha=0.8)
+        ax.broken_barh(
+            [(s, e - s) for s, e in rank["p2p"]], (y + 0.25, 0.15), color=P2P_COLOR, alpha=0.8
+        )
         if len(rank["spans"]) <= 64:  # the micro-batch in each bar, while they fit
             for s, e, mb, chunk, _ in rank["spans"]:
                 text = f"{mb}" if info["virtual"] == 1 else f"{mb}.{chunk}"
-                ax.text((s + e) / 2, y - 0.1, text, ha="center", va="center",
-                        fontsize="x-small", color="white", clip_on=True)
-        ax.text(1.0, y, f" {100 * rank['bubble']:.0f}% idle", transform=ax.get_yaxis_transform(),
-                va="center", fontsize="small")
-    ax.set_yticks(range(len(rows)), [f"rank {r}\nstage {rank['stage']}" for r, rank in rows],
-                  fontsize="small")
+                ax.text(
+                    (s + e) / 2,
+                    y - 0.1,
+                    text,
+                    ha="center",
+                    va="center",
+                    fontsize="x-small",
+                    color="white",
+                    clip_on=True,
+                )
+        ax.text(
+            1.0,
+            y,
+            f" {100 * rank['bubble']:.0f}% idle",
+            transform=ax.get_yaxis_transform(),
+            va="center",
+            fontsize="small",
+        )
+    ax.set_yticks(
+        range(len(rows)), [f"rank {r}\nstage {rank['stage']}" for r, rank in rows], fontsize="small"
+    )
     ax.set_ylim(len(rows) - 0.5, -0.5)
     margin = 0.02 * (end - start)
     ax.set_xlim(start - margin, end + margin)
-    ax.set_xlabel(f"seconds since step start (forward blue, backward green, transfers orange); "
-                  f"bubble {100 * info['bubble']:.0f}% measured, {100 * info['theory']:.0f}% "
-                  f"in theory")
+    ax.set_xlabel(
+        f"seconds since step start (forward blue, backward green, transfers orange); "
+        f"bubble {100 * info['bubble']:.0f}% measured, {100 * info['theory']:.0f}% "
+        f"in theory"
+    )

@@ -9,6 +9,7 @@ does), and the bar shows the last recorded loss. The first interrupt (Ctrl-C, th
 notebook's stop button) ends the loop on every rank at the same step boundary; a
 second one interrupts at once.
 """
+
 from __future__ import annotations
 
 import sys
@@ -43,8 +44,14 @@ class _Lines:
         sys.stdout.flush()
 
 
-def progress(iterable=None, total: int | None = None, desc: str = "train", rank: int = 0,
-             print_s: float = 5.0, **tqdm_kwargs):
+def progress(
+    iterable=None,
+    total: int | None = None,
+    desc: str = "train",
+    rank: int = 0,
+    print_s: float = 5.0,
+    **tqdm_kwargs,
+):
     """Iterate `iterable` with a progress bar on `rank`; yields its items unchanged.
 
     Args:
@@ -64,8 +71,9 @@ def progress(iterable=None, total: int | None = None, desc: str = "train", rank:
     if lines:
         from tqdm import tqdm
 
-        bar = tqdm(total=total, desc=desc, file=_Lines(), mininterval=print_s, ascii=True,
-                   **tqdm_kwargs)
+        bar = tqdm(
+            total=total, desc=desc, file=_Lines(), mininterval=print_s, ascii=True, **tqdm_kwargs
+        )
     else:
         from tqdm.auto import tqdm
 
@@ -73,11 +81,19 @@ def progress(iterable=None, total: int | None = None, desc: str = "train", rank:
     start = time.monotonic()
     try:
         for n, item in enumerate(_steps(_counted(iterable, bar), bar)):
-            telemetry.RECORDER.progress = {"n": n, "total": total, "desc": desc,
-                                           "rate": n / max(time.monotonic() - start, 1e-9)}
+            telemetry.RECORDER.progress = {
+                "n": n,
+                "total": total,
+                "desc": desc,
+                "rate": n / max(time.monotonic() - start, 1e-9),
+            }
             yield item
-        telemetry.RECORDER.progress = {"n": bar.n, "total": total, "desc": desc,
-                                       "rate": bar.n / max(time.monotonic() - start, 1e-9)}
+        telemetry.RECORDER.progress = {
+            "n": bar.n,
+            "total": total,
+            "desc": desc,
+            "rate": bar.n / max(time.monotonic() - start, 1e-9),
+        }
     finally:
         _close(bar, lines)
 

@@ -3,6 +3,7 @@
 Kept apart from `telemetry` so the recorder's hot path reads on one screen.
 Imports of psutil, torch.cuda and ipyparallel happen on first use.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -33,8 +34,13 @@ def _world_size() -> int:
 
 
 def meta() -> dict:
-    return {"rank": current_rank(), "world_size": _world_size(), "pid": os.getpid(),
-            "host": socket.gethostname(), "wall_time": time.time()}
+    return {
+        "rank": current_rank(),
+        "world_size": _world_size(),
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "wall_time": time.time(),
+    }
 
 
 # -- memory --------------------------------------------------------------------------
@@ -52,8 +58,7 @@ class _Watched:
         self.full_param_bytes = full_param_bytes(model) if model is not None else None
 
     def get(self):
-        return (self.model() if self.model else None,
-                self.optimizer() if self.optimizer else None)
+        return (self.model() if self.model else None, self.optimizer() if self.optimizer else None)
 
 
 def full_param_bytes(model) -> int:
@@ -89,8 +94,7 @@ def model_state_bytes(model=None, optimizer=None) -> dict:
     sum)}, all None when neither `model` nor `optimizer` is given.
     """
     if model is None and optimizer is None:
-        return dict.fromkeys(("param_bytes", "grad_bytes", "optimizer_bytes",
-                              "model_state_bytes"))
+        return dict.fromkeys(("param_bytes", "grad_bytes", "optimizer_bytes", "model_state_bytes"))
     import torch
 
     seen, param, grad, state = set(), 0, 0, 0
@@ -107,8 +111,12 @@ def model_state_bytes(model=None, optimizer=None) -> dict:
     if optimizer is not None:
         for values in optimizer.state.values():
             state += sum(_tensor_bytes(v) for v in values.values() if isinstance(v, torch.Tensor))
-    return {"param_bytes": param, "grad_bytes": grad, "optimizer_bytes": state,
-            "model_state_bytes": param + grad + state}
+    return {
+        "param_bytes": param,
+        "grad_bytes": grad,
+        "optimizer_bytes": state,
+        "model_state_bytes": param + grad + state,
+    }
 
 
 _PAGE_BYTES = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -130,13 +138,18 @@ def memory_sample(model=None, optimizer=None) -> dict:
     if model is None and optimizer is None:
         model, optimizer = WATCHED.get()
         full = WATCHED.full_param_bytes if model is not None else None
-    sample = {"rss_bytes": _rss_bytes(), **model_state_bytes(model, optimizer),
-              "full_param_bytes": full}
+    sample = {
+        "rss_bytes": _rss_bytes(),
+        **model_state_bytes(model, optimizer),
+        "full_param_bytes": full,
+    }
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        sample.update(cuda_allocated_bytes=torch.cuda.memory_allocated(),
-                      cuda_reserved_bytes=torch.cuda.memory_reserved(),
-                      cuda_peak_bytes=torch.cuda.max_memory_allocated())
+        sample.update(
+            cuda_allocated_bytes=torch.cuda.memory_allocated(),
+            cuda_reserved_bytes=torch.cuda.memory_reserved(),
+            cuda_peak_bytes=torch.cuda.max_memory_allocated(),
+        )
     return sample
 
 
@@ -195,9 +208,9 @@ class JsonlWriter:
 
 # -- notebook ------------------------------------------------------------------------
 _PUBLISHER: dict = {}
-PUBLISH_FULL_POINTS = 300   # steps of history in a full publication
-PUBLISH_TAIL_POINTS = 16    # steps in the others (the dashboard merges them by step)
-PUBLISH_FULL_EVERY = 20     # every 20th publication (5 s at 4 a second) is full
+PUBLISH_FULL_POINTS = 300  # steps of history in a full publication
+PUBLISH_TAIL_POINTS = 16  # steps in the others (the dashboard merges them by step)
+PUBLISH_FULL_EVERY = 20  # every 20th publication (5 s at 4 a second) is full
 
 
 def start_publisher(recorder, interval_s: float) -> None:
@@ -205,8 +218,8 @@ def start_publisher(recorder, interval_s: float) -> None:
     if _PUBLISHER.get("thread") is not None:
         _PUBLISHER["interval_s"] = interval_s
         return
-    from IPython import get_ipython
     from ipyparallel.datapub import publish_data
+    from IPython import get_ipython
 
     state = {"last": recorder.last_seq, "lock": threading.Lock(), "count": 0}
 

@@ -9,23 +9,32 @@ user passes to `telemetry.metric`), the hidden-comm share, the step's wall time
 and the bytes and busy seconds of each kind of collective, and the last memory
 sample of the step.
 """
+
 from __future__ import annotations
 
 from collections import deque
 
 from .overlap import comm_overlap, merge, total
 
-MEMORY_KEYS = ("cuda_allocated_bytes", "cuda_reserved_bytes", "cuda_peak_bytes",
-               "rss_bytes", "model_state_bytes", "param_bytes", "grad_bytes",
-               "optimizer_bytes", "full_param_bytes")
+MEMORY_KEYS = (
+    "cuda_allocated_bytes",
+    "cuda_reserved_bytes",
+    "cuda_peak_bytes",
+    "rss_bytes",
+    "model_state_bytes",
+    "param_bytes",
+    "grad_bytes",
+    "optimizer_bytes",
+    "full_param_bytes",
+)
 NOT_METRICS = frozenset(("type", "t", "seq", "step"))
-MAX_METRIC_NAMES = 32       # numbers kept per metric row (a runaway dict stays bounded)
-MAX_ROUTING_NAMES = 256     # MoE layers' "moe.<i>.balance"/".dropped": two per layer
-MAX_SPANS_PER_STEP = 2000   # spans kept for the timeline of the open step
-MAX_TIMELINE_SPANS = 400    # spans sent to the dashboard for the last step
-DEFAULT_HISTORY = 2000      # steps of metrics, overlap, step times and memory kept
-IDLE_GAP_S = 1.0            # a pause before a step's first event longer than this (and
-                            # than the step itself) is idle time between cells, not the step
+MAX_METRIC_NAMES = 32  # numbers kept per metric row (a runaway dict stays bounded)
+MAX_ROUTING_NAMES = 256  # MoE layers' "moe.<i>.balance"/".dropped": two per layer
+MAX_SPANS_PER_STEP = 2000  # spans kept for the timeline of the open step
+MAX_TIMELINE_SPANS = 400  # spans sent to the dashboard for the last step
+DEFAULT_HISTORY = 2000  # steps of metrics, overlap, step times and memory kept
+IDLE_GAP_S = 1.0  # a pause before a step's first event longer than this (and
+# than the step itself) is idle time between cells, not the step
 
 
 class StepLog:
@@ -45,7 +54,7 @@ class StepLog:
         self.meta: dict = {}
         self._spans: list = []
         self._step_start: float | None = None  # the previous step's end
-        self._first_t: float | None = None      # the open step's first timestamp
+        self._first_t: float | None = None  # the open step's first timestamp
 
     def feed(self, event: dict) -> None:
         kind = event["type"]
@@ -114,19 +123,32 @@ class StepLog:
         self.steps.append({"step": step, "duration_s": end - t0, "comm": _by_kind(spans)})
         timeline = spans[-MAX_TIMELINE_SPANS:]
         self.last_step = {
-            "step": step, "duration_s": end - t0, "overlap": share,
-            "comm_s": total(comm), "compute_s": total(compute),
+            "step": step,
+            "duration_s": end - t0,
+            "overlap": share,
+            "comm_s": total(comm),
+            "compute_s": total(compute),
             "comm_bytes": sum(s["bytes"] for s in spans if s["type"] == "comm"),
-            "compute": [[s["start"] - t0, s["end"] - t0, s["label"], s.get("phase", "")]
-                        for s in timeline if s["type"] == "compute"],
-            "comm": [[s["start"] - t0, s["end"] - t0, s["kind"], s["bytes"]]
-                     for s in timeline if s["type"] == "comm"],
+            "compute": [
+                [s["start"] - t0, s["end"] - t0, s["label"], s.get("phase", "")]
+                for s in timeline
+                if s["type"] == "compute"
+            ],
+            "comm": [
+                [s["start"] - t0, s["end"] - t0, s["kind"], s["bytes"]]
+                for s in timeline
+                if s["type"] == "comm"
+            ],
         }
 
     def summary(self, max_points: int | None = None) -> dict:
         """A plain, JSON-able dict: what a rank publishes and what the panels draw."""
-        out = {"meta": dict(self.meta), "memory": dict(self.memory),
-               "peak_memory": dict(self.peak_memory), "last_step": self.last_step}
+        out = {
+            "meta": dict(self.meta),
+            "memory": dict(self.memory),
+            "peak_memory": dict(self.peak_memory),
+            "last_step": self.last_step,
+        }
         for key in ("metrics", "overlap", "steps", "memory_history"):
             rows = list(getattr(self, key))
             out[key] = rows if max_points is None else rows[-max_points:]

@@ -7,27 +7,58 @@ tensor-parallel slices). Code outside this package reads a model's shards throug
 `shards(model)` and `flat_buffers(model)`, never through a Block's flat groups or a
 parameter's private fields (tests/unit/test_zero_boundary.py holds it to that).
 """
+
 from .accumulate import micro_batches
 from .block import Block, ZeroLevel
-from .meta import assign_inits, empty_parameters, normal_inits, torch_default_inits
 from .blocklist import TransformerBlockList
+from .meta import assign_inits, empty_parameters, normal_inits, torch_default_inits
 from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
 from .placement import is_tp_slice, slice_kind
 from .root import ModelRoot
-from .shards import (FlatBuffer, FlatMember, Shard, ShardKind, flat_buffers, has_grad_owner,
-                     is_sharded, shards)
-from .wrap import wrap
+from .shards import (
+    FlatBuffer,
+    FlatMember,
+    Shard,
+    ShardKind,
+    flat_buffers,
+    has_grad_owner,
+    is_sharded,
+    shards,
+)
 from .views import full_items_by_parameter, full_named_grads, init_parameters, state_keys
+from .wrap import wrap
 
-__all__ = ["Block", "ZeroLevel", "TransformerBlockList", "DistributedModule",
-           "DistributedParameter", "ParameterInitializer", "init_parameters", "wrap",
-           "full_named_grads", "ModelRoot", "empty_parameters", "assign_inits", "normal_inits",
-           "torch_default_inits",
-           # what this rank holds, for readers outside nbtrain.zero (shards.py)
-           "shards", "Shard", "ShardKind", "flat_buffers", "FlatBuffer", "FlatMember",
-           "is_sharded", "has_grad_owner", "full_items_by_parameter", "state_keys",
-           # tensor-parallel slice metadata, and pipeline micro-batches
-           "is_tp_slice", "slice_kind", "micro_batches"]
+__all__ = [
+    "Block",
+    "ZeroLevel",
+    "TransformerBlockList",
+    "DistributedModule",
+    "DistributedParameter",
+    "ParameterInitializer",
+    "init_parameters",
+    "wrap",
+    "full_named_grads",
+    "ModelRoot",
+    "empty_parameters",
+    "assign_inits",
+    "normal_inits",
+    "torch_default_inits",
+    # what this rank holds, for readers outside nbtrain.zero (shards.py)
+    "shards",
+    "Shard",
+    "ShardKind",
+    "flat_buffers",
+    "FlatBuffer",
+    "FlatMember",
+    "is_sharded",
+    "has_grad_owner",
+    "full_items_by_parameter",
+    "state_keys",
+    # tensor-parallel slice metadata, and pipeline micro-batches
+    "is_tp_slice",
+    "slice_kind",
+    "micro_batches",
+]
 
 PUBLIC_MODULES = ("partition", "tp_slices")  # importable by path from outside the package

@@ -14,6 +14,7 @@ gradients stay allocated for the whole schedule.
 On an error nothing is reduced (a peer may have failed; the notebook's recovery
 aborts the group) and the sums are dropped: the failed step contributes no gradient.
 """
+
 from __future__ import annotations
 
 import contextlib

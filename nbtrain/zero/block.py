@@ -25,6 +25,7 @@ buffers of their own, sharded over the data-parallel group of this rank's tp slo
 (the ranks holding the same slice); `state_dict()` gathers them over tp into the
 full logical tensors, and `load_state_dict` takes full tensors or this rank's slices.
 """
+
 from __future__ import annotations
 
 import enum
@@ -36,7 +37,8 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import collectives as C, events
+from ..comm import collectives as C
+from ..comm import events
 from ..comm.context import get_context
 from .compile import CompiledModule, CompileStats, compile_options
 from .flat import FlatGroup
@@ -45,24 +47,26 @@ from .members import become_part, sync_requires_grad
 from .parameter import DistributedParameter
 from .partition import FlatLayout
 from .placement import copy_tp_meta, is_tp_slice, shard_group, slice_kind
+from .reducer import GradReducer
 from .tp_partial import TpLayout
 from .tp_slices import full_from_slice, slice_from_full
-from .reducer import GradReducer
 
 
 class ZeroLevel(enum.IntEnum):
     """What stays gathered between forward and backward."""
 
-    GRADS_SHARDED = 2   # ZeRO-2: parameters stay gathered from forward to backward
-    FULLY_SHARDED = 3   # ZeRO-3: parameters gathered again for backward
+    GRADS_SHARDED = 2  # ZeRO-2: parameters stay gathered from forward to backward
+    FULLY_SHARDED = 3  # ZeRO-3: parameters gathered again for backward
 
     @classmethod
     def parse(cls, value) -> "ZeroLevel":
         try:
             return cls(int(value))
         except (ValueError, TypeError):
-            raise ValueError(f"zero_level={value!r}: use 2 (keep parameters gathered from "
-                             "forward to backward) or 3 (gather again for backward)") from None
+            raise ValueError(
+                f"zero_level={value!r}: use 2 (keep parameters gathered from "
+                "forward to backward) or 3 (gather again for backward)"
+            ) from None
 
 
 class _ParamEntry:
@@ -142,18 +146,30 @@ class Block(nn.Module):
     same order.
     """
 
-    def __init__(self, module: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
-                 label: str | None = None, reduce_dtype: torch.dtype | None = None,
-                 offload: bool = False, mode: str = "BLOCK", initialized: bool = False,
-                 compile: bool | dict = False):
+    def __init__(
+        self,
+        module: nn.Module,
+        zero_level: int = 3,
+        use_checkpoint: bool = False,
+        label: str | None = None,
+        reduce_dtype: torch.dtype | None = None,
+        offload: bool = False,
+        mode: str = "BLOCK",
+        initialized: bool = False,
+        compile: bool | dict = False,
+    ):
         super().__init__()
         options = compile_options(compile)
         if isinstance(zero_level, bool):  # BMTrain's order: (module, use_checkpoint, zero_level)
-            zero_level, use_checkpoint = (3 if isinstance(use_checkpoint, bool)
-                                          else use_checkpoint), zero_level
+            zero_level, use_checkpoint = (
+                (3 if isinstance(use_checkpoint, bool) else use_checkpoint),
+                zero_level,
+            )
         if mode not in ("BLOCK", "PIPE"):
-            raise ValueError(f"Block(mode={mode!r}): use \"BLOCK\" (the default) or \"PIPE\" "
-                             "(a block of a PipelineTransformerBlockList)")
+            raise ValueError(
+                f'Block(mode={mode!r}): use "BLOCK" (the default) or "PIPE" '
+                "(a block of a PipelineTransformerBlockList)"
+            )
         self.mode = mode
         self.offload = bool(offload)
         level = ZeroLevel.parse(zero_level)
@@ -206,12 +222,21 @@ class Block(nn.Module):
                     # A plain parameter may carry one (`zero.init.assign_inits`; a model
                     # built on the meta device has nothing else to start from).
                     inits.append(getattr(p, "init_method", None))
-            layout = FlatLayout.build([(e.names[0], tuple(v.shape)) for e, v in
-                                       zip(group_entries, values)], ranks.size)
-            group = FlatGroup(layout, values, ranks=ranks, device=ctx.device, dtype=dtype,
-                              requires_grad=requires_grad, label=f"{self.label}.{i}",
-                              reducer=self.reducer, grad_dtype=reduce_dtype,
-                              offload=self.offload)
+            layout = FlatLayout.build(
+                [(e.names[0], tuple(v.shape)) for e, v in zip(group_entries, values)], ranks.size
+            )
+            group = FlatGroup(
+                layout,
+                values,
+                ranks=ranks,
+                device=ctx.device,
+                dtype=dtype,
+                requires_grad=requires_grad,
+                label=f"{self.label}.{i}",
+                reducer=self.reducer,
+                grad_dtype=reduce_dtype,
+                offload=self.offload,
+            )
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             if kind is None and ctx.topology.tp_size > 1:
@@ -222,8 +247,9 @@ class Block(nn.Module):
             begin, end = group.layout.shard_range(group.rank)
             for slot, entry in zip(layout.slots, group_entries):
                 if entry.member is not None:
-                    become_part(entry.member, group, slot.local_part(begin, end), slot.offset,
-                                 begin)
+                    become_part(
+                        entry.member, group, slot.local_part(begin, end), slot.offset, begin
+                    )
                     entry.rest = entry.member
                 else:
                     # Outside forward the module shows a placeholder with the right
@@ -264,8 +290,9 @@ class Block(nn.Module):
             return getattr(module, name)
 
     def extra_repr(self) -> str:
-        return (f"zero_level={int(self.zero_level)}, use_checkpoint={self.use_checkpoint}"
-                + (", compiled" if self._compiled is not None else ""))
+        return f"zero_level={int(self.zero_level)}, use_checkpoint={self.use_checkpoint}" + (
+            ", compiled" if self._compiled is not None else ""
+        )
 
     def compile(self, **options) -> None:
         """`torch.compile(module, **options)` for the wrapped module only: the block's
@@ -274,8 +301,9 @@ class Block(nn.Module):
         of one module class share the code. `compile_stats` then holds the graph breaks
         (a warning names the block when there are any). Raises a RuntimeError when
         torch.compile cannot run here. Local."""
-        object.__setattr__(self, "_compiled",
-                           CompiledModule(self._module, options, get_context().device))
+        object.__setattr__(
+            self, "_compiled", CompiledModule(self._module, options, get_context().device)
+        )
 
     @property
     def compile_stats(self) -> CompileStats | None:
@@ -316,8 +344,9 @@ class Block(nn.Module):
             else:
                 out = self._run(fulls, args, kwargs)
         flat, spec = pytree.tree_flatten(out)
-        needs_grad = [i for i, t in enumerate(flat)
-                      if isinstance(t, torch.Tensor) and t.requires_grad]
+        needs_grad = [
+            i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
         if not (torch.is_grad_enabled() and needs_grad):
             self.release()  # no backward will come for this call
             return out
@@ -393,12 +422,20 @@ class Block(nn.Module):
                     yield prefix + name, value
             del full
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict,
-                              missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         params, self._parameters = self._parameters, {}
         try:
-            super()._load_from_state_dict(state_dict, prefix, local_metadata, strict,
-                                          missing_keys, unexpected_keys, error_msgs)
+            super()._load_from_state_dict(
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
+            )
         finally:
             self._parameters = params
         own = set()
@@ -419,11 +456,14 @@ class Block(nn.Module):
                             f"load_state_dict: {present[0]!r} has shape "
                             f"{tuple(state_dict[present[0]].shape)} in the state dict but "
                             f"{tuple(entry.tp.tp_full_shape)} in the model (this rank's "
-                            f"tensor-parallel slice: {slot.shape})")
+                            f"tensor-parallel slice: {slot.shape})"
+                        )
                 if tuple(value.shape) != slot.shape:
-                    raise ValueError(f"load_state_dict: {present[0]!r} has shape "
-                                     f"{tuple(value.shape)} in the state dict but {slot.shape} "
-                                     "in the model")
+                    raise ValueError(
+                        f"load_state_dict: {present[0]!r} has shape "
+                        f"{tuple(value.shape)} in the state dict but {slot.shape} "
+                        "in the model"
+                    )
                 group.load_full(index, value.to(group.shard.dtype))
         unexpected_keys[:] = [k for k in unexpected_keys if k not in own]
         # The module's own submodules load after this and would call our keys
@@ -433,8 +473,9 @@ class Block(nn.Module):
     @staticmethod
     def _drop_own_keys(block, incompatible_keys) -> None:
         own = getattr(block, "_loaded_keys", set())
-        incompatible_keys.unexpected_keys[:] = [k for k in incompatible_keys.unexpected_keys
-                                                if k not in own]
+        incompatible_keys.unexpected_keys[:] = [
+            k for k in incompatible_keys.unexpected_keys if k not in own
+        ]
 
     # -- deferred initialisation ------------------------------------------------
     def init_parameters(self, prefix: str = "") -> None:
@@ -446,11 +487,17 @@ class Block(nn.Module):
                 if init is None or part is None:
                     continue
                 lo, hi = part
-                values = init_range(prefix + entry.names[0], slot.shape, group.shard.dtype,
-                                    group.shard.device, init, lo - slot.offset,
-                                    hi - slot.offset)
+                values = init_range(
+                    prefix + entry.names[0],
+                    slot.shape,
+                    group.shard.dtype,
+                    group.shard.device,
+                    init,
+                    lo - slot.offset,
+                    hi - slot.offset,
+                )
                 with torch.no_grad():
-                    group.shard[lo - begin:hi - begin].copy_(values)
+                    group.shard[lo - begin : hi - begin].copy_(values)
 
     def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Gathered gradients by parameter name (None-grads skipped). Collective."""
@@ -461,13 +508,14 @@ class Block(nn.Module):
             grad = group.shard.grad if grad is None else grad
             if grad is None:
                 continue
-            full = torch.empty(group.layout.padded_numel, dtype=grad.dtype,
-                               device=group.shard.device)
-            C.all_gather(full, grad.detach(), group=group.ranks.group,
-                         label=group.label + ".grad")
+            full = torch.empty(
+                group.layout.padded_numel, dtype=grad.dtype, device=group.shard.device
+            )
+            C.all_gather(full, grad.detach(), group=group.ranks.group, label=group.label + ".grad")
             for view, entry in zip(group.param_views(full), entries):
-                out[prefix + entry.names[0]] = (view.clone() if entry.tp is None
-                                                else full_from_slice(view, entry.tp))
+                out[prefix + entry.names[0]] = (
+                    view.clone() if entry.tp is None else full_from_slice(view, entry.tp)
+                )
         return out
 
 

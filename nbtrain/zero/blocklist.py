@@ -6,6 +6,7 @@ block i computes; block i+1's reduce-scatter runs during block i's backward.
 The links live in the blocks, so a model's own loop over the list
 (`for layer in self.layers: h = layer(h)`) overlaps just as `blocks(x)` does.
 """
+
 from __future__ import annotations
 
 import torch
@@ -34,8 +35,7 @@ class TransformerBlockList(nn.ModuleList):
     """
 
     def __init__(self, modules=None, num_hidden: int = 1, compile: bool | dict = False):
-        blocks = [m if isinstance(m, Block) else Block(m, compile=compile)
-                  for m in (modules or [])]
+        blocks = [m if isinstance(m, Block) else Block(m, compile=compile) for m in (modules or [])]
         super().__init__(blocks)
         if num_hidden < 1:
             raise ValueError(f"num_hidden={num_hidden}: at least one argument is a hidden state")
@@ -51,13 +51,14 @@ class TransformerBlockList(nn.ModuleList):
         hidden_states, outputs = [], args
         for block in self:
             if return_hidden_states:
-                hidden_states.extend(args[:self.num_hidden])
+                hidden_states.extend(args[: self.num_hidden])
             outputs = block(*args, **kwargs)
             if not isinstance(outputs, tuple):
                 outputs = (outputs,)
-            args = outputs + args[self.num_hidden:]
+            args = outputs + args[self.num_hidden :]
         if return_hidden_states:
-            stacked = [torch.stack(hidden_states[i::self.num_hidden])
-                       for i in range(self.num_hidden)]
+            stacked = [
+                torch.stack(hidden_states[i :: self.num_hidden]) for i in range(self.num_hidden)
+            ]
             return outputs + tuple(stacked)
-        return tuple(outputs[:self.num_hidden]) if self.num_hidden > 1 else outputs[0]
+        return tuple(outputs[: self.num_hidden]) if self.num_hidden > 1 else outputs[0]

@@ -23,6 +23,7 @@ way. Lists nested inside a list's entry stay inside that entry's Block (BMTrain
 nests Blocks). Unlike BMTrain, the model keeps its class (BMTrain swaps in a subclass
 of it and DistributedModule).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -74,18 +75,20 @@ def _check_no_ties(model: nn.Module, lists) -> None:
         place = next((e for e in entries if pname.startswith(e + ".")), "the model outside")
         first = where.setdefault(id(p), f"{pname}@{place}")
         if first.rpartition("@")[2] != place:
-            raise ValueError(f"parameter {pname!r} is tied to {first.rpartition('@')[0]!r}, "
-                             "in another layer of a list; untie them or wrap that list by "
-                             "hand")
+            raise ValueError(
+                f"parameter {pname!r} is tied to {first.rpartition('@')[0]!r}, "
+                "in another layer of a list; untie them or wrap that list by "
+                "hand"
+            )
 
 
-def _blocks_in_place(name: str, ml: nn.ModuleList, level: ZeroLevel,
-                     use_checkpoint: bool) -> None:
+def _blocks_in_place(name: str, ml: nn.ModuleList, level: ZeroLevel, use_checkpoint: bool) -> None:
     prev = None
     for i, entry in enumerate(ml):
         if _has_params(entry) and not isinstance(entry, Block):
-            entry = ml[i] = Block(entry, level, use_checkpoint,
-                                  label=f"{name}.{i}" if name else str(i))
+            entry = ml[i] = Block(
+                entry, level, use_checkpoint, label=f"{name}.{i}" if name else str(i)
+            )
         if isinstance(entry, Block):
             if prev is not None:  # neighbours prefetch each other, as in a block list
                 object.__setattr__(prev, "_next_block", entry)
@@ -100,8 +103,9 @@ def _move_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[key] = buf.to(device)
 
 
-def BMTrainModelWrapper(model: nn.Module, zero_level: int = 3,
-                        use_checkpoint: bool = True) -> nn.Module:
+def BMTrainModelWrapper(
+    model: nn.Module, zero_level: int = 3, use_checkpoint: bool = True
+) -> nn.Module:
     """Shards a plain model in place as BMTrain's wrapper does, and returns it.
 
     Args:

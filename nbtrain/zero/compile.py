@@ -18,6 +18,7 @@ Graph breaks are counted once, at each block's first forward, from torch._dynamo
 counters: `block.compile_stats` holds them, and a warning names the block when there
 are any.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -62,16 +63,20 @@ def compile_options(compile) -> dict | None:
         return {}
     if isinstance(compile, dict):
         return dict(compile)
-    raise TypeError(f"compile={compile!r}: use False, True, or a dict of torch.compile "
-                    "keywords, e.g. dict(backend='aot_eager') or dict(mode='max-autotune')")
+    raise TypeError(
+        f"compile={compile!r}: use False, True, or a dict of torch.compile "
+        "keywords, e.g. dict(backend='aot_eager') or dict(mode='max-autotune')"
+    )
 
 
 def check_available(options: dict, device: torch.device) -> None:
     """Raises a RuntimeError saying why torch.compile cannot run here with `options`."""
     if not hasattr(torch, "compile"):
-        raise RuntimeError(f"Block(compile=...): this torch ({torch.__version__}) has no "
-                           "torch.compile (it needs torch >= 2.0); build the block with "
-                           "compile=False")
+        raise RuntimeError(
+            f"Block(compile=...): this torch ({torch.__version__}) has no "
+            "torch.compile (it needs torch >= 2.0); build the block with "
+            "compile=False"
+        )
     try:
         from torch._dynamo.eval_frame import check_if_dynamo_supported
 
@@ -79,8 +84,10 @@ def check_available(options: dict, device: torch.device) -> None:
     except ImportError:
         pass
     except RuntimeError as err:
-        raise RuntimeError(f"Block(compile=...): torch.compile is unavailable here: {err}. "
-                           "Build the block with compile=False") from None
+        raise RuntimeError(
+            f"Block(compile=...): torch.compile is unavailable here: {err}. "
+            "Build the block with compile=False"
+        ) from None
     backend = options.get("backend", "inductor")
     if backend == "inductor" and torch.device(device).type == "cpu":
         try:
@@ -95,7 +102,8 @@ def check_available(options: dict, device: torch.device) -> None:
                 "Block(compile=...): torch.compile's default backend (inductor) needs a C++ "
                 f"compiler for CPU code and found none ({type(err).__name__}: "
                 f"{str(err).strip().splitlines()[0] if str(err).strip() else ''}). Install "
-                "one (g++), or compile with dict(backend='aot_eager')") from None
+                "one (g++), or compile with dict(backend='aot_eager')"
+            ) from None
 
 
 class CompiledModule:
@@ -117,24 +125,37 @@ class CompiledModule:
         graphs = counters["stats"]["unique_graphs"]
         breaks = dict(counters["graph_break"])
         out = self.fn(*args, **kwargs)
-        self._measure(label, counters["stats"]["unique_graphs"] - graphs,
-                      {k: v - breaks.get(k, 0) for k, v in counters["graph_break"].items()
-                       if v > breaks.get(k, 0)})
+        self._measure(
+            label,
+            counters["stats"]["unique_graphs"] - graphs,
+            {
+                k: v - breaks.get(k, 0)
+                for k, v in counters["graph_break"].items()
+                if v > breaks.get(k, 0)
+            },
+        )
         return out
 
     def _measure(self, label: str, graphs: int, new_breaks: dict) -> None:
         if graphs == 0 and self.code in _BY_CODE:
             first = _BY_CODE[self.code]
-            self.stats = CompileStats(first.graphs, first.graph_breaks, list(first.reasons),
-                                      reused=True)
+            self.stats = CompileStats(
+                first.graphs, first.graph_breaks, list(first.reasons), reused=True
+            )
             return
-        reasons = [(str(k).strip().splitlines() or ["?"])[0] for k, n in new_breaks.items()
-                   for _ in range(n)]
+        reasons = [
+            (str(k).strip().splitlines() or ["?"])[0]
+            for k, n in new_breaks.items()
+            for _ in range(n)
+        ]
         self.stats = CompileStats(graphs, len(reasons), reasons)
         _BY_CODE.setdefault(self.code, self.stats)
         if reasons:
             shown = "; ".join(dict.fromkeys(reasons))
-            warnings.warn(f"Block {label!r}: torch.compile split {self.class_name} into "
-                          f"{graphs} graphs at {len(reasons)} graph break(s): {shown}. "
-                          "The parts between breaks run compiled, the breaks themselves "
-                          "eagerly (block.compile_stats holds the counts)", stacklevel=2)
+            warnings.warn(
+                f"Block {label!r}: torch.compile split {self.class_name} into "
+                f"{graphs} graphs at {len(reasons)} graph break(s): {shown}. "
+                "The parts between breaks run compiled, the breaks themselves "
+                "eagerly (block.compile_stats holds the counts)",
+                stacklevel=2,
+            )

@@ -22,6 +22,7 @@ Gradient accumulation over several backward passes reduces the accumulated
 gradient each time: the mean of (already averaged + new local) is the already
 averaged part plus the mean of the new part, so the result is exact.
 """
+
 from __future__ import annotations
 
 import torch
@@ -62,21 +63,34 @@ class DataParallelGrads:
             tensor-parallel slices): a gradient partial over tp is summed there.
     """
 
-    def __init__(self, params: list[nn.Parameter], reducer: GradReducer,
-                 bucket_numel: int = BUCKET_NUMEL, group=None, replicated: bool = True):
+    def __init__(
+        self,
+        params: list[nn.Parameter],
+        reducer: GradReducer,
+        bucket_numel: int = BUCKET_NUMEL,
+        group=None,
+        replicated: bool = True,
+    ):
         self.reducer, self.group = reducer, group
         self.buckets = _make_buckets(params, bucket_numel)
         # Held whole by the tp ranks too: which gradients are partial over tp, per bucket
         # (tp_partial.py). Slices of a tp layer are never partial.
         for bucket in self.buckets:
-            bucket.tp_layout = (TpLayout(len(bucket.params), group)
-                                if replicated and get_context().topology.tp_size > 1
-                                and not any(is_tp_slice(p) for p in bucket.params) else None)
+            bucket.tp_layout = (
+                TpLayout(len(bucket.params), group)
+                if replicated
+                and get_context().topology.tp_size > 1
+                and not any(is_tp_slice(p) for p in bucket.params)
+                else None
+            )
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0
         self._backward_id: int | None = None  # the pass these buckets are filling for
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad)
-                       for b in self.buckets for p in b.params]
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            for b in self.buckets
+            for p in b.params
+        ]
         for b in self.buckets:
             for p in b.params:
                 p._nbtrain_dp_owned = True  # its gradient has an owner (see owned())
@@ -115,31 +129,34 @@ class DataParallelGrads:
         self._next = bucket.index + 1
         ref = bucket.params[0]
         # Layout: every parameter's gradient back to back, then one count each.
-        flat = torch.zeros(bucket.numel + len(bucket.params), dtype=ref.dtype,
-                           device=ref.device)
+        flat = torch.zeros(bucket.numel + len(bucket.params), dtype=ref.dtype, device=ref.device)
         offset = 0
         for i, p in enumerate(bucket.params):
             if p.grad is not None:
-                flat[offset:offset + p.numel()].copy_(p.grad.reshape(-1))
+                flat[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
                 flat[bucket.numel + i] = 1
             offset += p.numel()
         if bucket.tp_layout is not None:  # sequence parallel: a sum over tp
             views, offset = [], 0
             for p in bucket.params:
-                views.append(flat[offset:offset + p.numel()] if p.grad is not None else None)
+                views.append(flat[offset : offset + p.numel()] if p.grad is not None else None)
                 offset += p.numel()
             bucket.tp_layout.apply(views, [p.requires_grad for p in bucket.params])
-        handle = C.all_reduce(flat, op="sum", group=self.group, async_op=True,
-                              label=f"dp.bucket{bucket.index}")
-        world = (get_context().world_size if self.group is None
-                 else torch.distributed.get_world_size(self.group))
+        handle = C.all_reduce(
+            flat, op="sum", group=self.group, async_op=True, label=f"dp.bucket{bucket.index}"
+        )
+        world = (
+            get_context().world_size
+            if self.group is None
+            else torch.distributed.get_world_size(self.group)
+        )
 
         def finish():
-            grads = flat[:bucket.numel].div_(world)
-            counts = flat[bucket.numel:].tolist()
+            grads = flat[: bucket.numel].div_(world)
+            counts = flat[bucket.numel :].tolist()
             start = 0
             for p, count in zip(bucket.params, counts):
-                value = grads[start:start + p.numel()].view_as(p)
+                value = grads[start : start + p.numel()].view_as(p)
                 start += p.numel()
                 if count == 0:
                     continue  # no rank produced a gradient: leave None, as torch does
@@ -147,6 +164,7 @@ class DataParallelGrads:
                     p.grad = value
                 else:
                     p.grad.copy_(value)
+
         self.reducer.add(handle, finish)
 
 
@@ -183,9 +201,14 @@ def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]], group=Non
         for i, (_, p) in enumerate(named_params):
             flat = p.detach().reshape(-1)
             for start in range(0, flat.numel(), _CHECK_CHUNK_NUMEL):
-                chunk = flat[start:start + _CHECK_CHUNK_NUMEL].to(torch.float64)
-                weights = torch.arange(start, start + chunk.numel(), device=chunk.device,
-                                       dtype=torch.float64).remainder_(1009).add_(1)
+                chunk = flat[start : start + _CHECK_CHUNK_NUMEL].to(torch.float64)
+                weights = (
+                    torch.arange(
+                        start, start + chunk.numel(), device=chunk.device, dtype=torch.float64
+                    )
+                    .remainder_(1009)
+                    .add_(1)
+                )
                 prints[i, 0] += chunk.sum()
                 prints[i, 1] += (chunk * weights).sum()
     high, low = prints.clone(), prints.clone()
@@ -199,4 +222,5 @@ def check_replicas_equal(named_params: list[tuple[str, torch.Tensor]], group=Non
             f"({len(names)} differ: {', '.join(names[:5])}{', ...' if len(names) > 5 else ''}). "
             "Plain parameters of a DistributedModule are replicated: build the model after "
             "nbtrain.init_distributed(seed=...) on every rank with the same seed, or load the "
-            "same weights everywhere.")
+            "same weights everywhere."
+        )

@@ -19,16 +19,17 @@ parameters, the data-parallel group for tensor-parallel slices (placement.py).
 A group publishes `gather` and `release` events (with its label), so how many
 blocks are gathered at once can be read from the event stream.
 """
+
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ..comm import collectives as C, events
+from ..comm import collectives as C
+from ..comm import events
 from .partition import FlatLayout
 from .placement import ShardGroup
 from .reducer import GradReducer
-
 
 
 def _restore_version(tensor: torch.Tensor, version: int) -> None:
@@ -42,10 +43,20 @@ def _restore_version(tensor: torch.Tensor, version: int) -> None:
 class FlatGroup:
     """One flat, sharded buffer for parameters that share dtype and requires_grad."""
 
-    def __init__(self, layout: FlatLayout, full_values: list[torch.Tensor], *,
-                 ranks: ShardGroup, device: torch.device, dtype: torch.dtype,
-                 requires_grad: bool, label: str, reducer: GradReducer,
-                 grad_dtype: torch.dtype | None = None, offload: bool = False):
+    def __init__(
+        self,
+        layout: FlatLayout,
+        full_values: list[torch.Tensor],
+        *,
+        ranks: ShardGroup,
+        device: torch.device,
+        dtype: torch.dtype,
+        requires_grad: bool,
+        label: str,
+        reducer: GradReducer,
+        grad_dtype: torch.dtype | None = None,
+        offload: bool = False,
+    ):
         if layout.world_size != ranks.size:
             raise ValueError(f"layout for {layout.world_size} ranks, group of {ranks.size}")
         self.layout, self.label, self.reducer = layout, label, reducer
@@ -57,16 +68,21 @@ class FlatGroup:
         # it to the device (at prefetch time, so the copy overlaps like the gather).
         self.device, self.offload = torch.device(device), bool(offload)
         home = torch.device("cpu") if self.offload else self.device
-        local = torch.zeros(layout.shard_numel, dtype=dtype, device=home,
-                            pin_memory=self.offload and self.device.type == "cuda")
+        local = torch.zeros(
+            layout.shard_numel,
+            dtype=dtype,
+            device=home,
+            pin_memory=self.offload and self.device.type == "cuda",
+        )
         for slot, value in zip(layout.slots, full_values):
             if value.is_meta:  # built on the meta device: zeros until loaded
                 continue
             part = slot.local_part(begin, end)
             if part is not None:
                 lo, hi = part
-                local[lo - begin:hi - begin].copy_(
-                    value.detach().reshape(-1)[lo - slot.offset:hi - slot.offset])
+                local[lo - begin : hi - begin].copy_(
+                    value.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
+                )
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._nbtrain_flat = True  # each element on one rank: norms sum over ranks
         self.synced_requires_grad = requires_grad  # the owning Block's (Block._sync_requires_grad)
@@ -111,8 +127,9 @@ class FlatGroup:
         self._shard_version = self.shard._version
         with torch.no_grad():
             self._staged = self._on_device(self.shard.detach())  # kept until the wait
-            self._handle = C.all_gather(self.full, self._staged, async_op=True,
-                                        group=self.ranks.group, label=self.label)
+            self._handle = C.all_gather(
+                self.full, self._staged, async_op=True, group=self.ranks.group, label=self.label
+            )
         events.instant("gather", self.label)
 
     def wait_gather(self) -> None:
@@ -182,15 +199,18 @@ class FlatGroup:
         if self.ranks.size == 1:  # the whole gradient is this rank's: nothing to reduce
             out, handle = grad_full, _DONE
         else:
-            out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
-                              device=grad_full.device)
-            handle = C.reduce_scatter(out, grad_full, op="avg", async_op=True,
-                                      group=self.ranks.group, label=self.label)
+            out = torch.empty(
+                self.layout.shard_numel, dtype=self.grad_dtype, device=grad_full.device
+            )
+            handle = C.reduce_scatter(
+                out, grad_full, op="avg", async_op=True, group=self.ranks.group, label=self.label
+            )
 
         def finish(grad_full=grad_full):  # keeps the input alive until done
             self._add_to_grad(out)
             if on_done is not None:
                 on_done()
+
         self.reducer.add(handle, finish)
 
     def flush_deferred(self) -> None:
@@ -199,8 +219,7 @@ class FlatGroup:
         grad_full, self.deferred = self.deferred, None
         if grad_full is None:
             return
-        out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype,
-                          device=grad_full.device)
+        out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype, device=grad_full.device)
         C.reduce_scatter(out, grad_full, op="avg", group=self.ranks.group, label=self.label)
         self._add_to_grad(out)
 
@@ -226,8 +245,12 @@ class FlatGroup:
     def gather_copy(self) -> torch.Tensor:
         """A fresh gathered copy of the flat buffer. Collective."""
         out = torch.empty(self.layout.padded_numel, dtype=self.shard.dtype, device=self.device)
-        C.all_gather(out, self._on_device(self.shard.detach()), group=self.ranks.group,
-                     label=self.label + ".copy")
+        C.all_gather(
+            out,
+            self._on_device(self.shard.detach()),
+            group=self.ranks.group,
+            label=self.label + ".copy",
+        )
         return out
 
     def _on_device(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -245,8 +268,9 @@ class FlatGroup:
         if part is not None:
             lo, hi = part
             with torch.no_grad():
-                self.shard[lo - begin:hi - begin].copy_(
-                    value.reshape(-1)[lo - slot.offset:hi - slot.offset])
+                self.shard[lo - begin : hi - begin].copy_(
+                    value.reshape(-1)[lo - slot.offset : hi - slot.offset]
+                )
 
 
 class _Done:

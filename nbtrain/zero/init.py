@@ -10,6 +10,7 @@ that overlap its shard, and any world size reassembles the same tensor. Any
 other initialiser runs on one full-shape tensor at a time, of which the rank
 keeps its slice.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -67,21 +68,22 @@ def _elementwise(init_method, shape):
         fan = _INIT._calculate_correct_fan(meta, p["mode"])
         std = _INIT.calculate_gain(p["nonlinearity"], p["a"]) / math.sqrt(fan)
         if func is _INIT.kaiming_uniform_:
-            return lambda t, g: _INIT.uniform_(t, -math.sqrt(3) * std, math.sqrt(3) * std,
-                                               generator=g)
+            return lambda t, g: _INIT.uniform_(
+                t, -math.sqrt(3) * std, math.sqrt(3) * std, generator=g
+            )
         return lambda t, g: _INIT.normal_(t, 0.0, std, generator=g)
     if func in (_INIT.xavier_uniform_, _INIT.xavier_normal_):
         fan_in, fan_out = _INIT._calculate_fan_in_and_fan_out(meta)
         std = p["gain"] * math.sqrt(2.0 / (fan_in + fan_out))
         if func is _INIT.xavier_uniform_:
-            return lambda t, g: _INIT.uniform_(t, -math.sqrt(3) * std, math.sqrt(3) * std,
-                                               generator=g)
+            return lambda t, g: _INIT.uniform_(
+                t, -math.sqrt(3) * std, math.sqrt(3) * std, generator=g
+            )
         return lambda t, g: _INIT.normal_(t, 0.0, std, generator=g)
     return None
 
 
-def init_range(name: str, shape, dtype, device, init_method, start: int,
-               stop: int) -> torch.Tensor:
+def init_range(name: str, shape, dtype, device, init_method, start: int, stop: int) -> torch.Tensor:
     """Initial values of elements [start, stop) of the flattened parameter `name`."""
     draw = _elementwise(init_method, tuple(shape))
     if draw is None:
@@ -92,10 +94,11 @@ def init_range(name: str, shape, dtype, device, init_method, start: int,
     with torch.no_grad():
         for chunk in range(start // CHUNK_NUMEL, (stop - 1) // CHUNK_NUMEL + 1):
             lo = chunk * CHUNK_NUMEL
-            values = torch.empty(min(CHUNK_NUMEL, math.prod(shape) - lo), dtype=dtype,
-                                 device=device)
+            values = torch.empty(
+                min(CHUNK_NUMEL, math.prod(shape) - lo), dtype=dtype, device=device
+            )
             gen.manual_seed(_seed_for(name, chunk))
             draw(values, gen)
             a, b = max(start, lo), min(stop, lo + values.numel())
-            out[a - start:b - start] = values[a - lo:b - lo]
+            out[a - start : b - start] = values[a - lo : b - lo]
     return out

@@ -13,6 +13,7 @@ Cost: every loose parameter is whole for the length of the root's forward
 (FSDP2 keeps its root group unsharded the same way); those that backward needs
 stay until it runs, as before.
 """
+
 from __future__ import annotations
 
 import torch
@@ -36,14 +37,16 @@ class _GatherMany(torch.autograd.Function):
         ctx.wide = wide if wide is not None and wide != params[0].dtype else None
         ctx.params = params if ctx.wide is not None else None
         if world == 1:  # each shard is the whole tensor: views, no copy
-            return tuple(p.detach().view(-1)[:shape.numel()].view(shape)
-                         for p, (_, shape) in zip(params, ctx.meta))
+            return tuple(
+                p.detach().view(-1)[: shape.numel()].view(shape)
+                for p, (_, shape) in zip(params, ctx.meta)
+            )
         local = torch.cat([p.detach().reshape(-1) for p in params])  # copy-in: one buffer
         out = torch.empty(world * local.numel(), dtype=local.dtype, device=local.device)
         C.all_gather(out, local, group=ranks.group, label="loose")
         rows, fulls, offset = out.view(world, local.numel()), [], 0
         for numel, shape in ctx.meta:
-            full = rows[:, offset:offset + numel].reshape(-1)[:shape.numel()]
+            full = rows[:, offset : offset + numel].reshape(-1)[: shape.numel()]
             fulls.append(full.view(shape))
             offset += numel
         return tuple(fulls)
@@ -54,10 +57,14 @@ class _GatherMany(torch.autograd.Function):
         if ctx.wide is not None:
             grads = [None if g is None else g.to(ctx.wide) for g in grads]
         if world == 1:
-            shard_grads = [None if g is None or not ctx.needs_input_grad[i + 1]
-                           else g.reshape(-1).mul(ctx.ranks.grad_scale)
-                           if ctx.ranks.grad_scale != 1.0 else g.reshape(-1)
-                           for i, g in enumerate(grads)]
+            shard_grads = [
+                None
+                if g is None or not ctx.needs_input_grad[i + 1]
+                else g.reshape(-1).mul(ctx.ranks.grad_scale)
+                if ctx.ranks.grad_scale != 1.0
+                else g.reshape(-1)
+                for i, g in enumerate(grads)
+            ]
             return (None, *_to_main_grad(ctx, shard_grads))
         ref = next(g for g in grads if g is not None)
         flat = torch.zeros(world, total, dtype=ref.dtype, device=ref.device)
@@ -65,22 +72,21 @@ class _GatherMany(torch.autograd.Function):
         for (numel, shape), grad in zip(ctx.meta, grads):
             if grad is not None:
                 padded = F.pad(grad.reshape(-1), (0, world * numel - shape.numel()))
-                flat[:, offset:offset + numel].copy_(padded.view(world, numel))
+                flat[:, offset : offset + numel].copy_(padded.view(world, numel))
             offset += numel
         if ctx.ranks.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
             flat.mul_(ctx.ranks.grad_scale)
         offset = 0
         for (numel, _), layout, grad in zip(ctx.meta, ctx.tp_layouts, grads):
             if layout is not None:  # sequence parallel: a sum over tp (tp_partial.py)
-                layout.apply([None if grad is None else flat[:, offset:offset + numel]])
+                layout.apply([None if grad is None else flat[:, offset : offset + numel]])
             offset += numel
         out = torch.empty(total, dtype=ref.dtype, device=ref.device)
-        C.reduce_scatter(out, flat.view(-1), op="avg", group=ctx.ranks.group,
-                         label="loose.grad")
+        C.reduce_scatter(out, flat.view(-1), op="avg", group=ctx.ranks.group, label="loose.grad")
         shard_grads, offset = [], 0
         for i, (numel, _) in enumerate(ctx.meta):
             wanted = ctx.needs_input_grad[i + 1]
-            shard_grads.append(out[offset:offset + numel].clone() if wanted else None)
+            shard_grads.append(out[offset : offset + numel].clone() if wanted else None)
             offset += numel
         return (None, *_to_main_grad(ctx, shard_grads))
 
@@ -107,8 +113,13 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
     by_key: dict = {}
     for p in params:
         ranks = group_of(p)
-        key = (p.dtype, p.device, id(ranks.group), ranks.grad_scale,
-               getattr(p, "reduce_dtype", None))
+        key = (
+            p.dtype,
+            p.device,
+            id(ranks.group),
+            ranks.grad_scale,
+            getattr(p, "reduce_dtype", None),
+        )
         by_key.setdefault(key, (ranks, []))[1].append(p)
     out = {}
     for ranks, group in by_key.values():

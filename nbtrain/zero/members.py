@@ -4,6 +4,7 @@ The parameter objects stay the user's after a Block takes their values into its 
 shards: each shows this rank's part of itself (`become_part`), and `requires_grad_` on
 them or on the block's shards is honoured at the next forward (`sync_requires_grad`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,8 +13,9 @@ from .flat import FlatGroup
 from .parameter import DistributedParameter
 
 
-def become_part(param: DistributedParameter, group: FlatGroup, part, offset: int,
-                 begin: int) -> None:
+def become_part(
+    param: DistributedParameter, group: FlatGroup, part, offset: int, begin: int
+) -> None:
     """Makes `param` show this rank's part of it in `group`'s shard: its `.data` a view
     of the shard (empty where this rank holds none of it), `.grad` the same part of the
     shard's gradient (DistributedParameter.grad), `_start_partition`/`_end_partition`
@@ -26,7 +28,7 @@ def become_part(param: DistributedParameter, group: FlatGroup, part, offset: int
             span = None
         else:
             lo, hi = part
-            param.data = group.shard.detach()[lo - begin:hi - begin]
+            param.data = group.shard.detach()[lo - begin : hi - begin]
             param._start_partition, param._end_partition = lo - offset, hi - offset
             span = (lo - begin, hi - begin)
     param.requires_grad_(group.shard.requires_grad)
@@ -44,15 +46,20 @@ def sync_requires_grad(groups: list[FlatGroup], label: str) -> None:
         if group.shard.requires_grad == seen:
             wanted = {m.requires_grad for m in members} or {seen}
             if len(wanted) > 1:
-                frozen = [n for e in group.entries if e.member is not None
-                          and not e.member.requires_grad for n in e.names[:1]]
+                frozen = [
+                    n
+                    for e in group.entries
+                    if e.member is not None and not e.member.requires_grad
+                    for n in e.names[:1]
+                ]
                 raise ValueError(
                     f"Block {label!r}: requires_grad_(False) on {frozen} but not on the "
                     "other parameters of the same flat buffer; nbtrain trains or freezes "
                     "a block's parameters of one dtype together. Toggle them all (for p "
                     "in block.parameters(): p.requires_grad_(False)), or build the block "
                     "with those parameters already frozen (they then get a buffer of "
-                    "their own).")
+                    "their own)."
+                )
             group.shard.requires_grad_(wanted.pop())
         for m in members:
             m.requires_grad_(group.shard.requires_grad)

@@ -20,12 +20,12 @@ An initialiser rule is `rule(name, module, param) -> initialiser or None`, `name
 parameter's name in the model, `module` the module owning it; an initialiser is a
 ParameterInitializer (or any function of a full-shape tensor, applied to it in place).
 """
+
 from __future__ import annotations
 
 import contextlib
 import math
 
-import torch
 from torch import nn
 
 from .parameter import ParameterInitializer
@@ -90,6 +90,7 @@ def normal_inits(std: float = 0.02, scaled: dict | None = None):
             sd = next((v for k, v in scaled.items() if name.endswith(k)), std)
             return ParameterInitializer(nn.init.normal_, mean=0.0, std=sd)
         return None
+
     return rule
 
 
@@ -117,7 +118,9 @@ def assign_inits(model: nn.Module, rule=torch_default_inits, *, overwrite: bool 
         p.init_method = init
         count += 1
     if missing:
-        raise ValueError(f"assign_inits: no initialiser for {len(missing)} parameter(s) built "
-                         f"on the meta device: {', '.join(missing)}; give a rule that covers "
-                         "them, or load a checkpoint into them instead")
+        raise ValueError(
+            f"assign_inits: no initialiser for {len(missing)} parameter(s) built "
+            f"on the meta device: {', '.join(missing)}; give a rule that covers "
+            "them, or load a checkpoint into them instead"
+        )
     return count

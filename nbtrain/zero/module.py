@@ -18,6 +18,7 @@ model. (Taking the root at the end of construction, not at the first forward,
 also covers models trained through a method such as `model.loss(x, y)` that never
 goes through `model(...)` and its hooks.)
 """
+
 from __future__ import annotations
 
 import functools
@@ -77,6 +78,7 @@ def _taking_root_after(init):
             self.__dict__["_nbtrain_init_depth"] = depth
         if depth == 0:
             _take_root(self)
+
     return __init__
 
 

@@ -11,6 +11,7 @@ Where they are used:
   * in any other module (after `wrap`), a forward pre-hook gathers the module's
     own distributed parameters for the duration of its forward (loose.py).
 """
+
 from __future__ import annotations
 
 import torch
@@ -73,13 +74,20 @@ class DistributedParameter(nn.Parameter):
         shard_group: the ranks sharing the shards (a `ShardGroup`).
     """
 
-    def __new__(cls, data: torch.Tensor, requires_grad: bool = True, init_method=None, *,
-                tp_slice_of=None, stage: bool = False):
+    def __new__(
+        cls,
+        data: torch.Tensor,
+        requires_grad: bool = True,
+        init_method=None,
+        *,
+        tp_slice_of=None,
+        stage: bool = False,
+    ):
         ctx = get_context()
-        group = shard_group(slice_kind(tp_slice_of) if tp_slice_of is not None else None,
-                            stage)
-        local = _local_slice(data if data.is_meta else data.to(ctx.device), group.rank, group.size,
-                             ctx.device)
+        group = shard_group(slice_kind(tp_slice_of) if tp_slice_of is not None else None, stage)
+        local = _local_slice(
+            data if data.is_meta else data.to(ctx.device), group.rank, group.size, ctx.device
+        )
         param = super().__new__(cls, local, requires_grad)
         param.full_shape = torch.Size(data.shape)
         param.init_method = init_method
@@ -102,7 +110,7 @@ class DistributedParameter(nn.Parameter):
         grad = shard.grad if grad is None else grad
         if grad is None or not self.requires_grad:
             return None
-        return grad[:0] if span is None else grad[span[0]:span[1]]
+        return grad[:0] if span is None else grad[span[0] : span[1]]
 
     @grad.setter
     def grad(self, value):
@@ -111,22 +119,24 @@ class DistributedParameter(nn.Parameter):
             _TENSOR_GRAD.__set__(self, value)
             return
         if value is None:  # the block's shard keeps its gradient: zero it through the
-            return         # optimizer (zero_grad), which owns the shard
+            return  # optimizer (zero_grad), which owns the shard
         group, span = part
         if span is None:
             return
         shard = group.shard
         with torch.no_grad():
             if getattr(shard, "main_grad", None) is not None:
-                shard.main_grad[span[0]:span[1]].copy_(value.reshape(-1))
+                shard.main_grad[span[0] : span[1]].copy_(value.reshape(-1))
                 return
             if shard.grad is None:
                 shard.grad = torch.zeros_like(shard)
-            shard.grad[span[0]:span[1]].copy_(value.reshape(-1))
+            shard.grad[span[0] : span[1]].copy_(value.reshape(-1))
 
     def __deepcopy__(self, memo):
-        raise TypeError("a DistributedParameter holds one shard; copy the module with "
-                        "nbtrain.save/load instead of copy.deepcopy")
+        raise TypeError(
+            "a DistributedParameter holds one shard; copy the module with "
+            "nbtrain.save/load instead of copy.deepcopy"
+        )
 
     def __reduce_ex__(self, proto):
         # Shards pickle as plain tensors (for pulling a value to the notebook).
@@ -159,17 +169,19 @@ class DistributedParameter(nn.Parameter):
             raise RuntimeError(
                 f"{what}() of a DistributedParameter held by a Block: its values live in "
                 "the block's flat shard. Read the full tensor inside the block's forward "
-                "(the module's attribute), or with block.state_dict().")
+                "(the module's attribute), or with block.state_dict()."
+            )
 
     def load_full_(self, value: torch.Tensor, name: str = "") -> None:
         """Keeps this rank's slice of a full tensor `value` (shape must match)."""
         if tuple(value.shape) != tuple(self.full_shape):
-            raise ValueError(f"{name or 'parameter'}: checkpoint shape {tuple(value.shape)} "
-                             f"does not match the model's {tuple(self.full_shape)}")
+            raise ValueError(
+                f"{name or 'parameter'}: checkpoint shape {tuple(value.shape)} "
+                f"does not match the model's {tuple(self.full_shape)}"
+            )
         group = self.shard_group
         with torch.no_grad():
-            self.data.copy_(_local_slice(value.to(self.device, self.dtype), group.rank,
-                                         group.size))
+            self.data.copy_(_local_slice(value.to(self.device, self.dtype), group.rank, group.size))
 
 
 def _allow_foreach_kernels() -> None:
@@ -241,6 +253,7 @@ class _GatherParam(torch.autograd.Function):
 
 # -- state dict conversion for modules holding DistributedParameters ----------
 
+
 def _save_hook(module, state_dict, prefix, local_metadata):
     for name, param in module._parameters.items():
         if is_tp_slice(param):
@@ -249,15 +262,18 @@ def _save_hook(module, state_dict, prefix, local_metadata):
             state_dict[prefix + name] = param.gather_copy()
 
 
-def _load_pre_hook(module, state_dict, prefix, local_metadata, strict, missing_keys,
-                   unexpected_keys, error_msgs):
+def _load_pre_hook(
+    module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+):
     for name, param in module._parameters.items():
         key = prefix + name
         if isinstance(param, DistributedParameter) and key in state_dict:
             value = state_dict[key]
             if tuple(value.shape) != tuple(param.full_shape):
-                raise ValueError(f"load_state_dict: {key!r} has shape {tuple(value.shape)} in "
-                                 f"the state dict but {tuple(param.full_shape)} in the model")
+                raise ValueError(
+                    f"load_state_dict: {key!r} has shape {tuple(value.shape)} in "
+                    f"the state dict but {tuple(param.full_shape)} in the model"
+                )
             group = group_of(param)
             state_dict[key] = _local_slice(value, group.rank, group.size)
 

@@ -5,6 +5,7 @@ multiple of the world size so every rank owns one equal, contiguous slice:
 rank r owns [r * shard_numel, (r + 1) * shard_numel). A parameter may lie wholly
 in one rank's slice, straddle several, or (for small ones) be absent from a rank.
 """
+
 from __future__ import annotations
 
 import math

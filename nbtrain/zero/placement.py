@@ -13,6 +13,7 @@ ranks holding the same experts (the "edp" group). Their gradients already sum ev
 ep rank's tokens, so they are divided by ep_size before the average over edp: the
 result is the mean over all data-parallel ranks, as for every other parameter.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ def is_tp_slice(param) -> bool:
 
 
 def slice_kind(param) -> str | None:
-    """"tp" for a tensor-parallel slice, "ep" for an expert slice, None otherwise."""
+    """ "tp" for a tensor-parallel slice, "ep" for an expert slice, None otherwise."""
     if not is_tp_slice(param):
         return None
     return getattr(param, "tp_slice_group", "tp")
@@ -49,8 +50,9 @@ def shard_group(tp_slice: bool | str | None = False, stage: bool = False) -> Sha
     ctx = get_context()
     topo = ctx.topology
     if tp_slice == "ep":
-        return ShardGroup(topo.group("edp"), topo.edp_rank, topo.dp_size // topo.ep_size,
-                          1.0 / topo.ep_size)
+        return ShardGroup(
+            topo.group("edp"), topo.edp_rank, topo.dp_size // topo.ep_size, 1.0 / topo.ep_size
+        )
     if tp_slice:
         return ShardGroup(topo.group("dp"), topo.dp_rank, topo.dp_size)
     if stage:

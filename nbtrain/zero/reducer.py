@@ -18,6 +18,7 @@ stale collectives so every rank stays in step, and drops their results: a failed
 backward contributes nothing to the gradients, as in plain PyTorch after
 `zero_grad()`.
 """
+
 from __future__ import annotations
 
 from collections import deque

@@ -8,17 +8,18 @@ of its DistributedParameters outside blocks (`LooseParams`, from wrap), and the
 data-parallel reduction of its plain parameters (`DataParallelGrads`, for a
 DistributedModule). Two models in one process have two roots and share nothing.
 """
+
 from __future__ import annotations
 
 from torch import nn
 
+from ..comm.topology import ALONE
 from .block import Block
 from .data_parallel import BUCKET_NUMEL, DataParallelGrads, check_replicas_equal
 from .loose import LooseParams
 from .parameter import DistributedParameter
-from .reducer import GradReducer
-from ..comm.topology import ALONE
 from .placement import is_stage, slice_kind
+from .reducer import GradReducer
 
 
 class ModelRoot:
@@ -58,18 +59,23 @@ class ModelRoot:
         Parameters) data-parallel gradients, after checking every rank holds the
         same values. Collective: every rank calls this on the same model."""
         self.release()
-        named = [(n, p) for n, p in model.named_parameters()
-                 if not isinstance(p, DistributedParameter)
-                 and not getattr(p, "_nbtrain_flat", False)]
+        named = [
+            (n, p)
+            for n, p in model.named_parameters()
+            if not isinstance(p, DistributedParameter) and not getattr(p, "_nbtrain_flat", False)
+        ]
         # Tensor-parallel slices differ between tp ranks: their copies are held by the
         # data-parallel group of their tp slot, and reduced there (none when alone).
-        slices = [p for _, p in named
-                  if getattr(p, "tp_split_dim", None) is not None and p.requires_grad]
+        slices = [
+            p for _, p in named if getattr(p, "tp_split_dim", None) is not None and p.requires_grad
+        ]
         experts = [n for n, p in named if slice_kind(p) == "ep"]
         if experts and _topology().dp_size > 1:
-            raise ValueError(f"{experts[0]!r}: expert parameters outside a Block have no "
-                             "gradient reduction here; shard the model with nbtrain.wrap "
-                             "(its experts shard and reduce over the ranks holding them)")
+            raise ValueError(
+                f"{experts[0]!r}: expert parameters outside a Block have no "
+                "gradient reduction here; shard the model with nbtrain.wrap "
+                "(its experts shard and reduce over the ranks holding them)"
+            )
         named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
         # The ranks holding copies: a pipeline stage's, or (outside a stage) the world's.
         stage = _stage_group() if is_stage(model) else None
@@ -78,13 +84,15 @@ class ModelRoot:
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)
         self.data_parallel = None
         if trainable and stage is not ALONE and _holders(stage) > 1:
-            self.data_parallel = DataParallelGrads(trainable, self.reducer, bucket_numel,
-                                                   group=stage)
+            self.data_parallel = DataParallelGrads(
+                trainable, self.reducer, bucket_numel, group=stage
+            )
         self.tp_data_parallel = None
         dp_group = _tp_slice_group() if slices else ALONE
         if dp_group is not ALONE:
-            self.tp_data_parallel = DataParallelGrads(slices, self.reducer, bucket_numel,
-                                                      group=dp_group, replicated=False)
+            self.tp_data_parallel = DataParallelGrads(
+                slices, self.reducer, bucket_numel, group=dp_group, replicated=False
+            )
 
 
 def _holders(group) -> int:

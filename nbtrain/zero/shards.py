@@ -11,6 +11,7 @@ so the storage can change without them noticing:
 
 Both are local: they read what this rank holds and communicate nothing.
 """
+
 from __future__ import annotations
 
 import enum
@@ -29,8 +30,8 @@ from .placement import ShardGroup, is_tp_slice
 class ShardKind(enum.Enum):
     """Where a parameter's values live on this rank."""
 
-    BLOCK = "block"            # a part of a Block's flat buffer
-    PARAMETER = "parameter"    # a DistributedParameter outside any Block
+    BLOCK = "block"  # a part of a Block's flat buffer
+    PARAMETER = "parameter"  # a DistributedParameter outside any Block
     REPLICATED = "replicated"  # a plain parameter: every rank holds it whole
 
 
@@ -98,10 +99,20 @@ def _block_shards(block: Block, base: str) -> list[Shard]:
         for slot, entry in zip(group.layout.slots, group.entries):
             lo, hi = slot.local_part(begin, end) or (slot.offset, slot.offset)
             cut = slice(lo - begin, hi - begin) if hi > lo else slice(0, 0)
-            out.append(Shard(tuple(base + n for n in entry.names), slot.shape, local.dtype,
-                             local[cut], None if grad is None else grad.detach()[cut],
-                             lo - slot.offset, ShardKind.BLOCK, group.ranks, entry.tp,
-                             entry.member))
+            out.append(
+                Shard(
+                    tuple(base + n for n in entry.names),
+                    slot.shape,
+                    local.dtype,
+                    local[cut],
+                    None if grad is None else grad.detach()[cut],
+                    lo - slot.offset,
+                    ShardKind.BLOCK,
+                    group.ranks,
+                    entry.tp,
+                    entry.member,
+                )
+            )
     return out
 
 
@@ -111,14 +122,30 @@ def _param_shard(name: str, param: nn.Parameter) -> Shard:
         ranks = group_of(param)
         begin, _ = shard_range(param.full_numel, ranks.size, ranks.rank)
         real = max(0, min(param.numel(), param.full_numel - begin))  # no padding
-        return Shard((name,), tuple(param.full_shape), param.dtype,
-                     param.detach().reshape(-1)[:real],
-                     None if grad is None else grad.detach().reshape(-1)[:real],
-                     min(begin, param.full_numel), ShardKind.PARAMETER, ranks,
-                     param if is_tp_slice(param) else None, param)
-    return Shard((name,), tuple(param.shape), param.dtype, param.detach().reshape(-1),
-                 None if grad is None else grad.detach().reshape(-1), 0,
-                 ShardKind.REPLICATED, None, param if is_tp_slice(param) else None, param)
+        return Shard(
+            (name,),
+            tuple(param.full_shape),
+            param.dtype,
+            param.detach().reshape(-1)[:real],
+            None if grad is None else grad.detach().reshape(-1)[:real],
+            min(begin, param.full_numel),
+            ShardKind.PARAMETER,
+            ranks,
+            param if is_tp_slice(param) else None,
+            param,
+        )
+    return Shard(
+        (name,),
+        tuple(param.shape),
+        param.dtype,
+        param.detach().reshape(-1),
+        None if grad is None else grad.detach().reshape(-1),
+        0,
+        ShardKind.REPLICATED,
+        None,
+        param if is_tp_slice(param) else None,
+        param,
+    )
 
 
 def shards(model: nn.Module) -> list[Shard]:
@@ -200,13 +227,24 @@ def flat_buffers(model: nn.Module) -> list[FlatBuffer]:
         base = prefix + "." if prefix else ""
         for i, group in enumerate(module.groups):
             layout = group.layout
-            members = tuple(FlatMember(tuple(base + n for n in e.names), s.shape, s.offset, e.tp)
-                            for s, e in zip(layout.slots, group.entries))
+            members = tuple(
+                FlatMember(tuple(base + n for n in e.names), s.shape, s.offset, e.tp)
+                for s, e in zip(layout.slots, group.entries)
+            )
             gathered = 0 if group.alias else group.full.untyped_storage().nbytes()
-            out.append(FlatBuffer(f"{base}flat_param_{i}", group.label, group.shard,
-                                  layout.numel, layout.padded_numel,
-                                  layout.shard_range(group.rank)[0], group.ranks, members,
-                                  gathered))
+            out.append(
+                FlatBuffer(
+                    f"{base}flat_param_{i}",
+                    group.label,
+                    group.shard,
+                    layout.numel,
+                    layout.padded_numel,
+                    layout.shard_range(group.rank)[0],
+                    group.ranks,
+                    members,
+                    gathered,
+                )
+            )
     return out
 
 

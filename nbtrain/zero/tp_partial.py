@@ -27,6 +27,7 @@ DistributedParameter, the data-parallel buckets) keeps one `TpLayout` per set of
 parameters it reduces together; deciding costs two tiny collectives, on the first
 backward passes only.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,8 +68,7 @@ class TpLayout:
         size = tp_size()
         if size == 1:
             return False
-        if any(p is None and (active is None or active[i])
-               for i, p in enumerate(self.partial)):
+        if any(p is None and (active is None or active[i]) for i, p in enumerate(self.partial)):
             self._decide(grads, active)
         scaled = False
         for grad, partial in zip(grads, self.partial):
@@ -91,13 +91,14 @@ class TpLayout:
                 if grad is None:
                     continue
                 flat = grad.detach().reshape(-1).to(ctx.device, torch.float64)
-                weights = torch.arange(flat.numel(), device=flat.device,
-                                       dtype=torch.float64).remainder_(1009).add_(1)
+                weights = (
+                    torch.arange(flat.numel(), device=flat.device, dtype=torch.float64)
+                    .remainder_(1009)
+                    .add_(1)
+                )
                 prints[i] = torch.stack([flat.sum(), (flat * weights).sum(), flat.abs().sum()])
-        peers = torch.empty(topo.tp_size, *prints.shape, dtype=prints.dtype,
-                            device=prints.device)
-        C.all_gather(peers.view(-1), prints.view(-1), group=topo.group("tp"),
-                     label="tp layout")
+        peers = torch.empty(topo.tp_size, *prints.shape, dtype=prints.dtype, device=prints.device)
+        C.all_gather(peers.view(-1), prints.view(-1), group=topo.group("tp"), label="tp layout")
         scale = peers.abs().amax(0).clamp_min(1e-30)
         differs = ((peers - peers[:1]).abs() > _RTOL * scale).any(0).any(-1)
         nonzero = peers[..., 2].amax(0) > 0

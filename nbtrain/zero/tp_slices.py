@@ -7,6 +7,7 @@ divide is padded with zero rows before it is cut; the padding is dropped again w
 the full tensor is put back together. Used by the tensor-parallel layers' state dicts
 and by Blocks holding slices.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,11 +30,10 @@ def pad_along(t: torch.Tensor, dim: int, length: int) -> torch.Tensor:
     pad = length - t.shape[dim]
     if pad <= 0:
         return t
-    return torch.cat([t, t.new_zeros(*t.shape[:dim], pad, *t.shape[dim + 1:])], dim=dim)
+    return torch.cat([t, t.new_zeros(*t.shape[:dim], pad, *t.shape[dim + 1 :])], dim=dim)
 
 
-def cut(full: torch.Tensor, dim: int | None, size: int, rank: int,
-        groups: int = 1) -> torch.Tensor:
+def cut(full: torch.Tensor, dim: int | None, size: int, rank: int, groups: int = 1) -> torch.Tensor:
     """Rank `rank`'s slice of `full` along `dim` (None: all of it). With `groups` > 1
     the dimension is that many equal parts and each part is split."""
     if dim is None:

@@ -1,4 +1,5 @@
 """Whole-model operations on sharded state: deferred initialisation, gathered gradients."""
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,11 @@ def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
             seen.add(id(param))
             if param.grad is None:
                 continue
-            grad = (_gather_grad(param) if isinstance(param, DistributedParameter)
-                    else param.grad.detach().clone())
+            grad = (
+                _gather_grad(param)
+                if isinstance(param, DistributedParameter)
+                else param.grad.detach().clone()
+            )
             # A tensor-parallel slice's gradient: the full one, gathered over tp.
             out[base + name] = full_from_slice(grad, param) if is_tp_slice(param) else grad
     return out
@@ -53,7 +57,7 @@ def init_parameters(model: nn.Module) -> None:
     Every rank computes only its own shard (see the module docstring); the
     gathered model is the same at every world size. Collective-free.
     """
-    ctx = get_context()
+    get_context()  # before init_distributed: its clear error, not one from deep inside
     for prefix, module in model.named_modules():
         base = prefix + "." if prefix else ""
         if isinstance(module, Block):
@@ -65,8 +69,15 @@ def init_parameters(model: nn.Module) -> None:
                 begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
                 stop = min(end, param.full_numel)
                 if stop > begin:
-                    values = init_range(base + name, param.full_shape, param.dtype,
-                                        param.device, param.init_method, begin, stop)
+                    values = init_range(
+                        base + name,
+                        param.full_shape,
+                        param.dtype,
+                        param.device,
+                        param.init_method,
+                        begin,
+                        stop,
+                    )
                     with torch.no_grad():
                         param.data[: stop - begin].copy_(values)
 
@@ -80,8 +91,11 @@ def state_keys(model: nn.Module) -> list[str]:
             keys += [base + n for g in module.groups for e in g.entries for n in e.names]
         else:
             keys += [base + n for n, p in module._parameters.items() if p is not None]
-        keys += [base + n for n, b in module._buffers.items()
-                 if b is not None and n not in module._non_persistent_buffers_set]
+        keys += [
+            base + n
+            for n, b in module._buffers.items()
+            if b is not None and n not in module._non_persistent_buffers_set
+        ]
     return list(dict.fromkeys(keys))
 
 
@@ -95,8 +109,7 @@ def full_items_by_parameter(block: Block, prefix: str = ""):
 
     for group in block.groups:
         ranks = group.ranks
-        if ranks.size == 1 or ranks.group is ALONE or any(e.tp is not None
-                                                         for e in group.entries):
+        if ranks.size == 1 or ranks.group is ALONE or any(e.tp is not None for e in group.entries):
             yield from block.full_items(prefix, copy=False, groups=[group])
             continue
         sources = [C.global_rank(ranks.group, r) for r in range(ranks.size)]
@@ -109,9 +122,9 @@ def full_items_by_parameter(block: Block, prefix: str = ""):
                 if part is None:
                     continue
                 lo, hi = part
-                piece = out[lo - slot.offset:hi - slot.offset]
+                piece = out[lo - slot.offset : hi - slot.offset]
                 if r == ranks.rank:
-                    piece.copy_(shard[lo - begin:hi - begin])
+                    piece.copy_(shard[lo - begin : hi - begin])
                 C.broadcast(piece, src=src, group=ranks.group, label=f"{group.label}.save")
             value = out.view(slot.shape)
             for name in entry.names:

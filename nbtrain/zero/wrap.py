@@ -7,6 +7,7 @@ that owns it. Tied parameters (an embedding shared with the output projection)
 stay one shared parameter. A pipeline Stage holds its layers directly, under the
 plain model's indices: each layer becomes a Block in place, so the names stay.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -45,12 +46,15 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
             inside[id(p)] = pname
     for pname, p in model.named_parameters(remove_duplicate=False):
         if id(p) in inside and not any(pname.startswith(n + ".") for n, _ in lists):
-            raise ValueError(f"parameter {pname!r} is tied to {inside[id(p)]!r} inside a layer "
-                             "list; untie it or keep that layer list out of wrap()")
+            raise ValueError(
+                f"parameter {pname!r} is tied to {inside[id(p)]!r} inside a layer "
+                "list; untie it or keep that layer list out of wrap()"
+            )
 
 
-def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtype,
-                            offload=False, compile=False) -> list:
+def _stage_layers_to_blocks(
+    model: nn.Module, level, use_checkpoint, reduce_dtype, offload=False, compile=False
+) -> list:
     """Makes each layer of a pipeline Stage (with parameters) a Block in place, under its
     own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter,
     with each other or with another stage (`model.ties`, a tied embedding), stay outside
@@ -67,9 +71,15 @@ def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtyp
     blocks, prev = [], None
     for k, m in layers.items():
         if not isinstance(m, Block) and k not in shared and any(True for _ in m.parameters()):
-            m = model._modules[k] = Block(m, level, use_checkpoint, label=k,
-                                          reduce_dtype=reduce_dtype, offload=offload,
-                                          compile=compile)
+            m = model._modules[k] = Block(
+                m,
+                level,
+                use_checkpoint,
+                label=k,
+                reduce_dtype=reduce_dtype,
+                offload=offload,
+                compile=compile,
+            )
             blocks.append(m)
         if isinstance(m, Block) and isinstance(prev, Block):  # neighbours prefetch
             object.__setattr__(prev, "_next_block", m)
@@ -78,8 +88,9 @@ def _stage_layers_to_blocks(model: nn.Module, level, use_checkpoint, reduce_dtyp
     return blocks
 
 
-def _shard_loose_parameters(model: nn.Module, root: ModelRoot,
-                            reduce_dtype=None) -> list[DistributedParameter]:
+def _shard_loose_parameters(
+    model: nn.Module, root: ModelRoot, reduce_dtype=None
+) -> list[DistributedParameter]:
     """Converts parameters outside Blocks; returns those the hooks gather (unique)."""
     stage = is_stage(model)  # a pipeline stage's parameters shard over its ranks only
     converted: dict[int, DistributedParameter] = {}
@@ -95,9 +106,12 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot,
             dp = converted.get(id(param))
             if dp is None:
                 dp = converted[id(param)] = DistributedParameter(
-                    param.detach(), param.requires_grad,
-                    init_method=getattr(param, "init_method", None), tp_slice_of=param,
-                    stage=stage)
+                    param.detach(),
+                    param.requires_grad,
+                    init_method=getattr(param, "init_method", None),
+                    tp_slice_of=param,
+                    stage=stage,
+                )
                 if reduce_dtype is not None and reduce_dtype != dp.dtype:
                     dp.reduce_dtype = reduce_dtype  # gradients reduced in it (loose.py)
             module._parameters[name] = dp
@@ -108,13 +122,22 @@ def _shard_loose_parameters(model: nn.Module, root: ModelRoot,
             module.register_forward_hook(LooseParams.module_post_forward, always_call=True)
             module._nbtrain_gather_hooks = True
         if changed:
-            hooked.update((id(p), p) for p in module._parameters.values()
-                          if isinstance(p, DistributedParameter))
+            hooked.update(
+                (id(p), p)
+                for p in module._parameters.values()
+                if isinstance(p, DistributedParameter)
+            )
     return list(hooked.values())
 
 
-def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
-         reduce_dtype=None, offload: bool = False, compile: bool | dict = False) -> nn.Module:
+def wrap(
+    model: nn.Module,
+    zero_level: int = 3,
+    use_checkpoint: bool = False,
+    reduce_dtype=None,
+    offload: bool = False,
+    compile: bool | dict = False,
+) -> nn.Module:
     """Shards `model` in place and returns it.
 
     Args:
@@ -134,21 +157,34 @@ def wrap(model: nn.Module, zero_level: int = 3, use_checkpoint: bool = False,
     """
     level = ZeroLevel.parse(zero_level)
     if isinstance(model, nn.ModuleList) and len(model) and all(map(is_stage, model)):
-        raise ValueError("wrap: got a list of pipeline chunks (pipeline.stages_of); wrap "
-                         "each chunk instead: [nbtrain.wrap(chunk) for chunk in chunks]")
+        raise ValueError(
+            "wrap: got a list of pipeline chunks (pipeline.stages_of); wrap "
+            "each chunk instead: [nbtrain.wrap(chunk) for chunk in chunks]"
+        )
     first_blocks = []
     if is_stage(model) and hasattr(model, "layer_keys"):  # its layers are the list
         lists = []
-        first_blocks += _stage_layers_to_blocks(model, level, use_checkpoint, reduce_dtype,
-                                                offload, compile)[:1]
+        first_blocks += _stage_layers_to_blocks(
+            model, level, use_checkpoint, reduce_dtype, offload, compile
+        )[:1]
     else:
         lists = _layer_lists(model)
     _check_no_ties_across(model, lists)
     for name, ml in lists:
-        blocks = TransformerBlockList([Block(m, level, use_checkpoint, label=f"{name}.{i}",
-                                             reduce_dtype=reduce_dtype, offload=offload,
-                                             compile=compile)
-                                       for i, m in enumerate(ml)])
+        blocks = TransformerBlockList(
+            [
+                Block(
+                    m,
+                    level,
+                    use_checkpoint,
+                    label=f"{name}.{i}",
+                    reduce_dtype=reduce_dtype,
+                    offload=offload,
+                    compile=compile,
+                )
+                for i, m in enumerate(ml)
+            ]
+        )
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, blocks)
