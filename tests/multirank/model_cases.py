@@ -110,7 +110,7 @@ def gentle(optimizer: str) -> dict:
     """runtime_cases' optimizer at a tenth (AdamW) or half (SGD) of its rate: at higher
     rates AdamW throws these models about (the loss rises over the steps), and chaotic
     steps magnify last-bit differences to ~1e-5 within 10 steps."""
-    from runtime_cases import OPTIMIZERS
+    from support.runtime_cases import OPTIMIZERS
 
     spec = dict(OPTIMIZERS[optimizer])
     spec["lr"] *= 0.1 if optimizer == "adamw" else 0.5
@@ -120,7 +120,7 @@ def gentle(optimizer: str) -> dict:
 def toy_parity(cases, steps):
     """Registers the test folder's toy_lm package, then compare(reference, nbtrain) over
     `steps` steps for each (optimizer, parallel kwargs): {index: rows}."""
-    from runtime_cases import batches
+    from support.runtime_cases import batches
 
     from nbtrain.models import register_model
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, compare

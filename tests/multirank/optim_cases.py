@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-import cases
+from support import cases
 import nbtrain as nbt
 from nbtrain import lr_scheduler
 from nbtrain.optim import AdamOptimizer, OptimManager

@@ -1,18 +1,15 @@
 """nbtrain.runtime as a plain script under torchrun: the reference against pp 2
 (2 micro-batches), 3 steps; prints one JSON line of compare's rows.
 
-Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 runtime_torchrun.py
+Usage, from the checkout: PYTHONPATH=.:tests python -m torch.distributed.run --standalone
+--nproc-per-node 2 tests/multirank/runtime_torchrun.py
 """
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-import nbtrain  # noqa: E402
-from runtime_cases import batches, configs  # noqa: E402
+import nbtrain
+from support.runtime_cases import batches, configs  # tests/ on PYTHONPATH: support.script_env()
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from async_cases import killed_during_write, load_state, roundtrip
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def test_a_background_save_holds_the_state_at_the_save(tmp_path):

@@ -23,7 +23,7 @@ import math
 
 import pytest
 import torch
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 import nbtrain as nbt
 from nbtrain.comm import collectives as C

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import nbtrain as nbt
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 class Fancy(nn.Module):

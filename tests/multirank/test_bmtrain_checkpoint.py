@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-import cases
+from support import cases
 import nbtrain as nbt
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _trained_plain_state() -> dict:

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from ranks import run_ranks
+from support.ranks import run_ranks
 from torch import nn
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "tutorials" / "bmtrain_example"

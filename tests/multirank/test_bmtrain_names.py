@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from ranks import run_ranks
+from support.ranks import run_ranks
 from torch import nn
 
 import nbtrain as nbt

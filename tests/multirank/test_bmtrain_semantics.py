@@ -25,7 +25,7 @@ from torch import nn
 
 import nbtrain as bmt
 from nbtrain.zero.partition import shard_range
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 VOCAB, DIM, BATCH_PER_RANK, SEQ, STEPS = 11, 6, 2, 5, 6
 FROZEN_STEPS = (2, 3)  # layers.0, layers.4, the final norm and the head frozen here

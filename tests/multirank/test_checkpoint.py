@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import cases
+from support import cases
 import optim_cases as oc
 import nbtrain as nbt
 from nbtrain.models import GPT, GPTConfig
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 HALF, TOTAL = 10, 20
 

@@ -15,7 +15,7 @@ import torch
 import optim_cases as oc
 import nbtrain as nbt
 from nbtrain.launch import spawn_ranks
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 WORLD = 2
 FIRST_STEPS = 3

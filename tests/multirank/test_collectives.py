@@ -2,10 +2,9 @@
 import pytest
 import torch
 
-import cases
 import nbtrain as nbt
 from nbtrain.comm import COUNTERS, all_gather, all_reduce, reduce_scatter
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _collectives():

@@ -6,7 +6,7 @@ import torch
 import nbtrain as nbt
 from nbtrain.models import GPT, GPTConfig
 from nbtrain.models.data import BatchSampler
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 TOKENS = torch.arange(5000) % 256
 

@@ -14,7 +14,7 @@ from lm_cases import HIDDEN, ROWS_PER_RANK, SEQ, STEPS, VOCAB, PlainLM, ShardedL
 from nbtrain import telemetry
 from nbtrain.comm import COUNTERS
 from nbtrain.optim import AdamOptimizer, OptimManager
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def make_optimizer(kind: str, params):

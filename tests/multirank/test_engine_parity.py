@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-import cases
+from support import cases
 import nbtrain as nbt
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS = 10
 CONFIGS = list(itertools.product(["blocks", "blocklist", "wrap"], [2, 3], [False, True]))

@@ -9,10 +9,10 @@ blocks gathered before the optimizer step must not serve stale parameters.
 import pytest
 import torch
 
-import cases
+from support import cases
 import lm_cases
 import nbtrain as nbt
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS, FAIL_AT = 5, 1
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpt_cp_cases import CASES, batch, config, cp_training, new_gpt, reference
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 from nbtrain.comm.topology import ALONE
 from nbtrain.context_parallel import ContextParallel

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import nbtrain as nbt
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-import cases
+from support import cases
 import nbtrain as nbt
 from nbtrain.inspect import format_summary, inspect_model, inspect_tensor, record_tensor
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 TOL = 1e-6
 STATS = ("mean", "std", "max", "min")

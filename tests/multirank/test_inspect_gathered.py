@@ -7,7 +7,7 @@ import torch
 import nbtrain as nbt
 from nbtrain.inspect import parameter_bytes, track_gathered
 from nbtrain.models import GPT, GPTConfig
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 CFG = GPTConfig(vocab_size=32, hidden=16, heads=2, layers=4, seq_len=8)
 

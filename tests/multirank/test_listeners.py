@@ -1,20 +1,19 @@
 """No listener on a wildcard address: ranks started as a notebook cluster starts them
 (the torchrun variables, MASTER_ADDR on loopback) listen on loopback only; the
 rendezvous store, which torch's env:// rendezvous binds to every interface, included."""
-import os
 import subprocess
 import sys
 import textwrap
 
-from listeners import WILDCARDS
+from support import script_env
+from support.listeners import WILDCARDS
 from nbtrain.notebook.engine_boot import free_port
 
 RANK_SCRIPT = textwrap.dedent("""
-    import os, sys
-    sys.path.insert(0, {here!r})
+    import os
     import torch
     import nbtrain as nbt
-    from listeners import listening
+    from support.listeners import listening
     nbt.init_distributed()
     x = torch.ones(1)
     nbt.comm.collectives.all_reduce(x, label="probe")  # the group's connections are up
@@ -26,11 +25,11 @@ RANK_SCRIPT = textwrap.dedent("""
 
 def test_ranks_listen_on_loopback_only(tmp_path):
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT.format(here=os.path.dirname(__file__)))
+    script.write_text(RANK_SCRIPT)
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        env = {**script_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
                "CUDA_VISIBLE_DEVICES": ""}
         procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
@@ -58,8 +57,8 @@ def test_ranks_under_torchrun_listen_on_no_wildcard_address(tmp_path):
     interface: torch's, outside nbtrain; the README says so); the ranks themselves open
     nothing on a wildcard address."""
     script = tmp_path / "rank.py"
-    script.write_text(RANK_SCRIPT.format(here=os.path.dirname(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    script.write_text(RANK_SCRIPT)
+    env = script_env(CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
                            "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                            "--master-port", str(free_port()), str(script)],

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from meta_cases import build_peak, gpt_from_meta, hf_llama_from_meta, plain_gpt_training
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS = 4
 

@@ -21,7 +21,7 @@ import torch
 from moe_cases import (CRAFTED, CRAFTED_KEEP, EXPERTS, HIDDEN, SILENT, all_cases,
                        crafted_tokens, full_weights)
 from nbtrain.moe import moe_reference, route
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 WORLDS = (1, 2, 3)
 TOL = 1e-5

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 
 from moe_gpt_cases import ROWS, SEQ, bias_with_checkpointing, meta_build, save_and_load, train
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS = 10
 

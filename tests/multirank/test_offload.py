@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from offload_cases import train
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS = 5
 

@@ -10,7 +10,7 @@ import torch
 import optim_cases as oc
 import nbtrain as nbt
 from nbtrain.optim import AdamOffloadOptimizer
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS = 20
 ACCUM = 4

@@ -1,8 +1,8 @@
 """Overlap is structural: checked from the order of recorded events, not timings."""
-import cases
+from support import cases
 import nbtrain as nbt
 from nbtrain import telemetry
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _one_step_events(zero_level):

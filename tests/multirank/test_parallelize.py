@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _train(optimizer, tie):

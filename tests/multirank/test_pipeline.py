@@ -6,7 +6,7 @@ tied across stages: at pp 2 and 3, by tensor parallelism, and by data parallelis
 each stage (or chunk) wrapped for ZeRO."""
 import pytest
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 from pipeline_cases import MICRO, parity
 
 

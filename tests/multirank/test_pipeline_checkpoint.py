@@ -15,7 +15,7 @@ import os
 import pytest
 from safetensors.torch import load_file
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 from pipeline_ckpt_cases import HALF, resume
 
 TIED = "0.tok.weight"  # the GPT's embedding: its first name in nn.Sequential(*gpt_layers)

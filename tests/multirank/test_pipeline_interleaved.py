@@ -10,7 +10,7 @@ import pytest
 
 from nbtrain.pipeline.interleaved import interleaved_order, sends_of
 from pipeline_cases import BATCH, STEPS
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 DIMS = [6, 16, 12, 16, 10, 12, 5]  # pipeline_cases._layers: the width after each layer
 RUNS_PP2 = [(4, "adamw"), (4, "sgd"), (2, "adamw"), (2, "sgd")]

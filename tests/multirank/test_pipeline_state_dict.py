@@ -12,7 +12,7 @@ from pipeline_cases import (
     state_dict_checkpoint,
     state_dict_loading,
 )
-from ranks import run_ranks
+from support.ranks import run_ranks
 from safetensors.torch import load_file
 
 VARIANTS = ["pipe", "block", "plain", "pipe frozen embed"]

@@ -6,7 +6,7 @@ import torch
 
 import pipeline_cases as pc
 from nbtrain.notebook import engine_pull
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _pull_on_ranks(names):

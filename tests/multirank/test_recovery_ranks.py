@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _watcher_frees_a_blocked_rank(alone: bool):

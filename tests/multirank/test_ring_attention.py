@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 from ring_cases import (BATCH, HEAD_DIM, HEADS, SEQ_PER_RANK, full_inputs, packed_position_ids,
                         ring_cases)
 

@@ -14,8 +14,9 @@ import sys
 
 import pytest
 
-from ranks import run_ranks
-from runtime_cases import contract_example, packed_vs_alone, parity, resume
+from support import script_env
+from support.ranks import run_ranks
+from support.runtime_cases import contract_example, packed_vs_alone, parity, resume
 
 STEPS = 10
 WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
@@ -156,7 +157,7 @@ def test_the_runtime_runs_as_a_script_under_torchrun():
     script = os.path.join(os.path.dirname(__file__), "runtime_torchrun.py")
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", script], capture_output=True, text=True,
-                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          timeout=180, env=script_env())  # it imports support.runtime_cases
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("ROWS "))[5:])
     assert [r["step"] for r in rows] == [0, 1, 2]

@@ -17,7 +17,7 @@
 import pytest
 
 from model_cases import hf_logits, hf_training, load_peak, save_hf_model, toy_parity
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 STEPS = 10
 # at world 2: dp 2 ZeRO-3, tp 2, pp 2, cp 2

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meta_cases import bad_files, save_load_peak
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 MB = 1 << 20
 

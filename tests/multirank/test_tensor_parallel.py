@@ -3,7 +3,7 @@ plain layers: outputs, input gradients and weight gradients within 1e-5."""
 import pytest
 import torch
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 from tp_cases import layer_errors
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.distributed as dist
 
 from nbtrain.comm import topology
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def test_layout_is_pipeline_then_data_then_tensor():

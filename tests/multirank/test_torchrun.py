@@ -7,14 +7,14 @@ import time
 
 import pytest
 
-import cases
+from support import cases, script_env
 
 STEPS = 3
 
 
 def test_torchrun_script_matches_plain_pytorch():
     script = os.path.join(os.path.dirname(__file__), "torchrun_train.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = script_env()  # the script imports support.cases
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
          script, str(STEPS)], capture_output=True, text=True, timeout=180, env=env)

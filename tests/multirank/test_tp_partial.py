@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 D, FF, ROWS, STEPS = 6, 8, 8, 3
 

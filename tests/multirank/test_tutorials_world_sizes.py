@@ -34,7 +34,7 @@ import pytest
 import torch
 
 import nbtrain
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 4                    # every range() in rank code yields at most this many items

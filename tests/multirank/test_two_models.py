@@ -7,10 +7,10 @@ steps, so each model's reductions are in flight while the other computes.
 import pytest
 import torch
 
-import cases
+from support import cases
 import nbtrain as nbt
 from lm_cases import ROWS_PER_RANK, STEPS, PlainLM, ShardedLM, batches
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _gpt_batches(world: int):

@@ -1,13 +1,16 @@
-"""Trains the test GPT under torchrun and prints the losses as JSON (rank 0)."""
+"""Trains the test GPT under torchrun and prints the losses as JSON (rank 0).
+
+Usage, from the checkout: PYTHONPATH=.:tests python -m torch.distributed.run --standalone
+--nproc-per-node 2 tests/multirank/torchrun_train.py STEPS
+"""
 import json
 import sys
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
-import cases  # noqa: E402
+from support import cases  # tests/ on PYTHONPATH: support.script_env()
 
-import nbtrain as nbt  # noqa: E402
+import nbtrain as nbt
 
 ctx = nbt.init_distributed(seed=0)
 torch.set_num_threads(1)

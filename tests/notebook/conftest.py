@@ -1,14 +1,10 @@
-"""Shared setup for the notebook tests: a private IPython/Jupyter home and one thread
-per rank. A cluster that a test leaves running is reported and stopped, by its cluster
-id (never by process name), by the state guard (tests/state_guard.py)."""
-import os
-import tempfile
+"""Shared setup for the notebook tests: a private IPython/Jupyter home, one thread per
+rank, a real IPython shell and the cluster a module shares. A cluster that a test leaves
+running is reported and stopped, by its cluster id (never by process name), by the state
+guard (tests/state_guard.py)."""
+from support.homes import use_private_homes
 
-_HOME = tempfile.mkdtemp(prefix="nbtrain-nbtests-")
-for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR",
-             "MPLCONFIGDIR"):
-    os.environ[_var] = os.path.join(_HOME, _var.lower())
-os.environ["OMP_NUM_THREADS"] = "1"
+use_private_homes("nbtrain-nbtests-")
 
 import pytest  # noqa: E402
 
@@ -22,3 +18,25 @@ def ipython():
     shell.run_line_magic("load_ext", "nbtrain")
     yield shell
     shell.run_line_magic("unload_ext", "nbtrain")
+
+
+@pytest.fixture(scope="module")
+def cluster(request, ipython):
+    """The module's cluster: `%nbtrain <CLUSTER_START>` (the module's CLUSTER_START, else
+    2 gloo ranks: support.notebook.CLUSTER_START), started from no cluster. At the end
+    %autodistributed is turned off, the cluster stopped (if a test has not), and none of
+    its processes may remain."""
+    from procs import wait_gone
+    from support import notebook
+
+    from nbtrain.notebook import NoClusterError, magics
+
+    with pytest.raises(NoClusterError, match="%nbtrain start"):  # no cluster left over
+        ipython.run_cell_magic("distributed", "", "print('no cluster yet')")
+    notebook.nbtrain(ipython, getattr(request.module, "CLUSTER_START", notebook.CLUSTER_START))
+    yield magics.current_cluster()
+    current = magics.current_cluster()  # a test may have restarted or stopped it
+    pids = current.pids() if current is not None else []
+    magics._set_autodistributed(ipython, False)
+    notebook.nbtrain(ipython, "stop")
+    assert wait_gone(pids) == []  # no orphans

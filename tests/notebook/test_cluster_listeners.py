@@ -1,22 +1,9 @@
 """No open doors: a running notebook cluster (controller, engines, watchdog, the ranks'
 rendezvous store and gloo connections, the notebook's own process) listens on no
-wildcard address. Listening sockets are read from /proc (tests/multirank/listeners.py)."""
+wildcard address. Listening sockets are read from /proc (tests/support/listeners.py)."""
 import os
-import sys
 
-import pytest
-
-from nbtrain.notebook import magics
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "multirank"))
-from listeners import WILDCARDS, listening  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --start-timeout-s 90")
-    yield magics.current_cluster()
-    ipython.run_line_magic("nbtrain", "stop")
+from support.listeners import WILDCARDS, listening
 
 
 def test_a_running_cluster_listens_on_no_wildcard_address(ipython, cluster):

@@ -23,7 +23,9 @@ from pathlib import Path
 import load
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "multirank")]
+# A command run by path, outside pytest: this checkout's nbtrain, tests/ (support) and
+# the folder of the test module it borrows from go first, as a pytest run has them.
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "multirank")]
 
 
 def main(argv=None) -> int:

@@ -1,20 +1,9 @@
-"""Telemetry tests: private IPython/Jupyter homes and the multi-rank helpers on sys.path."""
-import os
-import sys
-import tempfile
+"""Telemetry tests: a private IPython/Jupyter home; the dashboard notebook, run once."""
+import pytest
 
-_HOME = tempfile.mkdtemp(prefix="nbtrain-telemetry-tests-")
-for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR", "JUPYTER_CONFIG_DIR",
-             "MPLCONFIGDIR"):
-    os.environ[_var] = os.path.join(_HOME, _var.lower())
-os.environ["OMP_NUM_THREADS"] = "1"
+from support.homes import use_private_homes
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "multirank"))  # ranks.py, cases.py
-ARTIFACTS = os.path.join(os.path.dirname(HERE), "artifacts")
-
-
-import pytest  # noqa: E402
+use_private_homes("nbtrain-telemetry-tests-")
 
 
 @pytest.fixture(scope="session")

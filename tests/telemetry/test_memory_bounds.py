@@ -9,7 +9,7 @@ over 20000 steps.
 import os
 from collections import deque
 
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 from nbtrain import telemetry
 from nbtrain.comm import recovery

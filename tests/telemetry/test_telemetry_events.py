@@ -1,8 +1,8 @@
 """Events of a real 2-rank TransformerBlockList step: order, nesting, step summary."""
-import cases
+from support import cases
 import nbtrain as nbt
 from nbtrain import telemetry
-from ranks import run_ranks
+from support.ranks import run_ranks
 
 
 def _recorded_step():
