@@ -3,7 +3,6 @@ from a rank, an error naming its rank, Ctrl-C, and no orphan after the kernel go
 (shut down, or killed outright)."""
 import glob
 import os
-import re
 import signal
 import threading
 import time
@@ -15,47 +14,11 @@ import pytest
 for _needed in ('nbformat', 'nbclient', 'ipyparallel'):
     pytest.importorskip(_needed)
 import nbformat  # noqa: E402
-from nbclient import NotebookClient
-from nbformat.v4 import new_code_cell, new_notebook
 
 from procs import wait_gone
+from support.kernels import START, new_client, pids_from, run_cells, text_of
 
 pytestmark = pytest.mark.timeout(240)
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-START = ["%load_ext nbtrain", "%nbtrain start -n 2",
-         "import nbtrain.notebook.magics as _m\nprint('PIDS', *_m.current_cluster().pids())"]
-
-
-def text_of(cell):
-    parts = []
-    for out in cell.outputs:
-        if out.output_type == "stream":
-            parts.append(out.text)
-        elif out.output_type == "error":
-            parts.append(out.ename + ": " + out.evalue + "\n" + "\n".join(out.traceback))
-        elif "text/plain" in out.get("data", {}):
-            parts.append(out.data["text/plain"])
-    return re.sub(r"\x1b\[[0-9;]*m", "", "".join(parts))
-
-
-def run_cells(client, nb, sources):
-    cells = []
-    for src in sources:
-        nb.cells.append(new_code_cell(src))
-        cells.append(client.execute_cell(nb.cells[-1], len(nb.cells) - 1))
-    return cells
-
-
-def new_client():
-    nb = new_notebook()
-    client = NotebookClient(nb, timeout=180, allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": REPO}})
-    return nb, client
-
-
-def pids_from(cell):
-    line = next(l for l in text_of(cell).splitlines() if l.startswith("PIDS"))
-    return [int(p) for p in line.split()[1:]]
 
 
 def test_kernel_cells_errors_interrupt_and_shutdown():

@@ -7,7 +7,7 @@ for _needed in ("nbformat", "nbclient", "ipyparallel"):
     pytest.importorskip(_needed)
 
 from procs import wait_gone
-from test_kernel import START, new_client, pids_from, run_cells, text_of
+from support.kernels import START, new_client, pids_from, run_cells, text_of
 
 pytestmark = pytest.mark.timeout(300)
 

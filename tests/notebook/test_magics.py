@@ -19,36 +19,20 @@ import pytest
 for _needed in ('IPython', 'ipyparallel'):
     pytest.importorskip(_needed)
 from IPython.core.error import UsageError
-from IPython.utils.capture import capture_output
 
 from nbtrain.notebook import magics
 from nbtrain import CellTimeoutError, RankDiedError, RankError
 from nbtrain.notebook import NoClusterError
 
 from procs import wait_gone
+from support.notebook import distributed, run
 
 pytestmark = pytest.mark.timeout(240)
 
 
-def run(ipython, cell, line=""):
-    """Run a %%distributed cell; return (stdout, captured outputs)."""
-    with capture_output() as cap:
-        ipython.run_cell_magic("distributed", line, cell)
-    return cap.stdout, cap.outputs
-
-
-@pytest.fixture(scope="module")
-def cluster(ipython):
-    with pytest.raises(NoClusterError, match="%nbtrain start"):
-        ipython.run_cell_magic("distributed", "", "print('no cluster yet')")
-    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --start-timeout-s 90")
-    yield magics.current_cluster()
-    ipython.run_line_magic("nbtrain", "stop")
-
-
 def test_start_gives_two_initialised_ranks(ipython, cluster):
     assert cluster.world_size == 2
-    out, _ = run(ipython, "import torch.distributed as dist, os\n"
+    out = run(ipython, "import torch.distributed as dist, os\n"
                           "print(dist.get_rank(), dist.get_world_size(), os.environ['LOCAL_RANK'],"
                           " nbt.get_context().backend, torch.__name__)")
     assert "[rank 0] 0 2 0 gloo torch" in out
@@ -82,7 +66,7 @@ def test_a_start_that_asks_for_another_cluster_is_refused_naming_the_difference(
 
 
 def test_all_reduce(ipython, cluster):
-    out, _ = run(ipython, "x = torch.ones(3) * (nbt.rank() + 1)\n"
+    out = run(ipython, "x = torch.ones(3) * (nbt.rank() + 1)\n"
                           "torch.distributed.all_reduce(x)\nprint(x.tolist())")
     assert "[rank 0] [3.0, 3.0, 3.0]" in out and "[rank 1] [3.0, 3.0, 3.0]" in out
 
@@ -104,7 +88,7 @@ print("runtime", len(rows), "steps, worst", worst, "| dashboard step", nbt.inspe
 def test_the_runtime_runs_in_a_distributed_cell(ipython, cluster):
     """nbtrain.runtime's compare on the notebook's ranks (dp 2, ZeRO-3 against the
     reference); its optimizer steps are the telemetry's steps the dashboard draws."""
-    out, _ = run(ipython, RUNTIME_CELL)
+    out = run(ipython, RUNTIME_CELL)
     for rank in (0, 1):
         match = re.search(rf"\[rank {rank}\] runtime 2 steps, worst (\S+) \| dashboard step \d+",
                           out)
@@ -120,14 +104,14 @@ def test_namespace_persists_across_cells_and_pull(ipython, cluster):
 
 def test_targets_run_only_there(ipython, cluster):
     run(ipython, "only = 'unset'")
-    out, _ = run(ipython, "only = 'set'\nprint('here', nbt.rank())", line="-t 1")
+    out = run(ipython, "only = 'set'\nprint('here', nbt.rank())", line="-t 1")
     assert "[rank 1] here 1" in out and "[rank 0]" not in out
     assert cluster.pull("only") == ["unset", "set"]
 
 
 def test_rich_output_is_displayed(ipython, cluster):
-    _, outputs = run(ipython, "from IPython.display import HTML, display\n"
-                              "display(HTML(f'<b>rank {nbt.rank()}</b>'))", line="-t 0")
+    outputs = distributed(ipython, "from IPython.display import HTML, display\n"
+                          "display(HTML(f'<b>rank {nbt.rank()}</b>'))", line="-t 0").outputs
     html = [o.data["text/html"] for o in outputs if "text/html" in o.data]
     assert html == ["<b>rank 0</b>"]
 
@@ -150,7 +134,7 @@ def test_timeout_names_busy_ranks_and_interrupts_them(ipython, cluster):
     assert time.monotonic() - start < 10
     assert info.value.busy == [0, 1] and info.value.stuck == []
     assert "still busy: rank(s) 0, 1" in str(info.value)
-    out, _ = run(ipython, "print('usable')")
+    out = run(ipython, "print('usable')")
     assert out.count("usable") == 2
 
 
@@ -195,7 +179,7 @@ def test_killed_engine_fails_the_cell_then_restart_works(ipython, cluster):
     assert "rank 1 died" in str(info.value) and "%nbtrain restart" in str(info.value)
     ipython.run_line_magic("nbtrain", "restart")
     assert victim not in cluster.pids()
-    out, _ = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
+    out = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
                           "print('sum', x.item())")
     assert out.count("sum 3.0") == 2
 

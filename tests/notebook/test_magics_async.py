@@ -12,34 +12,13 @@ import pytest
 for _needed in ('IPython', 'ipyparallel'):
     pytest.importorskip(_needed)
 from IPython.utils.capture import capture_output
+from support.notebook import captured, nbtrain
 
 from nbtrain import RankError
 from nbtrain.notebook import magics
 from nbtrain.notebook.errors import DistributedError
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def nbtrain(ipython, line):
-    return ipython.run_line_magic("nbtrain", line)
-
-
-def captured(ipython, magic, line, cell=None):
-    """Run a line (or cell) magic; return (its value, its stdout)."""
-    with capture_output() as cap:
-        if cell is None:
-            value = ipython.run_line_magic(magic, line)
-        else:
-            value = ipython.run_cell_magic(magic, line, cell)
-    return value, cap.stdout
-
-
-@pytest.fixture(scope="module")
-def cluster(ipython):
-    nbtrain(ipython, "start -n 2 --backend gloo --start-timeout-s 90")
-    yield magics.current_cluster()
-    magics._set_autodistributed(ipython, False)
-    nbtrain(ipython, "stop")
 
 
 # ------------------------------------------------------------- help (no cluster)

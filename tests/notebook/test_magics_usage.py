@@ -12,29 +12,11 @@ for _needed in ('IPython', 'ipyparallel'):
     pytest.importorskip(_needed)
 import torch
 from IPython.core.error import UsageError
-from IPython.utils.capture import capture_output
+from support.notebook import nbtrain, run
 
 from nbtrain.notebook import magics
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def run(ipython, cell, line=""):
-    """Run a %%distributed cell; return its stdout."""
-    with capture_output() as cap:
-        ipython.run_cell_magic("distributed", line, cell)
-    return cap.stdout
-
-
-def nbtrain(ipython, line):
-    return ipython.run_line_magic("nbtrain", line)
-
-
-@pytest.fixture(scope="module")
-def cluster(ipython):
-    nbtrain(ipython, "start -n 2 --backend gloo --start-timeout-s 90")
-    yield magics.current_cluster()
-    nbtrain(ipython, "stop")
 
 
 # ------------------------------------------------------------- help (no cluster)

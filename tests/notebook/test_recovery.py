@@ -14,39 +14,30 @@ import pytest
 
 for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
-from IPython.utils.capture import capture_output
 
 from nbtrain import CellTimeoutError, RankError
-from nbtrain.notebook import magics
 
-from procs import wait_gone
+from support.notebook import run
 
 pytestmark = pytest.mark.timeout(240)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def run(ipython, cell, line=""):
-    with capture_output() as cap:
-        ipython.run_cell_magic("distributed", line, cell)
-    return cap.stdout + cap.stderr
+CLUSTER_START = "start -n 3 --backend gloo --start-timeout-s 90 --pg-timeout-s 300"
 
 
 @pytest.fixture(scope="module")
-def cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 3 --backend gloo --start-timeout-s 90 "
-                           "--pg-timeout-s 300")
-    cluster = magics.current_cluster()
-    run(ipython, "kept = nbt.rank() * 10 + 7")  # set before any failure
-    yield cluster
-    pids = cluster.pids()
-    ipython.run_line_magic("nbtrain", "stop")
-    assert wait_gone(pids) == []  # no orphans
+def cluster(cluster, ipython):
+    """The conftest's cluster (CLUSTER_START: 3 ranks) with `kept` set on every rank
+    before any failure."""
+    run(ipython, "kept = nbt.rank() * 10 + 7")
+    return cluster
 
 
 def still_works(ipython):
     """The next cell's all_reduce works and the earlier variable holds on every rank."""
     out = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
-                       "print('sum', x.item(), 'kept', kept)")
+                       "print('sum', x.item(), 'kept', kept)", stderr=True)
     for r in range(3):
         assert f"[rank {r}] sum 6.0 kept {r * 10 + 7}" in out, out
 
@@ -89,7 +80,7 @@ def test_progress_loop_stops_gracefully_at_the_same_step(ipython, cluster):
     out = run(ipython, "done = -1\nx = torch.ones(1)\n"
                        "for step in nbt.progress(range(10**6), print_s=60):\n"
                        "    torch.distributed.all_reduce(x)\n    x.fill_(1)\n    done = step\n"
-                       "print('after the loop', done)")
+                       "print('after the loop', done)", stderr=True)
     assert "every rank stopped cleanly" in out
     steps = {int(m) for m in re.findall(r"after the loop (\d+)", out)}
     assert len(steps) == 1 and steps.pop() > 0, out  # all three at one step boundary

@@ -9,10 +9,9 @@ import threading
 import time
 
 import pytest
-from IPython.utils.capture import capture_output
+from support.notebook import run
 
 from nbtrain import RankDiedError
-from nbtrain.notebook import magics
 
 TRAIN = """
 import os, time, torch
@@ -38,19 +37,6 @@ for step in range(start, steps):
     time.sleep(0.1)
 print("final", repr(nbt.sum_loss(loss).item()))
 """
-
-
-def run(ipython, cell):
-    with capture_output() as cap:
-        ipython.run_cell_magic("distributed", "", cell)
-    return cap.stdout
-
-
-@pytest.fixture(scope="module")
-def cluster(ipython):
-    ipython.run_line_magic("nbtrain", "start -n 2 --backend gloo --start-timeout-s 90")
-    yield magics.current_cluster()
-    ipython.run_line_magic("nbtrain", "stop")
 
 
 def test_a_rank_killed_mid_training_is_named_and_the_run_resumes(ipython, cluster, tmp_path):
