@@ -28,12 +28,12 @@ TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def ranks():
+def cp_ranks():
     return run_ranks(cp_training, 2, STEPS, timeout_s=180)
 
 
 @pytest.fixture(scope="module")
-def references():
+def cp_references():
     return {(packed, opt): reference(opt, packed, STEPS) for _, packed, opt in CASES}
 
 
@@ -43,11 +43,11 @@ def case_id(case):
 
 
 @pytest.mark.parametrize("case", CASES + [("zigzag", True, "sgd", "recompute")], ids=case_id)
-def test_training_equals_one_process(ranks, references, case):
+def test_training_equals_one_process(cp_ranks, cp_references, case):
     _, packed, opt = case[:3]
-    want_losses, _, want_state = references[(packed, opt)]
+    want_losses, _, want_state = cp_references[(packed, opt)]
     assert len(set(want_losses)) == STEPS  # it trains
-    for rank in ranks:
+    for rank in cp_ranks:
         losses, _, state = rank["results"][case]
         loss_err = max(abs(a - b) for a, b in zip(losses, want_losses))
         assert loss_err < TOL, (losses, want_losses)
@@ -58,24 +58,24 @@ def test_training_equals_one_process(ranks, references, case):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] == "sgd"], ids=case_id)
-def test_gathered_logits_equal_the_full_rows(ranks, references, case):
+def test_gathered_logits_equal_the_full_rows(cp_ranks, cp_references, case):
     _, packed, _ = case
-    want = references[(packed, "sgd")][1]
-    for rank in ranks:
+    want = cp_references[(packed, "sgd")][1]
+    for rank in cp_ranks:
         got = rank["results"][case][1]
         assert got.shape == want.shape == (2, 32, 64)
         assert float((got - want).abs().max()) < TOL
 
 
-def test_the_layout_passed_is_the_topologys_cp_group(ranks):
-    for r, rank in enumerate(ranks):
+def test_the_layout_passed_is_the_topologys_cp_group(cp_ranks):
+    for r, rank in enumerate(cp_ranks):
         facts = rank["facts"]
         assert (facts["cp_size"], facts["cp_rank"], facts["data_size"]) == (2, r, 1)
         assert facts["zigzag"] == ("zigzag", r, 2)
         assert facts["contiguous"] == ("contiguous", r, 2)
 
 
-def test_a_gpt_given_no_layout_is_the_plain_model_under_cp(ranks):
+def test_a_gpt_given_no_layout_is_the_plain_model_under_cp(cp_ranks):
     """init_distributed(cp_size=2) does not make a GPT built without a layout context
     parallel: on each rank it computes what one process computes on the full rows."""
     model = new_gpt()
@@ -84,7 +84,7 @@ def test_a_gpt_given_no_layout_is_the_plain_model_under_cp(ranks):
         want_logits = (model(ids), model(ids, pos))
     loss = model.loss(ids, targets, pos)
     loss.backward()
-    for rank in ranks:
+    for rank in cp_ranks:
         got = rank["no_layout"]
         assert got["active"] is None and got["shard"]
         assert got["p2p"] == 0
@@ -94,8 +94,8 @@ def test_a_gpt_given_no_layout_is_the_plain_model_under_cp(ranks):
         assert torch.equal(got["grad"], model.tok.weight.grad)
 
 
-def test_bad_inputs_name_the_fix(ranks):
-    errors = ranks[0]["errors"]
+def test_bad_inputs_name_the_fix(cp_ranks):
+    errors = cp_ranks[0]["errors"]
     assert "length 30 does not divide into 4 chunks" in errors["indivisible"]
     assert "multiple of 4 (e.g. 32)" in errors["indivisible"]
     assert "sequence length 64 (local 32 x cp 2) exceeds seq_len=32" in errors["full rows"]

@@ -30,7 +30,7 @@ CASES = [(causal, packed, layout, kernel) for causal in (True, False)
 
 
 @pytest.fixture(scope="module")
-def runs():
+def ring_runs():
     return {world: run_ranks(ring_cases, world, 7, timeout_s=120) for world in WORLDS}
 
 
@@ -52,12 +52,12 @@ def reference(q, k, v, dout, causal, position_ids=None):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'causal' if c[0] else 'full'}-"
                          f"{'packed' if c[1] else 'one-doc'}-{c[2]}-{c[3]}")
-def test_output_and_gradients_equal_full_attention(runs, world, case):
+def test_output_and_gradients_equal_full_attention(ring_runs, world, case):
     causal, packed, _, _ = case
-    first = runs[world][0]
+    first = ring_runs[world][0]
     q, k, v, dout = first["inputs"]
     out, grads = reference(q, k, v, dout, causal, first["position_ids"] if packed else None)
-    for rank_result in runs[world]:
+    for rank_result in ring_runs[world]:
         got = rank_result["cases"][case]
         assert (got["out"] - out).abs().max() < 1e-5
         for name, g, want in zip("qkv", got["grads"], grads):
@@ -66,15 +66,15 @@ def test_output_and_gradients_equal_full_attention(runs, world, case):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_shard_and_gather_round_trip(runs, world):
-    for rank_result in runs[world]:
+def test_shard_and_gather_round_trip(ring_runs, world):
+    for rank_result in ring_runs[world]:
         assert all(rank_result["round_trips"].values()), rank_result["round_trips"]
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_positions_and_zigzag_balances_causal_work(runs, world):
+def test_positions_and_zigzag_balances_causal_work(ring_runs, world):
     work = {"zigzag": [], "contiguous": []}
-    for rank_result in runs[world]:
+    for rank_result in ring_runs[world]:
         for layout, (sharded, computed) in rank_result["positions"].items():
             assert torch.equal(sharded, computed), layout
             work[layout].append(int((sharded + 1).sum()))  # causal (q, k) pairs
@@ -86,10 +86,10 @@ def test_positions_and_zigzag_balances_causal_work(runs, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_p2p_bytes_follow_the_ring(runs, world):
+def test_p2p_bytes_follow_the_ring(ring_runs, world):
     kv = 2 * BATCH * HEADS * SEQ_PER_RANK * HEAD_DIM * 4  # one K and one V block, float32
     docs = BATCH * SEQ_PER_RANK * 8  # int64 document ids
-    for rank_result in runs[world]:
+    for rank_result in ring_runs[world]:
         for (_, packed, _, _), got in rank_result["cases"].items():
             block = kv + (docs if packed else 0)
             assert got["fwd_bytes"] == (world - 1) * block
@@ -98,8 +98,8 @@ def test_p2p_bytes_follow_the_ring(runs, world):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-def test_next_block_is_posted_before_the_current_one_is_computed(runs, world):
-    for rank_result in runs[world]:
+def test_next_block_is_posted_before_the_current_one_is_computed(ring_runs, world):
+    for rank_result in ring_runs[world]:
         order = rank_result["events"]
         for phase, kv_label in (("forward", "cp ring kv step"),
                                 ("backward", "cp ring kv grad step")):
@@ -111,10 +111,10 @@ def test_next_block_is_posted_before_the_current_one_is_computed(runs, world):
                 assert issued < compute < waited, (phase, step, order)
 
 
-def test_a_cp_group_inside_a_larger_world(runs):
+def test_a_cp_group_inside_a_larger_world(ring_runs):
     q, k, v, dout = full_inputs(24, 7)
     out, grads = reference(q, k, v, dout, True, packed_position_ids(24))
-    per_rank = [r["subgroup"] for r in runs[3]]
+    per_rank = [r["subgroup"] for r in ring_runs[3]]
     assert per_rank[1] is None
     for got in (per_rank[0], per_rank[2]):
         for g, want in zip(got, [out] + grads):
