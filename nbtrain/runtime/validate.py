@@ -107,7 +107,7 @@ def _configs(args):
 
     optimizer = {"name": args.optimizer, "lr": args.lr, "weight_decay": 0.0}
     if args.optimizer == "adamw":
-        optimizer["eps"] = 1e-6  # see tests/multirank/runtime_cases.py: 1e-8 magnifies noise
+        optimizer["eps"] = 1e-6  # see tests/support/runtime_cases.py: 1e-8 magnifies noise
     else:
         optimizer["momentum"] = 0.9
     import importlib
