@@ -22,10 +22,10 @@ Install it from a conftest:
     def pytest_configure(config):
         CollectionGuard.install(config, tests_dir=Path(__file__).parent)
 """
+
 from __future__ import annotations
 
 import fnmatch
-import os
 from pathlib import Path
 
 import pytest
@@ -61,7 +61,7 @@ class CollectionGuard:
         self.config = config
         self.tests_dir = Path(tests_dir).resolve()
         self.collected: set[Path] = set()  # files that yielded items (before deselection)
-        self.reported: set[Path] = set()   # collectors whose collection failed or skipped
+        self.reported: set[Path] = set()  # collectors whose collection failed or skipped
 
     @classmethod
     def install(cls, config: pytest.Config, tests_dir: Path) -> "CollectionGuard | None":
@@ -122,10 +122,13 @@ class CollectionGuard:
     # -- the check --------------------------------------------------------------------
 
     def missing(self) -> list[Path]:
-        return [path for path in find_test_files(self.tests_dir)
-                if path not in self.collected
-                and not any(_covers(r, path) for r in self.reported)
-                and not self._ignored(path)]
+        return [
+            path
+            for path in find_test_files(self.tests_dir)
+            if path not in self.collected
+            and not any(_covers(r, path) for r in self.reported)
+            and not self._ignored(path)
+        ]
 
     def _why(self, path: Path) -> str:
         for folder in path.relative_to(self.tests_dir).parents:
@@ -134,15 +137,19 @@ class CollectionGuard:
             name = folder.name
             for pattern in self.config.getini("norecursedirs"):
                 if fnmatch.fnmatch(name, pattern):
-                    return (f"folder {name!r} matches norecursedirs pattern {pattern!r}, "
-                            "so pytest never looks inside it")
+                    return (
+                        f"folder {name!r} matches norecursedirs pattern {pattern!r}, "
+                        "so pytest never looks inside it"
+                    )
             if (self.tests_dir / folder / "pyvenv.cfg").exists():
                 return f"folder {name!r} looks like a virtualenv (pyvenv.cfg), so pytest skips it"
         python_files = self.config.getini("python_files")
         if not any(fnmatch.fnmatch(path.name, pattern) for pattern in python_files):
             return f"file name does not match python_files {python_files}"
-        return ("collected nothing: no test functions or classes under the "
-                "python_functions/python_classes names")
+        return (
+            "collected nothing: no test functions or classes under the "
+            "python_functions/python_classes names"
+        )
 
     def _show(self, path: Path) -> str:
         for base in (self.config.invocation_params.dir, self.config.rootpath):
@@ -152,10 +159,14 @@ class CollectionGuard:
         return str(path)
 
     def message(self, missing: list[Path]) -> str:
-        lines = [f"collection guard: {len(missing)} test file(s) under "
-                 f"{self._show(self.tests_dir)}/ contributed no collected test, silently:"]
+        lines = [
+            f"collection guard: {len(missing)} test file(s) under "
+            f"{self._show(self.tests_dir)}/ contributed no collected test, silently:"
+        ]
         lines += [f"  {self._show(p)}: {self._why(p)}" for p in missing]
-        lines.append("Rename the file or folder so pytest collects it, or adjust "
-                     "norecursedirs / python_files in [tool.pytest.ini_options] "
-                     "(pass --ignore=PATH to leave something out on purpose).")
+        lines.append(
+            "Rename the file or folder so pytest collects it, or adjust "
+            "norecursedirs / python_files in [tool.pytest.ini_options] "
+            "(pass --ignore=PATH to leave something out on purpose)."
+        )
         return "\n".join(lines)

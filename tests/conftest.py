@@ -4,6 +4,7 @@ Triton kernels are defined compiled or interpreted at import time, so the
 interpreter switch must be set before anything imports nbtrain.kernels; doing it
 here, in the root conftest, makes collection order irrelevant.
 """
+
 import os
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -29,8 +30,12 @@ except ImportError:  # --import-mode=importlib leaves it off
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from collection_guard import CollectionGuard
 import module_order  # noqa: E402
-from module_order import (pytest_addoption, pytest_collection_modifyitems,  # noqa: E402,F401
-                          pytest_report_header, pytest_terminal_summary)
+from module_order import (  # noqa: E402,F401
+    pytest_addoption,
+    pytest_collection_modifyitems,
+    pytest_report_header,
+    pytest_terminal_summary,
+)
 from state_guard import StateGuard  # noqa: E402
 
 # The tests stand in for a notebook kernel, where the stop button is SIGINT and a cell

@@ -17,6 +17,7 @@ pytest_configure (which checks the value before anything runs).
     from module_order import (pytest_addoption, pytest_collection_modifyitems,
                               pytest_report_header, pytest_terminal_summary)
 """
+
 from __future__ import annotations
 
 import os
@@ -28,25 +29,31 @@ ENV = "NBTRAIN_TEST_ORDER"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--module-order", default=os.environ.get(ENV, "written"),
-                     metavar="written|reverse|random[:SEED]",
-                     help="the order of test modules (tests inside a module keep theirs); "
-                          f"default ${ENV} or 'written'")
+    parser.addoption(
+        "--module-order",
+        default=os.environ.get(ENV, "written"),
+        metavar="written|reverse|random[:SEED]",
+        help="the order of test modules (tests inside a module keep theirs); "
+        f"default ${ENV} or 'written'",
+    )
 
 
 def parse(value: str) -> tuple[str, int | None]:
     """'reverse' -> ('reverse', None); 'random:7' -> ('random', 7); 'random' picks a seed."""
     kind, _, seed = value.partition(":")
     if kind not in ("written", "reverse", "random") or (seed and kind != "random"):
-        raise pytest.UsageError(f"--module-order {value!r}: use written, reverse, random "
-                                "or random:SEED (e.g. random:1234)")
+        raise pytest.UsageError(
+            f"--module-order {value!r}: use written, reverse, random "
+            "or random:SEED (e.g. random:1234)"
+        )
     if kind != "random":
         return kind, None
     try:
         return kind, int(seed) if seed else random.SystemRandom().randrange(10**6)
     except ValueError:
-        raise pytest.UsageError(f"--module-order {value!r}: the seed must be an integer, "
-                                "e.g. random:1234") from None
+        raise pytest.UsageError(
+            f"--module-order {value!r}: the seed must be an integer, e.g. random:1234"
+        ) from None
 
 
 def configure(config: pytest.Config) -> None:

@@ -30,6 +30,7 @@ Install it from a conftest:
     def pytest_configure(config):
         StateGuard.install(config)
 """
+
 from __future__ import annotations
 
 import glob
@@ -152,9 +153,11 @@ class StateGuard:
             before, self.before, self.module = self.before, None, None
             left = self.check_and_restore(before)
             if left:
-                pytest.fail(f"{_module_of(item)} left process-wide state behind "
-                            "(put back now, so later modules start clean):\n  - "
-                            + "\n  - ".join(left), pytrace=False)
+                pytest.fail(
+                    f"{_module_of(item)} left process-wide state behind "
+                    "(put back now, so later modules start clean):\n  - " + "\n  - ".join(left),
+                    pytrace=False,
+                )
         return result
 
     # -- the check -------------------------------------------------------------------
@@ -176,8 +179,10 @@ class StateGuard:
         if now is before.sigint:
             return []
         signal.signal(signal.SIGINT, before.sigint)
-        return [f"the SIGINT handler is {now!r} (was {before.sigint!r}): "
-                "Ctrl-C no longer does what it did"]
+        return [
+            f"the SIGINT handler is {now!r} (was {before.sigint!r}): "
+            "Ctrl-C no longer does what it did"
+        ]
 
     @staticmethod
     def _clusters(before: Snapshot) -> list[str]:
@@ -191,8 +196,10 @@ class StateGuard:
             cluster.stop()
         files = sorted(_cluster_files() - before.cluster_files)
         for path in files:
-            left.append(f"a cluster file under $IPYTHONDIR: {os.path.basename(path)} "
-                        "(a cluster a notebook kernel started and never stopped)")
+            left.append(
+                f"a cluster file under $IPYTHONDIR: {os.path.basename(path)} "
+                "(a cluster a notebook kernel started and never stopped)"
+            )
         if files:
             from nbtrain.notebook.cluster import stop_leftover_clusters
 
@@ -210,8 +217,10 @@ class StateGuard:
             left.append(f"torch.distributed's default group is still initialised ({group})")
         context = _nbtrain_context() if before.context is None else None
         if context is not None:
-            left.append(f"nbtrain's context is still set (rank {context.rank} of "
-                        f"{context.world_size}; nbtrain.comm.shutdown())")
+            left.append(
+                f"nbtrain's context is still set (rank {context.rank} of "
+                f"{context.world_size}; nbtrain.comm.shutdown())"
+            )
         if group is not None or context is not None:
             import nbtrain.comm
 
@@ -239,23 +248,34 @@ class StateGuard:
     @staticmethod
     def _threads(before: Snapshot) -> list[str]:
         def new():
-            return [t for t in threading.enumerate() if t not in before.threads
-                    and t.is_alive() and not t.name.startswith(SESSION_THREADS)]
+            return [
+                t
+                for t in threading.enumerate()
+                if t not in before.threads
+                and t.is_alive()
+                and not t.name.startswith(SESSION_THREADS)
+            ]
 
         deadline = time.monotonic() + GRACE_S
         for thread in new():
             thread.join(timeout=max(deadline - time.monotonic(), 0.0))
         # A thread cannot be ended from outside: name it, and leave it.
-        return [f"thread {t.name!r} still running ({'daemon' if t.daemon else 'not daemon'}, "
-                f"target {getattr(t, '_target', None)!r})" for t in new()]
+        return [
+            f"thread {t.name!r} still running ({'daemon' if t.daemon else 'not daemon'}, "
+            f"target {getattr(t, '_target', None)!r})"
+            for t in new()
+        ]
 
     @staticmethod
     def _processes(before: Snapshot) -> list[str]:
         import psutil
 
         def new():
-            return {pid: cmd for pid, cmd in _children().items()
-                    if pid not in before.children and not _session_child(cmd)}
+            return {
+                pid: cmd
+                for pid, cmd in _children().items()
+                if pid not in before.children and not _session_child(cmd)
+            }
 
         deadline = time.monotonic() + GRACE_S
         while new() and time.monotonic() < deadline:

@@ -10,6 +10,7 @@ bench's ratio lines and loss parity, nbtrain bench --mfu's peak, MFU and ratio l
 Exits 1 when a part failed, timed out or was not started (exit code 125: the run's
 budget was spent), or refused for a reason other than missing GPUs; 0 otherwise.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,12 +20,18 @@ from pathlib import Path
 
 TIMEOUT_CODES = {124, 137}
 # The benches' own refusals for want of hardware (kernels/bench.py, nbtrain/bench):
-NO_GPU = [re.compile(r"needs a CUDA GPU and none is visible"),
-          re.compile(r"--ranks \d+ needs \d+ GPUs; \d+ visible")]
-REFUSALS = NO_GPU + [re.compile(r"needs triton"), re.compile(r"TRITON_INTERPRET is set"),
-                     re.compile(r"--ranks must be at least")]
+NO_GPU = [
+    re.compile(r"needs a CUDA GPU and none is visible"),
+    re.compile(r"--ranks \d+ needs \d+ GPUs; \d+ visible"),
+]
+REFUSALS = NO_GPU + [
+    re.compile(r"needs triton"),
+    re.compile(r"TRITON_INTERPRET is set"),
+    re.compile(r"--ranks must be at least"),
+]
 PYTEST_COUNTS = re.compile(
-    r"\b(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?|rerun)\b")
+    r"\b(\d+) (passed|failed|skipped|deselected|errors?|xfailed|xpassed|warnings?|rerun)\b"
+)
 
 
 def last_lines(text: str, n: int = 1) -> list[str]:
@@ -35,21 +42,23 @@ def last_lines(text: str, n: int = 1) -> list[str]:
 def pytest_numbers(text: str) -> list[str]:
     out = []
     for line in reversed(text.splitlines()):
-        if PYTEST_COUNTS.search(line) and re.search(r" in [\d.]+s", line) \
-                or "no tests ran" in line:
+        if PYTEST_COUNTS.search(line) and re.search(r" in [\d.]+s", line) or "no tests ran" in line:
             counts = ", ".join(f"{n} {what}" for n, what in PYTEST_COUNTS.findall(line))
             out.append(counts or "no tests ran")
             break
-    failed = [line.split(" - ")[0] for line in text.splitlines()
-              if line.startswith(("FAILED ", "ERROR "))]
+    failed = [
+        line.split(" - ")[0] for line in text.splitlines() if line.startswith(("FAILED ", "ERROR "))
+    ]
     out += failed[:8] + ([f"... {len(failed) - 8} more"] if len(failed) > 8 else [])
     usage = [line for line in text.splitlines() if line.startswith("ERROR: ")]
     out += usage[:3]
     return out
 
 
-SPEED = re.compile(r"^(\S.*?)\s+ours\s+[\d.]+ ms\s+torch\s+[\d.]+ ms\s+speed-up\s+([\d.]+)x"
-                   r"(?:.*\(\s*([\d.]+)x less\))?")
+SPEED = re.compile(
+    r"^(\S.*?)\s+ours\s+[\d.]+ ms\s+torch\s+[\d.]+ ms\s+speed-up\s+([\d.]+)x"
+    r"(?:.*\(\s*([\d.]+)x less\))?"
+)
 GOAL = re.compile(r"^\s+(.*?)\s+([\d.]+)x\s+goal >= ([\d.]+)x\s+(met|NOT met)")
 
 
@@ -59,14 +68,17 @@ def kernel_numbers(text: str) -> list[str]:
         m = SPEED.match(line)
         if m:
             name, speed, memory = m.groups()
-            out.append(f"{name}: {speed}x speed" + (f", {memory}x less peak memory"
-                                                    if memory else ""))
+            out.append(
+                f"{name}: {speed}x speed" + (f", {memory}x less peak memory" if memory else "")
+            )
     goals = [GOAL.match(line) for line in text.splitlines()]
     goals = [g for g in goals if g]
     if goals:
         missed = [f"{g[1]} {g[2]}x < {g[3]}x" for g in goals if g[4] != "met"]
-        out.append(f"goals met: {len(goals) - len(missed)}/{len(goals)}"
-                   + ("; NOT met: " + "; ".join(missed) if missed else ""))
+        out.append(
+            f"goals met: {len(goals) - len(missed)}/{len(goals)}"
+            + ("; NOT met: " + "; ".join(missed) if missed else "")
+        )
     return out
 
 
@@ -79,8 +91,7 @@ def bench_numbers(text: str) -> list[str]:
     rows = [line for line in text.splitlines() if line.startswith("| ") and "loss" not in line]
     if rows:
         differ = [row.split("|")[1].strip() for row in rows if "DIFFER" in row]
-        out.append("loss parity vs ddp: " + ("DIFFER: " + ", ".join(differ) if differ
-                                            else "ok"))
+        out.append("loss parity vs ddp: " + ("DIFFER: " + ", ".join(differ) if differ else "ok"))
     return out
 
 
@@ -90,18 +101,26 @@ def mfu_numbers(text: str) -> list[str]:
     lines = [line.strip() for line in text.splitlines()]
     out = [line for line in lines if line.startswith(("peak: ", "no peak known"))]
     out += [line for line in lines if RATIO.match(line)]
-    out += [" ".join(c.strip() for c in line.split("|")[1:3]) for line in lines
-            if line.startswith("| ") and "FAILED" in line]
+    out += [
+        " ".join(c.strip() for c in line.split("|")[1:3])
+        for line in lines
+        if line.startswith("| ") and "FAILED" in line
+    ]
     return out
 
 
-NUMBERS = {"tests": pytest_numbers, "kernels": kernel_numbers, "bench": bench_numbers,
-           "mfu": mfu_numbers}
+NUMBERS = {
+    "tests": pytest_numbers,
+    "kernels": kernel_numbers,
+    "bench": bench_numbers,
+    "mfu": mfu_numbers,
+}
 NOT_STARTED = 125  # run.sh: the run's time budget was spent before the part began
 
 
-def judge(name: str, rc: int, text: str, gpus: int,
-          limit: str = "?") -> tuple[str, bool, list[str]]:
+def judge(
+    name: str, rc: int, text: str, gpus: int, limit: str = "?"
+) -> tuple[str, bool, list[str]]:
     """(status, counts as a failure, key numbers) for one part."""
     numbers = NUMBERS.get(name, lambda _: [])(text)
     if rc == 0:
@@ -109,16 +128,17 @@ def judge(name: str, rc: int, text: str, gpus: int,
     if rc == NOT_STARTED and "not started" in text:
         return "NOT STARTED", True, last_lines(text, 1)
     if rc in TIMEOUT_CODES:
-        return "TIMEOUT", True, [f"killed after the {limit} s timeout"] + (
-            numbers or last_lines(text, 2))
+        return (
+            "TIMEOUT",
+            True,
+            [f"killed after the {limit} s timeout"] + (numbers or last_lines(text, 2)),
+        )
     tail = last_lines(text, 3)
-    refusal = next((line for line in reversed(tail) if any(p.search(line) for p in REFUSALS)),
-                   None)
+    refusal = next((line for line in reversed(tail) if any(p.search(line) for p in REFUSALS)), None)
     if refusal is not None:
         hardware = any(p.search(refusal) for p in NO_GPU)
         if hardware:
-            return ("refused: no GPU" if gpus == 0 else "refused: too few GPUs"), False, \
-                [refusal]
+            return ("refused: no GPU" if gpus == 0 else "refused: too few GPUs"), False, [refusal]
         return "FAIL (refused)", True, [refusal]
     return "FAIL", True, numbers or tail
 
@@ -145,8 +165,15 @@ def main(argv=None) -> int:
             failed.append(name)
         elif status.startswith("refused"):
             refused.append(name)
-        rows.append((name, f"`{command}`", f"{status} ({rc})",
-                     f"{float(end) - float(start):.0f}", cell(numbers)))
+        rows.append(
+            (
+                name,
+                f"`{command}`",
+                f"{status} ({rc})",
+                f"{float(end) - float(start):.0f}",
+                cell(numbers),
+            )
+        )
 
     if args.header:
         print(args.header)

@@ -2,13 +2,16 @@
 
 Run on a GPU machine with:  python3 -m pytest -m gpu tests/gpu tests/kernels
 """
+
 import pytest
 import torch
 
 import nbtrain as nbt
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +88,9 @@ def test_cpu_batches_and_data_parallel_parameters_on_gpu(nccl_world):
     sampler = BatchSampler(torch.arange(4000) % 256, seq_len=16, global_batch=4)
     x, y = sampler.local_batch(0)
     assert x.device == dev and y.device == dev
-    model = nbt.wrap(GPT(GPTConfig(vocab_size=256, hidden=32, heads=2, layers=2,
-                                   seq_len=16)).to(dev))
+    model = nbt.wrap(
+        GPT(GPTConfig(vocab_size=256, hidden=32, heads=2, layers=2, seq_len=16)).to(dev)
+    )
     cpu_x, cpu_y = sampler.batch(0)
     torch.testing.assert_close(model.loss(cpu_x, cpu_y), model.loss(x, y))
 
@@ -104,12 +108,18 @@ def test_data_parallel_plain_parameters_on_gpu(nccl_world):
         def __init__(self, plain):
             super().__init__()
             self.embed, self.head = nn.Embedding(50, 16), nn.Linear(16, 50)
-            self.load_state_dict({k.replace("0.", "embed.").replace("2.", "head."): v
-                                  for k, v in plain.state_dict().items() if k[0] in "02"})
+            self.load_state_dict(
+                {
+                    k.replace("0.", "embed.").replace("2.", "head."): v
+                    for k, v in plain.state_dict().items()
+                    if k[0] in "02"
+                }
+            )
             self.to(dev)
             self.body = nbt.Block(nn.Linear(16, 16).to(dev).requires_grad_(True))
-            self.body.load_state_dict({k[2:]: v for k, v in plain.state_dict().items()
-                                       if k[0] == "1"})
+            self.body.load_state_dict(
+                {k[2:]: v for k, v in plain.state_dict().items() if k[0] == "1"}
+            )
 
         def forward(self, x):
             return self.head(self.body(self.embed(x)))
@@ -124,6 +134,7 @@ def test_data_parallel_plain_parameters_on_gpu(nccl_world):
 
 # -- torch.compile of Blocks (inductor on CUDA) and bf16 with fp32 masters, world 1 ------
 # The CPU versions, at 2 ranks, are tests/multirank/test_compile.py and test_bf16.py.
+
 
 def _tiny_gpt_cfg():
     from nbtrain.models import GPTConfig
@@ -154,9 +165,11 @@ def compiled_vs_eager(dev, compile=True, steps=3):
         for mode, option in (("eager", False), ("compiled", compile)):
             torch.manual_seed(0)
             model = nbt.wrap(GPT(cfg).to(dev), zero_level=3, compile=option)
-            opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-                   if opt_name == "sgd" else
-                   torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+            opt = (
+                torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+                if opt_name == "sgd"
+                else torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6)
+            )
             losses, graphs = [], []
             for s in range(steps):
                 with torch._dynamo.config.patch(error_on_recompile=s > 0):
@@ -168,9 +181,13 @@ def compiled_vs_eager(dev, compile=True, steps=3):
                 opt.step()
                 losses.append(loss.item())
                 graphs.append(counters["stats"]["unique_graphs"])
-            out[opt_name, mode] = {"losses": losses, "grads": grads, "graphs": graphs,
-                                   "state": model.state_dict(),
-                                   "stats": [b.compile_stats for b in model.layers]}
+            out[opt_name, mode] = {
+                "losses": losses,
+                "grads": grads,
+                "graphs": graphs,
+                "state": model.state_dict(),
+                "stats": [b.compile_stats for b in model.layers],
+            }
     torch.manual_seed(0)
     return out, list(GPT(cfg).state_dict())
 
@@ -186,8 +203,9 @@ def check_compiled_vs_eager(out, plain_keys, tol):
             torch.testing.assert_close(compiled["state"][name], v, atol=tol, rtol=tol)
         graphs = compiled["graphs"]
         assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * (len(graphs) - 1), graphs
-        assert all(s is not None and s.graph_breaks == 0 for s in compiled["stats"]), \
-            compiled["stats"]
+        assert all(s is not None and s.graph_breaks == 0 for s in compiled["stats"]), compiled[
+            "stats"
+        ]
 
 
 def test_compiled_blocks_match_eager_on_gpu(nccl_world):
@@ -221,8 +239,7 @@ def bf16_vs_masters_reference(dev, steps=6):
     masters = {n: v.clone() for n, v in start.items()}
     ref_opt = torch.optim.AdamW(masters.values(), foreach=False, **hyper)
     torch.manual_seed(0)
-    model = nbt.wrap(GPT(cfg).to(dev, torch.bfloat16), zero_level=3,
-                     reduce_dtype=torch.float32)
+    model = nbt.wrap(GPT(cfg).to(dev, torch.bfloat16), zero_level=3, reduce_dtype=torch.float32)
     opt = AdamOptimizer(model.parameters(), **hyper)
     rows = []
     for s in range(steps):
@@ -238,8 +255,7 @@ def bf16_vs_masters_reference(dev, steps=6):
         opt.zero_grad()
         loss = model.loss(xs[s], ys[s])
         loss.backward()
-        fp32 = all(g.shard.main_grad.dtype == torch.float32
-                   for b in model.layers for g in b.groups)
+        fp32 = all(g.shard.main_grad.dtype == torch.float32 for b in model.layers for g in b.groups)
         opt.step()
         # World 1: each shard is the whole flat buffer (padding at its end).
         ours = {}
@@ -251,13 +267,19 @@ def bf16_vs_masters_reference(dev, steps=6):
                         ours[f"{prefix}.{entry.names[0]}"] = view
         for name, p in model.named_parameters():
             if isinstance(p, nbt.DistributedParameter):
-                ours[name] = opt.state[p]["master"][:p.full_shape.numel()].view(p.full_shape)
+                ours[name] = opt.state[p]["master"][: p.full_shape.numel()].view(p.full_shape)
         assert sorted(ours) == sorted(masters)
         diff = torch.cat([(ours[n] - m).flatten() for n, m in masters.items()])
         moved = torch.cat([(m - start[n]).flatten() for n, m in masters.items()])
-        rows.append({"loss": loss.float().item(), "ref_loss": ref_loss.float().item(),
-                     "rel": float(diff.norm() / moved.norm()),
-                     "max": float(diff.abs().max()), "fp32_reduced": fp32})
+        rows.append(
+            {
+                "loss": loss.float().item(),
+                "ref_loss": ref_loss.float().item(),
+                "rel": float(diff.norm() / moved.norm()),
+                "max": float(diff.abs().max()),
+                "fp32_reduced": fp32,
+            }
+        )
     return rows
 
 
@@ -272,7 +294,7 @@ def test_bf16_with_fp32_masters_matches_torch_on_gpu(nccl_world):
 
     pytest.importorskip("triton", reason="AdamOptimizer's CUDA kernel needs triton")
     rows = bf16_vs_masters_reference(nccl_world.device)
-    u = 2.0 ** -8
+    u = 2.0**-8
     for s, r in enumerate(rows):
         ulp = torch.finfo(torch.bfloat16).eps * 2.0 ** math.floor(math.log2(r["ref_loss"]))
         assert abs(r["loss"] - r["ref_loss"]) <= ulp, (s, r)

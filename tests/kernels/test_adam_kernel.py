@@ -1,9 +1,10 @@
 """adam_step_: Triton against the torch reference and against torch.optim.AdamW."""
+
 import pytest
 import torch
+from kernel_testing import DEVICE, requires_gpu
 
 import nbtrain.kernels as K
-from kernel_testing import DEVICE, gpu, requires_gpu
 
 HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 
@@ -47,8 +48,14 @@ def test_three_steps_match_torch_adamw(impl):
     exp_avg.zero_()
     exp_avg_sq.zero_()
     torch_param = torch.nn.Parameter(param.clone())
-    opt = torch.optim.AdamW([torch_param], lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]),
-                            eps=HYPER["eps"], weight_decay=HYPER["weight_decay"], foreach=False)
+    opt = torch.optim.AdamW(
+        [torch_param],
+        lr=HYPER["lr"],
+        betas=(HYPER["beta1"], HYPER["beta2"]),
+        eps=HYPER["eps"],
+        weight_decay=HYPER["weight_decay"],
+        foreach=False,
+    )
     for step in (1, 2, 3):
         g = grad * step
         torch_param.grad = g.clone()
@@ -67,8 +74,9 @@ def test_rejects_bad_inputs_with_clear_errors():
     with pytest.raises(TypeError, match=r"grad has dtype torch.float64"):
         K.adam_step_(param, grad.double(), exp_avg, exp_avg_sq, step=1, **HYPER)
     with pytest.raises(ValueError, match="not contiguous"):
-        K.adam_step_(param, torch.randn(20, device=DEVICE)[::2], exp_avg, exp_avg_sq,
-                     step=1, **HYPER)
+        K.adam_step_(
+            param, torch.randn(20, device=DEVICE)[::2], exp_avg, exp_avg_sq, step=1, **HYPER
+        )
     with pytest.raises(ValueError, match="elements"):
         K.adam_step_(param, grad[:5], exp_avg, exp_avg_sq, step=1, **HYPER)
     with pytest.raises(ValueError, match="step counts from 1"):

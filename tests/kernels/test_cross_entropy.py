@@ -1,9 +1,10 @@
 """cross_entropy and FusedCrossEntropy: Triton against the torch reference."""
+
 import pytest
 import torch
+from kernel_testing import DEVICE, TOL, dtypes_for_device
 
 import nbtrain.kernels as K
-from kernel_testing import DEVICE, TOL, dtypes_for_device
 from nbtrain.nn.loss import FusedCrossEntropy
 
 SHAPES = [((5,), 1000), ((2,), 50257), ((3, 7), 129)]
@@ -42,7 +43,7 @@ def test_matches_reference(batch_shape, vocab, dtype, reduction, label_smoothing
     torch.testing.assert_close(loss, ref_loss, atol=atol, rtol=rtol)
     assert grad.dtype == dtype
     torch.testing.assert_close(grad.float(), ref_grad.float(), atol=atol, rtol=rtol)
-    ignored = (target == -100)
+    ignored = target == -100
     assert grad[ignored].abs().max() == 0
     if reduction == "none":
         assert loss.shape == batch_shape and loss[ignored].abs().max() == 0
@@ -84,8 +85,9 @@ def test_no_grad_leaves_logits_untouched():
     with torch.no_grad():
         loss = K.cross_entropy(logits, target, impl="triton")
     assert torch.equal(logits, before)
-    torch.testing.assert_close(loss, K.cross_entropy(logits, target, impl="torch"),
-                               atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(
+        loss, K.cross_entropy(logits, target, impl="torch"), atol=2e-3, rtol=2e-3
+    )
 
 
 def test_all_rows_ignored_gives_nan_mean_like_torch():
@@ -107,7 +109,9 @@ def test_int32_targets_and_custom_ignore_index():
 
 def test_rejects_bad_inputs_with_clear_errors():
     logits, target = _inputs((5,), 100, torch.float32)
-    with pytest.raises(TypeError, match=r"logits have dtype torch.float64; supported: torch.float32"):
+    with pytest.raises(
+        TypeError, match=r"logits have dtype torch.float64; supported: torch.float32"
+    ):
         K.cross_entropy(logits.double(), target)
     with pytest.raises(TypeError, match=r"target has dtype torch.float32"):
         K.cross_entropy(logits, target.float())

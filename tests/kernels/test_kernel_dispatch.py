@@ -1,4 +1,5 @@
 """The one dispatch rule in nbtrain.kernels.pick_impl."""
+
 import pytest
 import torch
 
@@ -26,8 +27,10 @@ def test_missing_triton_is_a_clear_error_and_auto_still_works(monkeypatch):
     with pytest.raises(RuntimeError, match="needs the triton package"):
         K.pick_impl("triton", torch.zeros(2), op="rms_norm")
     x = torch.randn(3, 5)
-    torch.testing.assert_close(K.rms_norm(x, torch.ones(5), impl="auto"),
-                               x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(
+        K.rms_norm(x, torch.ones(5), impl="auto"),
+        x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6),
+    )
 
 
 def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
@@ -39,6 +42,7 @@ def test_cpu_without_interpreter_is_a_clear_error(monkeypatch):
 def test_importing_nbtrain_does_not_import_triton():
     import subprocess
     import sys
+
     code = "import sys, nbtrain; print('triton' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr

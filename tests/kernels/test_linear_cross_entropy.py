@@ -1,16 +1,17 @@
 """linear_cross_entropy: chunked Triton path against the plain composition."""
+
 import pytest
 import torch
+from kernel_testing import DEVICE, TOL, dtypes_for_device
 
 import nbtrain.kernels as K
-from kernel_testing import DEVICE, TOL, dtypes_for_device
 from nbtrain.kernels.linear_cross_entropy import default_chunk_tokens
 
 
 def _inputs(batch_shape, hidden, vocab, dtype, with_bias, seed=0):
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(*batch_shape, hidden, generator=gen).to(dtype).to(DEVICE)
-    weight = (torch.randn(vocab, hidden, generator=gen) / hidden ** 0.5).to(dtype).to(DEVICE)
+    weight = (torch.randn(vocab, hidden, generator=gen) / hidden**0.5).to(dtype).to(DEVICE)
     bias = (0.1 * torch.randn(vocab, generator=gen)).to(dtype).to(DEVICE) if with_bias else None
     target = torch.randint(0, vocab, batch_shape, generator=gen)
     target.view(-1)[1::4] = -100
@@ -30,8 +31,11 @@ def _run(impl, h, weight, bias, target, upstream=None, **kwargs):
 def test_matches_composition(dtype, reduction, label_smoothing, with_bias):
     h, weight, bias, target = _inputs((3, 13), 33, 1000, dtype, with_bias)
     # An upstream gradient other than 1 checks backward's rescaling (a loss scale, say).
-    upstream = (torch.rand(3, 13, device=DEVICE) + 0.5 if reduction == "none"
-                else torch.tensor(2.5, device=DEVICE))
+    upstream = (
+        torch.rand(3, 13, device=DEVICE) + 0.5
+        if reduction == "none"
+        else torch.tensor(2.5, device=DEVICE)
+    )
     kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
     ours = _run("triton", h, weight, bias, target, upstream, chunk_tokens=16, **kwargs)
     ref = _run("torch", h, weight, bias, target, upstream, **kwargs)
@@ -40,8 +44,13 @@ def test_matches_composition(dtype, reduction, label_smoothing, with_bias):
         assert a.dtype == b.dtype, name
         # Half-precision gradients are accumulated once per chunk (3 chunks here).
         scale = 1.0 if name in ("loss", "dhidden") or dtype == torch.float32 else 4.0
-        torch.testing.assert_close(a.float(), b.float(), atol=atol * scale, rtol=rtol * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            a.float(),
+            b.float(),
+            atol=atol * scale,
+            rtol=rtol * scale,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 def test_only_hidden_requires_grad_and_no_grad_mode():

@@ -1,9 +1,10 @@
 """rms_norm and layer_norm, forward and backward: Triton against the torch reference."""
+
 import pytest
 import torch
+from kernel_testing import DEVICE, TOL, dtypes_for_device
 
 import nbtrain.kernels as K
-from kernel_testing import DEVICE, TOL, dtypes_for_device
 
 # (1, 3): a single short row. Not (1, 1): there torch's own LayerNorm leaves x - mean at
 # ~1e-8 instead of 0, which 1/sqrt(eps) amplifies, so the reference is the noisy side.
@@ -34,8 +35,13 @@ def _compare(ours, ref, dtype, hidden):
         assert a.dtype == b.dtype, name
         # d weight sums over every row: its error grows with the row count.
         scale = 4.0 if name in ("dweight", "dbias") else 1.0
-        torch.testing.assert_close(a.float(), b.float(), atol=atol * scale, rtol=rtol * scale,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            a.float(),
+            b.float(),
+            atol=atol * scale,
+            rtol=rtol * scale,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -76,8 +82,11 @@ def test_non_contiguous_input_is_accepted(fn, params):
 
 def test_rejects_bad_inputs_with_clear_errors():
     x, weight, bias, _ = _inputs((3, 8), torch.float32, True)
-    with pytest.raises(TypeError, match=r"x has dtype torch.float64; supported: torch.float32, "
-                                        r"torch.float16, torch.bfloat16"):
+    with pytest.raises(
+        TypeError,
+        match=r"x has dtype torch.float64; supported: torch.float32, "
+        r"torch.float16, torch.bfloat16",
+    ):
         K.rms_norm(x.double(), weight)
     with pytest.raises(TypeError, match=r"bias has dtype torch.int64"):
         K.layer_norm(x, weight, bias.long())

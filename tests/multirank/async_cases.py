@@ -1,11 +1,11 @@
 """Rank functions for test_async_checkpoint.py: save_checkpoint(non_blocking=True)."""
+
 import os
 import signal
 import time
 
-import torch
-
 import optim_cases as oc
+import torch
 
 
 def _setup():
@@ -36,10 +36,16 @@ def roundtrip(folder: str, steps: int):
     fresh, _, fresh_manager = _setup()
     meta = nbt.load_checkpoint(fresh, folder, fresh_manager)
     loaded = fresh.state_dict()
-    return {"same": all(torch.equal(at_save[k], loaded[k]) for k in at_save), "changed": changed,
-            "step": meta["step"], "scale": (scale, fresh_manager.loss_scale),
-            "in_flight_at_return": in_flight_at_return, "still_writing": still_writing,
-            "quiet_s": quiet, "busy_s": busy}
+    return {
+        "same": all(torch.equal(at_save[k], loaded[k]) for k in at_save),
+        "changed": changed,
+        "step": meta["step"],
+        "scale": (scale, fresh_manager.loss_scale),
+        "in_flight_at_return": in_flight_at_return,
+        "still_writing": still_writing,
+        "quiet_s": quiet,
+        "busy_s": busy,
+    }
 
 
 def _timed_steps(model, manager, steps, start):
@@ -62,6 +68,7 @@ def killed_during_write(folder: str):
     oc.sharded_train(model, manager, 2, start=2, total=20)
     asynchronous.MARKER_TIMEOUT_S = 2.0
     if nbt.rank() == 1:
+
         def half_then_die(path, tensors):
             with open(f"{path}.tmp-{os.getpid()}", "wb") as f:
                 f.write(b"\0" * 4096)  # a partial temporary file, as a crash leaves it

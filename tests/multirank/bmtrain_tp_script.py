@@ -4,6 +4,7 @@ Run by test_tensor_parallel.py on 2 ranks: `main()` trains and returns the losse
 and the rank's final parameter slices; `plain()` trains the same model with plain
 PyTorch on one process.
 """
+
 import torch
 import torch.nn.functional as F
 
@@ -28,8 +29,10 @@ class Model(bmt.DistributedModule):
 def batches():
     gen = torch.Generator().manual_seed(9)
     for _ in range(STEPS):
-        yield (torch.randint(0, VOCAB, (4, 5), generator=gen),
-               torch.randint(0, VOCAB, (4, 5), generator=gen))
+        yield (
+            torch.randint(0, VOCAB, (4, 5), generator=gen),
+            torch.randint(0, VOCAB, (4, 5), generator=gen),
+        )
 
 
 def main():
@@ -66,6 +69,10 @@ def plain():
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, {"embed.weight": embed.weight, "w_in.weight": w_in.weight,
-                    "w_in.bias": w_in.bias, "w_out.weight": w_out.weight,
-                    "w_out.bias": w_out.bias}
+    return losses, {
+        "embed.weight": embed.weight,
+        "w_in.weight": w_in.weight,
+        "w_in.bias": w_in.bias,
+        "w_out.weight": w_out.weight,
+        "w_out.bias": w_out.bias,
+    }

@@ -2,6 +2,7 @@
 parallelism (world 2, cp_size 2: one batch, each rank half of every sequence), every
 case in one launch. The single-process reference lives here too, so both sides build
 the same model and read the same batches."""
+
 import itertools
 
 import torch
@@ -39,8 +40,7 @@ def packed_position_ids() -> torch.Tensor:
 def batch(step: int, packed: bool):
     """The full rows of `step` (two batches taking turns, so the loss falls): (token
     ids, targets, position ids or None)."""
-    ids = torch.randint(0, 64, (ROWS, SEQ),
-                        generator=torch.Generator().manual_seed(100 + step % 2))
+    ids = torch.randint(0, 64, (ROWS, SEQ), generator=torch.Generator().manual_seed(100 + step % 2))
     return ids, ids.roll(-1, dims=1), packed_position_ids() if packed else None
 
 
@@ -50,8 +50,7 @@ def optimizer(name: str, params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def train(model, opt_name: str, packed: bool, steps: int,
-          report=lambda loss: float(loss.detach())):
+def train(model, opt_name: str, packed: bool, steps: int, report=lambda loss: float(loss.detach())):
     """`steps` steps on model.shard_batch of each full batch: (losses, logits of the
     first batch before training, gathered to full rows). `report` turns a step's
     (local) loss into the number recorded."""
@@ -94,12 +93,17 @@ def cp_training(steps: int):
         model = nbtrain.wrap(model, use_checkpoint=bool(recompute))
         cp = model.active_cp()
         facts[layout] = (cp.layout, cp.rank, cp.size)
-        losses, logits = train(model, opt_name, packed, steps,
-                               report=lambda loss: nbtrain.sum_loss(loss).item())
+        losses, logits = train(
+            model, opt_name, packed, steps, report=lambda loss: nbtrain.sum_loss(loss).item()
+        )
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         results[(layout, packed, opt_name, *recompute)] = (losses, logits, state)
-    return dict(results=results, facts=facts, no_layout=_without_a_layout(),
-                errors=_errors(ContextParallel.from_topology()))
+    return dict(
+        results=results,
+        facts=facts,
+        no_layout=_without_a_layout(),
+        errors=_errors(ContextParallel.from_topology()),
+    )
 
 
 def _without_a_layout() -> dict:
@@ -115,10 +119,14 @@ def _without_a_layout() -> dict:
         logits = (model(ids), model(ids, pos))
     loss = model.loss(ids, targets, pos)
     loss.backward()
-    return dict(active=model.active_cp(), logits=logits, loss=float(loss.detach()),
-                shard=model.shard_batch(ids, targets, pos) == (ids, targets, pos, None),
-                grad=model.tok.weight.grad.clone(),
-                p2p=COUNTERS.snapshot()["bytes"].get("p2p", 0))
+    return dict(
+        active=model.active_cp(),
+        logits=logits,
+        loss=float(loss.detach()),
+        shard=model.shard_batch(ids, targets, pos) == (ids, targets, pos, None),
+        grad=model.tok.weight.grad.clone(),
+        p2p=COUNTERS.snapshot()["bytes"].get("p2p", 0),
+    )
 
 
 def _errors(cp) -> dict:

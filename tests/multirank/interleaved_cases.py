@@ -1,12 +1,12 @@
 """Rank functions for test_pipeline_interleaved.py: interleaved 1F1B against one plain
 process. One launch runs every case of a world, each case returning its own result."""
+
 import copy
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
 from pipeline_cases import BATCH, STEPS, _layers, _optimizer, parity
+from torch import nn
 
 
 def _parity(pipe, virtual, micro, optimizer):
@@ -15,12 +15,14 @@ def _parity(pipe, virtual, micro, optimizer):
     rank's chunks, the live peak, the compute spans of one step and the p2p bytes sent."""
     import nbtrain
     from nbtrain import pipeline
-    from nbtrain.comm import collectives as C, events
+    from nbtrain.comm import collectives as C
+    from nbtrain.comm import events
 
     layers = _layers()
     plain = nn.Sequential(*copy.deepcopy(layers))
-    split = pipeline.balanced_split([sum(p.numel() for p in m.parameters()) for m in layers],
-                                    pipe * virtual)
+    split = pipeline.balanced_split(
+        [sum(p.numel() for p in m.parameters()) for m in layers], pipe * virtual
+    )
     stages = pipeline.stages_of(layers, virtual=virtual, split=split)
     opts = [_optimizer(plain.parameters(), optimizer), _optimizer(stages.parameters(), optimizer)]
     gen = torch.Generator().manual_seed(1)
@@ -36,8 +38,14 @@ def _parity(pipe, virtual, micro, optimizer):
         record = spans.append if step == 0 else None
         if record:
             events.subscribe(record)
-        losses = pipeline.run(stages, list(x.chunk(micro)), list(y.chunk(micro)), F.mse_loss,
-                              schedule="interleaved", stats=stats)
+        losses = pipeline.run(
+            stages,
+            list(x.chunk(micro)),
+            list(y.chunk(micro)),
+            F.mse_loss,
+            schedule="interleaved",
+            stats=stats,
+        )
         if record:
             events.unsubscribe(record)
         peak = max(peak, stats["live_peak"])
@@ -50,11 +58,15 @@ def _parity(pipe, virtual, micro, optimizer):
     got = list(stages.state_dict().values())  # chunk by chunk, in the layers' order
     want = [t for part in mine for i in part for t in plain[i].state_dict().values()]
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
-    return {"loss": loss_err, "params": param_err, "peak": peak, "n": (len(got), len(want)),
-            "split": [list(r) for r in split],
-            "spans": sorted({(e["label"], e["phase"]) for e in spans
-                             if e["type"] == "compute"}),
-            "p2p_bytes": C.COUNTERS.snapshot()["bytes"].get("p2p", 0)}
+    return {
+        "loss": loss_err,
+        "params": param_err,
+        "peak": peak,
+        "n": (len(got), len(want)),
+        "split": [list(r) for r in split],
+        "spans": sorted({(e["label"], e["phase"]) for e in spans if e["type"] == "compute"}),
+        "p2p_bytes": C.COUNTERS.snapshot()["bytes"].get("p2p", 0),
+    }
 
 
 def _gpt(pipe, virtual, optimizer):
@@ -81,8 +93,13 @@ def _gpt(pipe, virtual, optimizer):
         target = torch.randint(0, cfg.vocab_size, (micro * 2, 8), generator=gen)
         ref = plain.loss(idx, target)
         ref.backward()
-        losses = pipeline.run(stages, list(idx.chunk(micro)), list(target.chunk(micro)),
-                              loss_fn, schedule="interleaved")
+        losses = pipeline.run(
+            stages,
+            list(idx.chunk(micro)),
+            list(target.chunk(micro)),
+            loss_fn,
+            schedule="interleaved",
+        )
         for opt in opts:
             opt.step()
             opt.zero_grad()
@@ -91,8 +108,7 @@ def _gpt(pipe, virtual, optimizer):
     names = [n for n, p in model.named_parameters() if id(p) in mine]
     state, ref_state = model.state_dict(), plain.state_dict()
     param_err = max((state[n] - ref_state[n]).abs().max().item() for n in names)
-    return {"loss": loss_err, "params": param_err, "checked": len(names),
-            "ties": len(stages.ties)}
+    return {"loss": loss_err, "params": param_err, "checked": len(names), "ties": len(stages.ties)}
 
 
 def _refusal(call) -> str:
@@ -114,11 +130,18 @@ def all_cases(pipe, virtual, runs, gpt_optimizers=()):
     out.update({("gpt", opt): _gpt(pipe, virtual, opt) for opt in gpt_optimizers})
     stages = pipeline.stages_of(_layers(), virtual=virtual)
     x, y = torch.randn(pipe + 1, 6), torch.randn(pipe + 1, 5)
-    out["bad micro"] = _refusal(lambda: pipeline.run(
-        stages, list(x.chunk(pipe + 1)), list(y.chunk(pipe + 1)), F.mse_loss,
-        schedule="interleaved"))
-    out["lone stage"] = _refusal(lambda: pipeline.run(
-        stages[0], [x], [y], F.mse_loss, schedule="interleaved"))
+    out["bad micro"] = _refusal(
+        lambda: pipeline.run(
+            stages,
+            list(x.chunk(pipe + 1)),
+            list(y.chunk(pipe + 1)),
+            F.mse_loss,
+            schedule="interleaved",
+        )
+    )
+    out["lone stage"] = _refusal(
+        lambda: pipeline.run(stages[0], [x], [y], F.mse_loss, schedule="interleaved")
+    )
     return out
 
 
@@ -127,6 +150,9 @@ def zero_cases(pipe, virtual, micro, runs):
     passing its own rows: {(zero_level, optimizer): pipeline_cases.parity's result
     (max |loss difference|, max |parameter difference| of this rank's chunks, ...)}
     against the whole batch on one process."""
-    return {(zero_level, optimizer): parity(pipe, "interleaved", optimizer, zero_level,
-                                            virtual=virtual, micro=micro)
-            for zero_level, optimizer in runs}
+    return {
+        (zero_level, optimizer): parity(
+            pipe, "interleaved", optimizer, zero_level, virtual=virtual, micro=micro
+        )
+        for zero_level, optimizer in runs
+    }

@@ -1,5 +1,6 @@
 """A small BMTrain-style model: plain embedding, norm and head around sharded Blocks,
 and its plain twin (the single-process reference)."""
+
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -1,5 +1,6 @@
 """Rank functions for test_meta_build.py: models built on the meta device, sharded and
 initialised rank by rank."""
+
 import gc
 
 import torch
@@ -56,9 +57,15 @@ def hf_llama_from_meta():
     import nbtrain
     from nbtrain.zero import normal_inits
 
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     with nbtrain.empty_parameters():
         model = transformers.LlamaForCausalLM(config)
     meta_buffers = any(b.is_meta for b in model.buffers())
@@ -148,10 +155,19 @@ def save_load_peak(folder: str, hidden: int, layers: int, vocab: int = VOCAB):
     full = sum(p.numel() * p.element_size() for p in plain.parameters())
     largest = max(p.numel() * p.element_size() for p in plain.parameters())
     held = sum(p.numel() * p.element_size() for p in model.parameters())
-    same = all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
-                                                 fresh.state_dict().values()))
-    return {"save_peak": save_peak, "load_peak": load_peak, "block": block, "full": full,
-            "largest": largest, "held": held, "same": same, "path": path}
+    same = all(
+        torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values())
+    )
+    return {
+        "save_peak": save_peak,
+        "load_peak": load_peak,
+        "block": block,
+        "full": full,
+        "largest": largest,
+        "held": held,
+        "same": same,
+        "path": path,
+    }
 
 
 def _load_fresh(build, cfg, path):
@@ -168,8 +184,7 @@ def bad_files(folder: str):
     import nbtrain
     from nbtrain.models.gpt import GPT, GPTConfig
 
-    model = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=32, heads=4, layers=1,
-                                       seq_len=16)))
+    model = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=32, heads=4, layers=1, seq_len=16)))
     good = f"{folder}/good.safetensors"
     nbtrain.save(model, good)
     out = {}
@@ -191,8 +206,7 @@ def bad_files(folder: str):
             with open(f"{checkpoint}/{version}/rank{rank:05d}.safetensors", "r+b") as f:
                 f.truncate(100)
     torch.distributed.barrier()
-    other = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=64, heads=4, layers=1,
-                                       seq_len=16)))
+    other = nbtrain.wrap(GPT(GPTConfig(vocab_size=VOCAB, hidden=64, heads=4, layers=1, seq_len=16)))
     for case, call in {
         "truncated": lambda: nbtrain.load(model, f"{folder}/truncated.safetensors"),
         "garbage": lambda: nbtrain.load(model, f"{folder}/garbage.safetensors"),

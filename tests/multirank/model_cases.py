@@ -1,5 +1,6 @@
 """Rank functions for test_runtime_models.py: registered models through nbtrain.runtime,
 Hugging Face folders loaded into each rank's shards."""
+
 import gc
 
 import torch
@@ -8,8 +9,9 @@ SEQ = 16
 MODEL_OF = {"gpt2": "gpt2", "llama": "llama", "qwen2": "llama"}
 
 
-def save_hf_model(kind: str, path: str, *, tie: bool = True, size: str = "tiny",
-                  shard: str | None = None) -> str:
+def save_hf_model(
+    kind: str, path: str, *, tie: bool = True, size: str = "tiny", shard: str | None = None
+) -> str:
     """A `transformers` model of `kind` ("gpt2", "llama", "qwen2") built from a config
     (no download), its weights perturbed (zero biases and unit norms would hide a
     misplaced tensor), saved with save_pretrained; `shard` ("200KB"): a sharded save."""
@@ -17,17 +19,32 @@ def save_hf_model(kind: str, path: str, *, tie: bool = True, size: str = "tiny",
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=80,
-                                         n_positions=SEQ, bos_token_id=0, eos_token_id=0,
-                                         tie_word_embeddings=tie)
+        config = transformers.GPT2Config(
+            n_embd=32,
+            n_layer=2,
+            n_head=4,
+            vocab_size=80,
+            n_positions=SEQ,
+            bos_token_id=0,
+            eos_token_id=0,
+            tie_word_embeddings=tie,
+        )
         model = transformers.GPT2LMHeadModel(config)
     else:
         big = size == "big"
-        sizes = dict(vocab_size=512 if big else 96, hidden_size=256 if big else 64,
-                     intermediate_size=704 if big else 96, num_hidden_layers=8 if big else 3,
-                     num_attention_heads=8 if big else 4, num_key_value_heads=4 if big else 2,
-                     max_position_embeddings=64, tie_word_embeddings=tie, bos_token_id=0,
-                     eos_token_id=0, pad_token_id=0)
+        sizes = dict(
+            vocab_size=512 if big else 96,
+            hidden_size=256 if big else 64,
+            intermediate_size=704 if big else 96,
+            num_hidden_layers=8 if big else 3,
+            num_attention_heads=8 if big else 4,
+            num_key_value_heads=4 if big else 2,
+            max_position_embeddings=64,
+            tie_word_embeddings=tie,
+            bos_token_id=0,
+            eos_token_id=0,
+            pad_token_id=0,
+        )
         if kind == "llama":
             model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**sizes))
         else:
@@ -45,8 +62,9 @@ def _rows_batch(vocab: int, rows: int = 4):
 
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab, (rows, SEQ), generator=g)
-    return PackedBatch(input_ids=ids, position_ids=torch.arange(SEQ).expand(rows, SEQ).clone(),
-                       labels=ids.clone())
+    return PackedBatch(
+        input_ids=ids, position_ids=torch.arange(SEQ).expand(rows, SEQ).clone(), labels=ids.clone()
+    )
 
 
 def hf_logits(folders: dict, layouts: list):
@@ -66,8 +84,15 @@ def hf_logits(folders: dict, layouts: list):
         for i, parallel in enumerate(layouts):
             diffs = []
             for backend in ("nbtrain", "reference"):
-                rt = create_runtime(RuntimeConfig(backend, hf_path=path, backend_cfg=NBConfig(
-                    model_name=MODEL_OF[kind], parallel=ParallelConfig(**parallel))))
+                rt = create_runtime(
+                    RuntimeConfig(
+                        backend,
+                        hf_path=path,
+                        backend_cfg=NBConfig(
+                            model_name=MODEL_OF[kind], parallel=ParallelConfig(**parallel)
+                        ),
+                    )
+                )
                 handle = rt.build_model()
                 with rt.eval_mode(handle):
                     got = rt.logits(handle, batch)
@@ -91,8 +116,11 @@ def load_peak(path: str, parallel: dict):
     fixed = fix_mmap_threshold()  # the high-water mark shows what is held at once
     files = weight_files(path)
     full = sum(read_one(f, n).nbytes for n, f in files.items())  # before the baseline
-    cfg = RuntimeConfig("nbtrain", hf_path=path, backend_cfg=NBConfig(
-        model_name="llama", parallel=ParallelConfig(**parallel)))
+    cfg = RuntimeConfig(
+        "nbtrain",
+        hf_path=path,
+        backend_cfg=NBConfig(model_name="llama", parallel=ParallelConfig(**parallel)),
+    )
     rt = create_runtime(cfg)
     # A first build pays the one-time costs (libraries' code and first collectives, the
     # process groups: 150 MB on gloo); the second is the model's own cost.
@@ -125,16 +153,21 @@ def toy_parity(cases, steps):
     from nbtrain.models import register_model
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, compare
 
-    register_model("toy", package="toy_lm", impls={"default": "toy_lm.protocol"},
-                   replace=True)
+    register_model("toy", package="toy_lm", impls={"default": "toy_lm.protocol"}, replace=True)
     out = {}
     for i, (opt, parallel) in enumerate(cases):
-        nb = dict(model_name="toy", model_config={"vocab_size": 64, "width": 32},
-                  optimizer=gentle(opt))
-        out[i] = compare(RuntimeConfig("reference", backend_cfg=NBConfig(**nb)),
-                         RuntimeConfig("nbtrain", backend_cfg=NBConfig(
-                             **nb, parallel=ParallelConfig(**parallel))),
-                         steps=steps, data=batches(), verbose=False)
+        nb = dict(
+            model_name="toy", model_config={"vocab_size": 64, "width": 32}, optimizer=gentle(opt)
+        )
+        out[i] = compare(
+            RuntimeConfig("reference", backend_cfg=NBConfig(**nb)),
+            RuntimeConfig(
+                "nbtrain", backend_cfg=NBConfig(**nb, parallel=ParallelConfig(**parallel))
+            ),
+            steps=steps,
+            data=batches(),
+            verbose=False,
+        )
     return out
 
 
@@ -148,10 +181,17 @@ def hf_training(path: str, cases, steps):
     out = {}
     for i, (opt, parallel) in enumerate(cases):
         nb = dict(model_name="llama", optimizer=gentle(opt))
-        out[i] = compare(RuntimeConfig("reference", hf_path=path, backend_cfg=NBConfig(**nb)),
-                         RuntimeConfig("nbtrain", hf_path=path, backend_cfg=NBConfig(
-                             **nb, parallel=ParallelConfig(**parallel))),
-                         steps=steps, data=data, verbose=False)
+        out[i] = compare(
+            RuntimeConfig("reference", hf_path=path, backend_cfg=NBConfig(**nb)),
+            RuntimeConfig(
+                "nbtrain",
+                hf_path=path,
+                backend_cfg=NBConfig(**nb, parallel=ParallelConfig(**parallel)),
+            ),
+            steps=steps,
+            data=data,
+            verbose=False,
+        )
     return out
 
 
@@ -164,10 +204,13 @@ def hf_contract_example(path: str):
     data = synthetic_batches(1, 4, SEQ, 96, 3)[0]
     out = {}
     for backend in ("nbtrain", "reference"):
-        cfg = RuntimeConfig(backend=backend, hf_path=path,
-                            backend_cfg=NBConfig(model_name="llama",
-                                                 parallel=ParallelConfig(tp_size=2, ep_size=1)))
-        rt = create_runtime(cfg); handle = rt.build_model()  # noqa: E702 (as quoted)
+        cfg = RuntimeConfig(
+            backend=backend,
+            hf_path=path,
+            backend_cfg=NBConfig(model_name="llama", parallel=ParallelConfig(tp_size=2, ep_size=1)),
+        )
+        rt = create_runtime(cfg)
+        handle = rt.build_model()  # noqa: E702 (as quoted)
         with rt.train_mode(handle):
             rt.zero_grad(handle)
             result = rt.forward_backward(handle, data, loss_fn=None, num_micro_batches=2)

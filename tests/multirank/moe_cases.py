@@ -4,6 +4,7 @@ Every rank has its own tokens (rank r: (2, 5 + r) tokens) and loads the same ful
 weights (`full_weights`), keeping its experts; the test compares with
 `moe_reference` on all ranks' tokens at once.
 """
+
 import torch
 
 HIDDEN, FFN, EXPERTS = 8, 12, 6
@@ -13,8 +14,16 @@ SILENT = EXPERTS - 1  # routed no tokens: its router row is -10 on feature 0, al
 CRAFTED = [(0, 1), (0, 1), (0, 2), (0, 1), (0, 3), (1, 0), (2, 3), (0, 4)]
 # Each expert keeps ceil(1.0 * 8 * 2 / 6) = 3 per rank, first come first kept:
 # expert 0 keeps tokens 0, 1, 2 and drops 3, 4, 5, 7; expert 1 keeps 0, 1, 3, drops 5.
-CRAFTED_KEEP = [(True, True), (True, True), (True, True), (False, True), (False, True),
-                (False, False), (True, True), (False, True)]
+CRAFTED_KEEP = [
+    (True, True),
+    (True, True),
+    (True, True),
+    (False, True),
+    (False, True),
+    (False, False),
+    (True, True),
+    (False, True),
+]
 
 
 def full_weights():
@@ -23,8 +32,8 @@ def full_weights():
     router = torch.randn(EXPERTS, HIDDEN, generator=g)
     router[SILENT] = 0.0
     router[SILENT, 0] = -10.0
-    w_in = torch.randn(EXPERTS, HIDDEN, FFN, generator=g) / HIDDEN ** 0.5
-    w_out = torch.randn(EXPERTS, FFN, HIDDEN, generator=g) / FFN ** 0.5
+    w_in = torch.randn(EXPERTS, HIDDEN, FFN, generator=g) / HIDDEN**0.5
+    w_out = torch.randn(EXPERTS, FFN, HIDDEN, generator=g) / FFN**0.5
     return router, w_in, w_out
 
 
@@ -82,12 +91,22 @@ def _routed(top_k):
     backward_bytes = _a2a_bytes()
     aux = moe.aux_loss
     (aux_grad,) = torch.autograd.grad(aux, moe.router.weight)
-    return {"x": x.detach(), "g": g, "out": out.detach(), "x_grad": x.grad,
-            "router_grad": moe.router.weight.grad, "w_in_grad": moe.w_in.grad,
-            "w_out_grad": moe.w_out.grad, "first": moe.first_expert,
-            "local": moe.local_experts, "forward_bytes": forward_bytes,
-            "backward_bytes": backward_bytes, "aux": aux.detach(), "aux_grad": aux_grad,
-            "stats": moe.stats}
+    return {
+        "x": x.detach(),
+        "g": g,
+        "out": out.detach(),
+        "x_grad": x.grad,
+        "router_grad": moe.router.weight.grad,
+        "w_in_grad": moe.w_in.grad,
+        "w_out_grad": moe.w_out.grad,
+        "first": moe.first_expert,
+        "local": moe.local_experts,
+        "forward_bytes": forward_bytes,
+        "backward_bytes": backward_bytes,
+        "aux": aux.detach(),
+        "aux_grad": aux_grad,
+        "stats": moe.stats,
+    }
 
 
 def _capacity():
@@ -97,8 +116,12 @@ def _capacity():
     x = crafted_tokens().requires_grad_(True)
     out = moe(x)
     out.sum().backward()  # drops are in the graph too
-    return {"out": out.detach(), "stats": moe.stats, "capacity": moe.capacity(len(CRAFTED)),
-            "x_grad": x.grad}
+    return {
+        "out": out.detach(),
+        "stats": moe.stats,
+        "capacity": moe.capacity(len(CRAFTED)),
+        "x_grad": x.grad,
+    }
 
 
 def _bias():
@@ -119,9 +142,16 @@ def _bias():
     with torch.no_grad():
         moe.expert_bias.copy_(steer)
         out = moe(x)
-    return {"trained_bias": trained, "unmoved": unmoved, "stats": stats, "steered_out": out,
-            "bias_after_eval": moe.expert_bias.clone(), "x": x, "steer": steer,
-            "aux": moe.aux_loss}
+    return {
+        "trained_bias": trained,
+        "unmoved": unmoved,
+        "stats": stats,
+        "steered_out": out,
+        "bias_after_eval": moe.expert_bias.clone(),
+        "x": x,
+        "steer": steer,
+        "aux": moe.aux_loss,
+    }
 
 
 def _alone():
@@ -141,8 +171,12 @@ def _alone():
     COUNTERS.reset()
     with torch.no_grad():
         out = moe(x)
-    return {"x": x, "out": out, "bytes": COUNTERS.snapshot()["total_bytes"],
-            "local": moe.local_experts}
+    return {
+        "x": x,
+        "out": out,
+        "bytes": COUNTERS.snapshot()["total_bytes"],
+        "local": moe.local_experts,
+    }
 
 
 def _no_layout():
@@ -160,8 +194,11 @@ def _no_layout():
     COUNTERS.reset()
     with torch.no_grad():
         moe(x)
-    return {"local": moe.local_experts, "bytes": COUNTERS.snapshot()["total_bytes"],
-            "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+    return {
+        "local": moe.local_experts,
+        "bytes": COUNTERS.snapshot()["total_bytes"],
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught],
+    }
 
 
 def _uneven_split_error():
@@ -180,6 +217,12 @@ def all_cases():
     import nbtrain
 
     nbtrain.init_distributed(ep_size=nbtrain.world_size())
-    return {"top1": _routed(1), "top2": _routed(2), "capacity": _capacity(), "bias": _bias(),
-            "alone": _alone(), "no_layout": _no_layout(),
-            "uneven_split_error": _uneven_split_error()}
+    return {
+        "top1": _routed(1),
+        "top2": _routed(2),
+        "capacity": _capacity(),
+        "bias": _bias(),
+        "alone": _alone(),
+        "no_layout": _no_layout(),
+        "uneven_split_error": _uneven_split_error(),
+    }

@@ -1,5 +1,6 @@
 """Rank functions for test_moe_gpt.py: the MoE GPT sharded by wrap at ep > 1 against the
 same model in one process (on rank 0, every expert local)."""
+
 import torch
 
 VOCAB, SEQ, ROWS = 64, 8, 2  # ROWS sequences per rank
@@ -8,15 +9,18 @@ VOCAB, SEQ, ROWS = 64, 8, 2  # ROWS sequences per rank
 def config(**kw):
     from nbtrain.models.gpt_moe import MoEGPTConfig
 
-    return MoEGPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=16, heads=2, layers=2,
-                        num_experts=4, top_k=2, **kw)
+    return MoEGPTConfig(
+        vocab_size=VOCAB, seq_len=SEQ, hidden=16, heads=2, layers=2, num_experts=4, top_k=2, **kw
+    )
 
 
 def batches(world: int, steps: int):
     """[step][rank] token ids (ROWS, SEQ), the same on every process."""
     g = torch.Generator().manual_seed(7)
-    return [[torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(world)]
-            for _ in range(steps)]
+    return [
+        [torch.randint(0, VOCAB, (ROWS, SEQ), generator=g) for _ in range(world)]
+        for _ in range(steps)
+    ]
 
 
 def _optimizer(kind, params):
@@ -74,9 +78,16 @@ def train(ep_size: int, kind: str, steps: int, zero_level: int = 3, layout: bool
     a2a = COUNTERS.snapshot()["bytes"].get("all_to_all", 0)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     ref_state = ref_model.state_dict() if ref_model is not None else None
-    return dict(losses=losses, reference=reference, state=state, ref_state=ref_state,
-                stats=stats, a2a=a2a, local_experts=model.layers[0].mlp.local_experts,
-                warnings=[str(w.message) for w in caught])
+    return dict(
+        losses=losses,
+        reference=reference,
+        state=state,
+        ref_state=ref_state,
+        stats=stats,
+        a2a=a2a,
+        local_experts=model.layers[0].mlp.local_experts,
+        warnings=[str(w.message) for w in caught],
+    )
 
 
 def save_and_load(ep_size: int, path: str):
@@ -117,9 +128,13 @@ def bias_with_checkpointing(steps: int = 3):
     events.subscribe(lambda e: recorded.append(e) if e.get("type") == "metric" else None)
     for use_checkpoint in (False, True):
         torch.manual_seed(0)
-        model = nbtrain.wrap(MoEGPT(config(balance="bias", bias_update_rate=0.1),
-                                    ep_group=ExpertParallel.from_topology()),
-                             use_checkpoint=use_checkpoint)
+        model = nbtrain.wrap(
+            MoEGPT(
+                config(balance="bias", bias_update_rate=0.1),
+                ep_group=ExpertParallel.from_topology(),
+            ),
+            use_checkpoint=use_checkpoint,
+        )
         recorded.clear()
         for step in range(steps):
             ids = batches(nbtrain.world_size(), steps)[step][rank]
@@ -154,4 +169,4 @@ def meta_build(steps: int = 2):
         loss.backward()
         opt.step()
         losses.append(nbtrain.sum_loss(loss).item())
-    return float(w_in.std()), float(w_in.abs().max()), cfg.hidden ** -0.5, losses
+    return float(w_in.std()), float(w_in.abs().max()), cfg.hidden**-0.5, losses

@@ -1,4 +1,5 @@
 """Rank functions for test_offload.py: Blocks whose shards live in host memory."""
+
 import torch
 
 VOCAB = 96
@@ -14,8 +15,9 @@ def train(offload: bool, optimizer: str, steps: int):
     from nbtrain.zero import Block
 
     torch.manual_seed(0)
-    model = nbtrain.wrap(GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, seq_len=16)),
-                         offload=offload)
+    model = nbtrain.wrap(
+        GPT(GPTConfig.preset("tiny", vocab_size=VOCAB, seq_len=16)), offload=offload
+    )
     params = list(model.parameters())
     if optimizer == "adam":
         cls = AdamOffloadOptimizer if offload else AdamOptimizer
@@ -27,7 +29,7 @@ def train(offload: bool, optimizer: str, steps: int):
     world, rank = nbtrain.world_size(), nbtrain.rank()
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (4, 16), generator=g)
-    mine = ids[rank * 4 // world:(rank + 1) * 4 // world]
+    mine = ids[rank * 4 // world : (rank + 1) * 4 // world]
     losses = []
     for _ in range(steps):
         manager.zero_grad()
@@ -37,9 +39,12 @@ def train(offload: bool, optimizer: str, steps: int):
         manager.step()
         losses.append(nbtrain.sum_loss(loss).item())
     blocks = [m for m in model.modules() if isinstance(m, Block)]
-    where = {"blocks": len(blocks),
-             "offloaded": all(g.offload for b in blocks for g in b.groups),
-             "shards": sorted({str(g.shard.device) for b in blocks for g in b.groups}),
-             "grads": sorted({str(g.shard.grad.device) for b in blocks for g in b.groups
-                              if g.shard.grad is not None})}
+    where = {
+        "blocks": len(blocks),
+        "offloaded": all(g.offload for b in blocks for g in b.groups),
+        "shards": sorted({str(g.shard.device) for b in blocks for g in b.groups}),
+        "grads": sorted(
+            {str(g.shard.grad.device) for b in blocks for g in b.groups if g.shard.grad is not None}
+        ),
+    }
     return losses, {k: v.clone() for k, v in model.state_dict().items()}, where

@@ -1,4 +1,5 @@
 """Rank functions for test_pipeline.py: a pipelined model against one plain process."""
+
 import copy
 
 import torch
@@ -36,8 +37,9 @@ def parity(pipe, schedule, optimizer, zero_level=None, virtual=1, micro=MICRO):
     dp, d = topo.dp_size, topo.dp_rank
     layers = _layers()
     plain = nn.Sequential(*copy.deepcopy(layers))
-    split = pipeline.balanced_split([sum(p.numel() for p in m.parameters()) for m in layers],
-                                    pipe * virtual)
+    split = pipeline.balanced_split(
+        [sum(p.numel() for p in m.parameters()) for m in layers], pipe * virtual
+    )
     if schedule == "interleaved":
         chunks = list(pipeline.stages_of(layers, virtual=virtual, split=split))
     else:
@@ -54,11 +56,17 @@ def parity(pipe, schedule, optimizer, zero_level=None, virtual=1, micro=MICRO):
         y = torch.randn(BATCH * dp, 5, generator=gen)
         ref = F.mse_loss(plain(x), y)
         ref.backward()
-        mine_x, mine_y = x.chunk(dp)[d], y.chunk(dp)[d]   # this replica's rows
+        mine_x, mine_y = x.chunk(dp)[d], y.chunk(dp)[d]  # this replica's rows
         stats = {}
         telemetry.set_enabled(step == STEPS - 1)  # the last step's collectives, counted
-        losses = pipeline.run(stage, list(mine_x.chunk(micro)), list(mine_y.chunk(micro)),
-                              F.mse_loss, schedule=schedule, stats=stats)
+        losses = pipeline.run(
+            stage,
+            list(mine_x.chunk(micro)),
+            list(mine_y.chunk(micro)),
+            F.mse_loss,
+            schedule=schedule,
+            stats=stats,
+        )
         telemetry.set_enabled(False)
         peak = max(peak, stats["live_peak"])
         norm_err = max(norm_err, _norm_error(plain, opts[1]))
@@ -73,10 +81,17 @@ def parity(pipe, schedule, optimizer, zero_level=None, virtual=1, micro=MICRO):
     want = [v for i in mine for v in plain[i].state_dict().values()]
     param_err = max((a - b).abs().max().item() for a, b in zip(got, want))
     kinds = [e["kind"] for e in telemetry.RECORDER.snapshot() if e["type"] == "comm"]
-    return {"loss": loss_err, "params": param_err, "peak": peak, "norm": norm_err,
-            "layers": mine,
-            "n": (len(got), len(want)), "flat_groups": len(_flat(chunks)),
-            "gathers": kinds.count("all_gather"), "reductions": kinds.count("reduce_scatter")}
+    return {
+        "loss": loss_err,
+        "params": param_err,
+        "peak": peak,
+        "norm": norm_err,
+        "layers": mine,
+        "n": (len(got), len(want)),
+        "flat_groups": len(_flat(chunks)),
+        "gathers": kinds.count("all_gather"),
+        "reductions": kinds.count("reduce_scatter"),
+    }
 
 
 def _norm_error(plain, opt):
@@ -133,7 +148,8 @@ def blocklist_script(pipe, zero_level, optimizer):
             super().__init__()
             self.embed, self.head = copy.deepcopy(plain.embed), copy.deepcopy(plain.head)
             self.layers = bmt.PipelineTransformerBlockList(
-                [bmt.Block(copy.deepcopy(m), zero_level=zero_level) for m in plain.layers])
+                [bmt.Block(copy.deepcopy(m), zero_level=zero_level) for m in plain.layers]
+            )
 
         def forward(self, x):
             return self.head(self.layers(self.embed(x)))
@@ -160,12 +176,20 @@ def blocklist_script(pipe, zero_level, optimizer):
         loss_err = max(loss_err, abs(bmt.sum_loss(loss).item() - ref.item()))
     state, ref_state = model.state_dict(), plain.state_dict()
     param_err = max((state[k] - ref_state[k]).abs().max().item() for k in state)
-    blocks = [e for e in bmt.telemetry.RECORDER.snapshot()  # the Blocks' own collectives
-              if e["type"] == "comm" and not e["label"].startswith("pp ")]
-    return {"loss": loss_err, "params": param_err, "keys": sorted(state),
-            "local": list(model.layers.local), "flat_groups": len(_flat(model.layers)),
-            "gathers": sum(e["kind"] == "all_gather" for e in blocks),
-            "reductions": sum(e["kind"] == "reduce_scatter" for e in blocks)}
+    blocks = [
+        e
+        for e in bmt.telemetry.RECORDER.snapshot()  # the Blocks' own collectives
+        if e["type"] == "comm" and not e["label"].startswith("pp ")
+    ]
+    return {
+        "loss": loss_err,
+        "params": param_err,
+        "keys": sorted(state),
+        "local": list(model.layers.local),
+        "flat_groups": len(_flat(model.layers)),
+        "gathers": sum(e["kind"] == "all_gather" for e in blocks),
+        "reductions": sum(e["kind"] == "reduce_scatter" for e in blocks),
+    }
 
 
 def gpt_pipeline(pipe, schedule, optimizer, tp=1, zero_level=None):
@@ -183,7 +207,6 @@ def gpt_pipe_by_data_parallel(pipe, cases):
     """The tied GPT at pp `pipe` x dp (world // pipe), each replica its own rows, for each
     case (schedule, optimizer, zero_level) in one launch: {case: parity}."""
     import nbtrain
-
     from nbtrain import pipeline
     from nbtrain.models import GPT, GPTConfig
     from nbtrain.models.gpt_pipe import gpt_layers
@@ -191,8 +214,9 @@ def gpt_pipe_by_data_parallel(pipe, cases):
     nbtrain.init_distributed(pipe_size=pipe)
     out = {case: _gpt_parity(*case) for case in cases}
     # Unwrapped, nobody averages the stage's copies over its replicas: refused
-    stage = pipeline.stage_of(gpt_layers(GPT(GPTConfig(vocab_size=32, seq_len=8, hidden=16,
-                                                       heads=2, layers=2))))
+    stage = pipeline.stage_of(
+        gpt_layers(GPT(GPTConfig(vocab_size=32, seq_len=8, hidden=16, heads=2, layers=2)))
+    )
     idx = torch.zeros(2, 8, dtype=torch.long)
     try:
         pipeline.run(stage, [idx], [idx], F.mse_loss)
@@ -249,8 +273,13 @@ def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
         ref = plain.loss(idx, target)
         ref.backward()
         mine_idx, mine_target = idx.chunk(dp)[d], target.chunk(dp)[d]  # this replica's rows
-        losses = pipeline.run(stage, list(mine_idx.chunk(micro)), list(mine_target.chunk(micro)),
-                              loss_fn, schedule=schedule)
+        losses = pipeline.run(
+            stage,
+            list(mine_idx.chunk(micro)),
+            list(mine_target.chunk(micro)),
+            loss_fn,
+            schedule=schedule,
+        )
         norm_err = max(norm_err, _norm_error(plain, opts[1]))
         for opt in opts:
             opt.step()
@@ -268,8 +297,13 @@ def _gpt_parity(schedule, optimizer, zero_level=None, tp=1):
         state = {k: v for c in chunks for k, v in c.state_dict().items()}
         names = list(state)
     param_err = max((state[n] - ref_state[n]).abs().max().item() for n in names)
-    return {"loss": loss_err, "params": param_err, "checked": len(names), "ties": ties,
-            "norm": norm_err}
+    return {
+        "loss": loss_err,
+        "params": param_err,
+        "checked": len(names),
+        "ties": ties,
+        "norm": norm_err,
+    }
 
 
 # -- PipelineTransformerBlockList state dicts (test_pipeline_state_dict.py) ---------------
@@ -313,15 +347,17 @@ def _sd_model(plain, make):
     Block(layer, mode="PIPE"), "block": Block(layer), "plain": the layer itself)."""
     import nbtrain as bmt
 
-    wrap = {"pipe": lambda m: bmt.Block(m, mode="PIPE"), "block": bmt.Block,
-            "plain": lambda m: m}[make]
+    wrap = {"pipe": lambda m: bmt.Block(m, mode="PIPE"), "block": bmt.Block, "plain": lambda m: m}[
+        make
+    ]
 
     class Model(bmt.DistributedModule):
         def __init__(self):
             super().__init__()
             self.embed, self.head = copy.deepcopy(plain.embed), copy.deepcopy(plain.head)
             self.layers = bmt.PipelineTransformerBlockList(
-                [wrap(copy.deepcopy(m)) for m in plain.layers])
+                [wrap(copy.deepcopy(m)) for m in plain.layers]
+            )
 
         def forward(self, ids):
             return self.head(self.layers(self.embed(ids)))
@@ -361,8 +397,10 @@ def state_dict_after_training(pipe, optimizer):
     for make, frozen in variants:
         plain = _SdPlain(0, frozen_embed=frozen)
         model = _sd_model(plain, make)
-        opts = [_optimizer([p for p in m.parameters() if p.requires_grad], optimizer)
-                for m in (plain, model)]
+        opts = [
+            _optimizer([p for p in m.parameters() if p.requires_grad], optimizer)
+            for m in (plain, model)
+        ]
         runs.append((plain, model, opts))
     gen = torch.Generator().manual_seed(3)
     for _ in range(SD_STEPS):
@@ -377,10 +415,13 @@ def state_dict_after_training(pipe, optimizer):
     for (make, frozen), (plain, model, _) in zip(variants, runs):
         what = f"{make}{' frozen embed' if frozen else ''}"
         state = model.state_dict()
-        out[what] = {"keys": list(state), "plain_keys": list(plain.state_dict()),
-                     "err": _sd_compare(state, plain.state_dict(), what),
-                     "local": list(model.layers.local),
-                     "stage_keys": sorted(model.layers.stage_state_dict())}
+        out[what] = {
+            "keys": list(state),
+            "plain_keys": list(plain.state_dict()),
+            "err": _sd_compare(state, plain.state_dict(), what),
+            "local": list(model.layers.local),
+            "stage_keys": sorted(model.layers.stage_state_dict()),
+        }
     return out
 
 
@@ -398,8 +439,11 @@ def state_dict_loading(pipe):
         layer.gain.fill_(2.0 + i)
     full = plain.state_dict()
     result = model.load_state_dict(full, strict=True)
-    out = {"missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys),
-           "local": list(model.layers.local)}
+    out = {
+        "missing": list(result.missing_keys),
+        "unexpected": list(result.unexpected_keys),
+        "local": list(model.layers.local),
+    }
     ids, target = _sd_batch(torch.Generator().manual_seed(4), 2 * world)
     with torch.no_grad():
         ref_logits = plain(ids)
@@ -411,15 +455,19 @@ def state_dict_loading(pipe):
     for key in ("layers.0.linear.weight", f"layers.{SD_LAYERS - 1}.gain", "head.bias"):
         lacking = {k: v for k, v in full.items() if k != key}
         out[f"non-strict without {key}"] = list(
-            model.load_state_dict(lacking, strict=False).missing_keys)
+            model.load_state_dict(lacking, strict=False).missing_keys
+        )
         try:
             model.load_state_dict(lacking, strict=True)
             out[f"strict without {key}"] = "loaded"
         except RuntimeError as err:
             out[f"strict without {key}"] = str(err)
-    bogus = {**full, "layers.1.bogus": full["head.bias"],
-             f"layers.{SD_LAYERS}.linear.weight": full["layers.0.linear.weight"],
-             "layers.extra": full["head.bias"]}
+    bogus = {
+        **full,
+        "layers.1.bogus": full["head.bias"],
+        f"layers.{SD_LAYERS}.linear.weight": full["layers.0.linear.weight"],
+        "layers.extra": full["head.bias"],
+    }
     out["non-strict bogus"] = list(model.load_state_dict(bogus, strict=False).unexpected_keys)
     try:
         model.load_state_dict(bogus, strict=True)
@@ -457,8 +505,10 @@ def state_dict_checkpoint(pipe, folder):
         bmt.save(model, path)
         fresh = _sd_model(_SdPlain(9), "pipe")
         result = bmt.load(fresh, path)
-        out[name] = {"missing": list(result.missing_keys),
-                     "unexpected": list(result.unexpected_keys),
-                     "err": _sd_compare(fresh.state_dict(), ref, f"loaded {name}")}
+        out[name] = {
+            "missing": list(result.missing_keys),
+            "unexpected": list(result.unexpected_keys),
+            "err": _sd_compare(fresh.state_dict(), ref, f"loaded {name}"),
+        }
     out["ref"] = ref if rank == 0 else None
     return out

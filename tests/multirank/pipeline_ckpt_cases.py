@@ -5,14 +5,12 @@ A layout is (pipe_size, zero_level): zero_level None keeps the stages plain (the
 with its embedding tied to its output projection needs that at pp > 1), else each
 stage is `nbtrain.wrap`ped at that level over its data-parallel ranks.
 """
-import copy
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from pipeline_cases import MICRO, _layers, _optimizer
+from torch import nn
 
 HALF, TOTAL = 3, 6  # steps before the save, and in all
 BATCH = 8  # rows per step, split over the data-parallel ranks
@@ -42,8 +40,10 @@ def _batch(kind: str, step: int):
     if kind == "mlp":
         return torch.randn(BATCH, 6, generator=gen), torch.randn(BATCH, 5, generator=gen)
     vocab = GPT_CFG["vocab_size"]
-    return (torch.randint(0, vocab, (BATCH, 8), generator=gen),
-            torch.randint(0, vocab, (BATCH, 8), generator=gen))
+    return (
+        torch.randint(0, vocab, (BATCH, 8), generator=gen),
+        torch.randint(0, vocab, (BATCH, 8), generator=gen),
+    )
 
 
 def _loss_fn(kind: str):
@@ -76,8 +76,9 @@ def _train(kind, stage, manager, steps) -> list[float]:
     for step in steps:
         x, y = _batch(kind, step)
         mine_x, mine_y = x.chunk(topo.dp_size)[topo.dp_rank], y.chunk(topo.dp_size)[topo.dp_rank]
-        out = pipeline.run(stage, list(mine_x.chunk(MICRO)), list(mine_y.chunk(MICRO)),
-                           _loss_fn(kind))
+        out = pipeline.run(
+            stage, list(mine_x.chunk(MICRO)), list(mine_y.chunk(MICRO)), _loss_fn(kind)
+        )
         manager.step()
         manager.zero_grad()
         mean = torch.tensor(sum(out) / len(out))
@@ -119,7 +120,11 @@ def resume(kind: str, first, second, optimizer: str, folder: str) -> dict:
     losses += _train(kind, stage, manager, range(meta["step"], TOTAL))
     state = stage.state_dict()  # this stage's layers, under the plain names
     ref, half, ref_losses = _plain(kind, optimizer)
-    return {"loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
-            "params": max((v - ref[k]).abs().max().item() for k, v in state.items()),
-            "keys": sorted(state), "first_keys": first_keys, "plain_keys": sorted(ref),
-            "half": half if dist.get_rank() == 0 else None}
+    return {
+        "loss": max(abs(a - b) for a, b in zip(losses, ref_losses)),
+        "params": max((v - ref[k]).abs().max().item() for k, v in state.items()),
+        "keys": sorted(state),
+        "first_keys": first_keys,
+        "plain_keys": sorted(ref),
+        "half": half if dist.get_rank() == 0 else None,
+    }

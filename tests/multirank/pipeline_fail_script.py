@@ -2,6 +2,7 @@
 
 Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 pipeline_fail_script.py
 """
+
 import torch
 import torch.nn.functional as F
 

@@ -1,6 +1,7 @@
 """Rank functions for test_ring_attention.py: ring attention over the world's ranks
 (the cp group), every case in one launch per world size, with each block kernel (the
 fused op where torch has one, and the math fallback)."""
+
 import functools
 import itertools
 
@@ -34,8 +35,13 @@ def ring_cases(seed: int):
     import torch.distributed as dist
 
     from nbtrain.comm import collectives as C
-    from nbtrain.context_parallel import (Ring, document_ids, gather_sequence, ring_attention,
-                                 shard_sequence)
+    from nbtrain.context_parallel import (
+        Ring,
+        document_ids,
+        gather_sequence,
+        ring_attention,
+        shard_sequence,
+    )
 
     world = dist.get_world_size()
     seq = SEQ_PER_RANK * world
@@ -43,12 +49,18 @@ def ring_cases(seed: int):
     position_ids = packed_position_ids(seq)
     cases = {}
     for causal, packed, layout, kernel in itertools.product(
-            (True, False), (False, True), ("zigzag", "contiguous"), ("auto", "math")):
+        (True, False), (False, True), ("zigzag", "contiguous"), ("auto", "math")
+    ):
         shards = [shard_sequence(t, 2, layout=layout).requires_grad_() for t in (q, k, v)]
         docs = shard_sequence(document_ids(position_ids), 1, layout=layout) if packed else None
         C.COUNTERS.reset()
-        out = ring_attention(*shards, causal=causal, doc_ids=docs, layout=layout,
-                             ring=functools.partial(Ring, kernel=kernel))
+        out = ring_attention(
+            *shards,
+            causal=causal,
+            doc_ids=docs,
+            layout=layout,
+            ring=functools.partial(Ring, kernel=kernel),
+        )
         fwd_bytes = C.COUNTERS.snapshot()["bytes"].get("p2p", 0)
         C.COUNTERS.reset()
         out.backward(shard_sequence(dout, 2, layout=layout))
@@ -56,10 +68,18 @@ def ring_cases(seed: int):
         cases[(causal, packed, layout, kernel)] = dict(
             out=gather_sequence(out, 2, layout=layout),
             grads=[gather_sequence(t.grad, 2, layout=layout) for t in shards],
-            fwd_bytes=fwd_bytes, bwd_bytes=bwd_bytes)
-    return dict(cases=cases, inputs=(q, k, v, dout), position_ids=position_ids,
-                round_trips=_round_trips(seed), positions=_positions(seq),
-                events=_events(q, k, v), subgroup=_subgroup(seed) if world == 3 else None)
+            fwd_bytes=fwd_bytes,
+            bwd_bytes=bwd_bytes,
+        )
+    return dict(
+        cases=cases,
+        inputs=(q, k, v, dout),
+        position_ids=position_ids,
+        round_trips=_round_trips(seed),
+        positions=_positions(seq),
+        events=_events(q, k, v),
+        subgroup=_subgroup(seed) if world == 3 else None,
+    )
 
 
 def _subgroup(seed: int):
@@ -68,8 +88,12 @@ def _subgroup(seed: int):
     on those ranks, None on rank 1."""
     import torch.distributed as dist
 
-    from nbtrain.context_parallel import (document_ids, gather_sequence, ring_attention,
-                                 shard_sequence)
+    from nbtrain.context_parallel import (
+        document_ids,
+        gather_sequence,
+        ring_attention,
+        shard_sequence,
+    )
 
     group = dist.new_group([0, 2])  # every rank creates it
     if dist.get_rank() == 1:
@@ -107,9 +131,13 @@ def _positions(seq: int) -> dict:
     from nbtrain.context_parallel import global_positions, shard_sequence
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    return {layout: (shard_sequence(torch.arange(seq), 0, layout=layout),
-                     global_positions(rank, world, seq // world, layout))
-            for layout in ("zigzag", "contiguous")}
+    return {
+        layout: (
+            shard_sequence(torch.arange(seq), 0, layout=layout),
+            global_positions(rank, world, seq // world, layout),
+        )
+        for layout in ("zigzag", "contiguous")
+    }
 
 
 def _events(q, k, v):

@@ -4,12 +4,13 @@
 Usage, from the checkout: PYTHONPATH=.:tests python -m torch.distributed.run --standalone
 --nproc-per-node 2 tests/multirank/runtime_torchrun.py
 """
+
 import json
 
 import torch
+from support.runtime_cases import batches, configs  # tests/ on PYTHONPATH: support.script_env()
 
 import nbtrain
-from support.runtime_cases import batches, configs  # tests/ on PYTHONPATH: support.script_env()
 
 if __name__ == "__main__":
     torch.set_num_threads(1)

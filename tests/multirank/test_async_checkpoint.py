@@ -7,11 +7,11 @@
 - A rank killed (SIGKILL) in the middle of writing its file: rank 0's wait() says
   which rank never finished, and the previous checkpoint still loads bitwise.
 """
+
 import os
 
 import pytest
 import torch
-
 from async_cases import killed_during_write, load_state, roundtrip
 from support.ranks import run_ranks
 

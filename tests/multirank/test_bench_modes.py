@@ -6,6 +6,7 @@ what each mode promises to compute: the bf16 recipes' model state and wire bytes
 (deterministic), loss parity between the engines, the compile column, the MFU table's
 rows and the FLOPs formula.
 """
+
 import json
 import math
 import os
@@ -24,16 +25,24 @@ def _bench(tmp_path, *flags):
     """`nbtrain bench FLAGS --json FILE`: its JSON result and its stdout."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", *flags,
-                           "--json", str(out)],
-                          capture_output=True, text=True, timeout=240, env=env, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtrain.cli", "bench", *flags, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text()), proc.stdout
 
 
 def _table_rows(stdout):
-    return {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
-            for line in stdout.splitlines() if line.startswith("| ")}
+    return {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in stdout.splitlines()
+        if line.startswith("| ")
+    }
 
 
 def test_bf16_bench_runs_each_engines_recipe(tmp_path):
@@ -41,8 +50,11 @@ def test_bf16_bench_runs_each_engines_recipe(tmp_path):
     assert result["settings"]["dtype"] == "bf16"
     assert set(result["runs"]) == ENGINES
     assert ", bf16, AdamW" in stdout, stdout
-    for line in ("MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
-                 "fp32 all-reduce hook", "AdamOptimizer fp32 master"):
+    for line in (
+        "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)",
+        "fp32 all-reduce hook",
+        "AdamOptimizer fp32 master",
+    ):
         assert line in stdout, stdout
     rows = _table_rows(stdout)
     assert ENGINES <= set(rows), stdout
@@ -77,8 +89,9 @@ def test_bf16_bench_runs_each_engines_recipe(tmp_path):
 def test_compile_bench_compiles_every_engine(tmp_path):
     """aot_eager: dynamo's capture and AOTAutograd's joint graph, no code generation
     (inductor's C++ build takes minutes on two loaded cores); the same numbers as eager."""
-    result, stdout = _bench(tmp_path, "--quick", "--ranks", "2", "--compile",
-                            "--compile-backend", "aot_eager", *SHORT)
+    result, stdout = _bench(
+        tmp_path, "--quick", "--ranks", "2", "--compile", "--compile-backend", "aot_eager", *SHORT
+    )
     assert result["settings"]["compile"] == {"backend": "aot_eager"}
     assert "each layer compiled (backend aot_eager)" in stdout, stdout
     header = next(line for line in stdout.splitlines() if line.startswith("| engine"))
@@ -92,10 +105,12 @@ def test_compile_bench_compiles_every_engine(tmp_path):
 
 
 def test_mfu_bench_on_cpu_is_a_smoke_run(tmp_path):
-    result, stdout = _bench(tmp_path, "--mfu", "--compile-backend", "aot_eager",
-                            "--steps", "2", "--warmup", "1")
+    result, stdout = _bench(
+        tmp_path, "--mfu", "--compile-backend", "aot_eager", "--steps", "2", "--warmup", "1"
+    )
     engines = {"nbtrain", "torch", "torch_compile"} | (
-        {"nbtrain_compile"} if mfu.nbtrain_compiles() else set())
+        {"nbtrain_compile"} if mfu.nbtrain_compiles() else set()
+    )
     assert set(result["runs"]) == engines
     assert result["settings"]["size"] == "tiny" and result["peak_tflops"] is None
     assert "no peak known for this device" in stdout, stdout
@@ -110,8 +125,10 @@ def test_mfu_bench_on_cpu_is_a_smoke_run(tmp_path):
     # same weights, same batches: every engine starts from the same loss
     first = {round(r["loss"][0], 3) for r in result["runs"].values()}
     assert len(first) == 1, first
-    assert set(result["ratios"]) >= {"nbtrain_tokens_per_s_vs_torch",
-                                     "nbtrain_tokens_per_s_vs_torch_compile"}
+    assert set(result["ratios"]) >= {
+        "nbtrain_tokens_per_s_vs_torch",
+        "nbtrain_tokens_per_s_vs_torch_compile",
+    }
 
 
 def test_mfu_peaks_and_flops():
@@ -133,13 +150,19 @@ def test_mfu_peaks_and_flops():
 
 def test_modes_refuse_what_they_do_not_run():
     def refused(*flags):
-        proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", *flags],
-                              capture_output=True, text=True, timeout=120, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "nbtrain.cli", "bench", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
         assert proc.returncode != 0, proc.stdout
         return proc.stderr
 
     assert "--dtype bf16: --mfu always runs bf16, and the --tp-size" in refused(
-        "--ranks", "2", "--tp-size", "2", "--dtype", "bf16")
+        "--ranks", "2", "--tp-size", "2", "--dtype", "bf16"
+    )
     assert "--dtype fp32: --mfu always runs bf16" in refused("--mfu", "--dtype", "fp32")
     assert "--compile is for the ZeRO/FSDP2/DDP comparison" in refused("--mfu", "--compile")
     import torch

@@ -3,6 +3,7 @@
 Timings are not asserted: this machine is shared and they are noise here. The
 benchmark's speed and memory claims are numbers it prints, not test outcomes.
 """
+
 import json
 import os
 import subprocess
@@ -15,9 +16,25 @@ def _quick_bench(tmp_path, *flags):
     """`nbtrain bench --quick --ranks 2 FLAGS`: its JSON result and its stdout."""
     out = tmp_path / "bench.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--quick",
-                           "--ranks", "2", *flags, "--json", str(out)],
-                          capture_output=True, text=True, timeout=180, env=env, check=False)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbtrain.cli",
+            "bench",
+            "--quick",
+            "--ranks",
+            "2",
+            *flags,
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text()), proc.stdout
 
@@ -33,8 +50,12 @@ def test_quick_bench_runs_and_losses_agree(tmp_path):
     # Parity must compare real training, not four copies of one number.
     losses = result["runs"]["ddp"]["losses"]
     assert len({round(x, 6) for x in losses}) > 1
-    assert set(result["ratios"]) == {"zero3_step_vs_fsdp2", "zero3_step_vs_ddp",
-                                     "zero3_state_mem_vs_theory", "zero3_bytes_vs_theory"}
+    assert set(result["ratios"]) == {
+        "zero3_step_vs_fsdp2",
+        "zero3_step_vs_ddp",
+        "zero3_state_mem_vs_theory",
+        "zero3_bytes_vs_theory",
+    }
     assert "zero3" in stdout and "hidden %" in stdout
     # --profile: one more launch per engine under torch.profiler, a table per kind
     assert set(result["profile"]) == ENGINES and "where the time goes" in stdout
@@ -89,12 +110,18 @@ def test_quick_tp_bench_against_dtensor(tmp_path):
 
 
 def test_tp_bench_needs_one_replica():
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "bench", "--ranks", "4",
-                           "--tp-size", "2"], capture_output=True, text=True, timeout=60,
-                          check=False)
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtrain.cli", "bench", "--ranks", "4", "--tp-size", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode != 0
-    assert "--tp-size 2 with --ranks 4: the tensor-parallel comparison runs one replica, so " \
-           "use --ranks 2" in proc.stderr, proc.stderr
+    assert (
+        "--tp-size 2 with --ranks 4: the tensor-parallel comparison runs one replica, so "
+        "use --ranks 2" in proc.stderr
+    ), proc.stderr
 
 
 def test_quick_pp_bench_against_torch_pipelining(tmp_path):
@@ -147,9 +174,13 @@ def test_quick_moe_bench_against_the_dense_gpt(tmp_path):
     result, stdout = _quick_bench(tmp_path, "--moe")
     assert set(result["runs"]) == {"moe", "dense"}
     ratios = result["ratios"]
-    assert set(ratios) == {"moe_tokens_per_s_vs_dense", "moe_total_params_vs_dense",
-                           "moe_active_params_vs_dense", "moe_wire_bytes_vs_dense",
-                           "moe_router_balance_mean"}
+    assert set(ratios) == {
+        "moe_tokens_per_s_vs_dense",
+        "moe_total_params_vs_dense",
+        "moe_active_params_vs_dense",
+        "moe_wire_bytes_vs_dense",
+        "moe_router_balance_mean",
+    }
     # equal active parameters (the dense MLP's biases, the router: well under 1%)
     assert abs(ratios["moe_active_params_vs_dense"] - 1) < 0.01, ratios
     assert ratios["moe_total_params_vs_dense"] > 1.4, ratios  # 4 experts, top-2

@@ -17,6 +17,7 @@ reduce_dtype applies to the parameters outside the Blocks too (the embeddings an
 final norm here, DistributedParameters): their gradients are reduced in fp32 into
 `main_grad` as well.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,8 +42,10 @@ SGD = {"lr": 0.1, "momentum": 0.9}
 def _batches(world):
     g = torch.Generator().manual_seed(11)
     shape = (STEPS, world * BATCH_PER_RANK, CFG.seq_len)
-    return (torch.randint(0, CFG.vocab_size, shape, generator=g),
-            torch.randint(0, CFG.vocab_size, shape, generator=g))
+    return (
+        torch.randint(0, CFG.vocab_size, shape, generator=g),
+        torch.randint(0, CFG.vocab_size, shape, generator=g),
+    )
 
 
 def _bf16_gpt():
@@ -82,8 +85,11 @@ def train_reference(opt_name: str, world: int):
     model = _bf16_gpt()
     params = dict(model.named_parameters())
     masters = {n: p.detach().float() for n, p in params.items()}
-    opt = (torch.optim.AdamW(masters.values(), foreach=False, **ADAMW) if opt_name == "adamw"
-           else torch.optim.SGD(masters.values(), foreach=False, **SGD))
+    opt = (
+        torch.optim.AdamW(masters.values(), foreach=False, **ADAMW)
+        if opt_name == "adamw"
+        else torch.optim.SGD(masters.values(), foreach=False, **SGD)
+    )
     xs, ys = _batches(world)
     losses, history = [], []
     for s in range(STEPS):
@@ -120,7 +126,7 @@ def full_masters(model, master_of) -> dict:
     for name, p in model.named_parameters():
         if isinstance(p, nbt.DistributedParameter):
             full = _gather(master_of(p), p.shard_group)
-            out[name] = full[:p.full_shape.numel()].view(p.full_shape).clone()
+            out[name] = full[: p.full_shape.numel()].view(p.full_shape).clone()
     return out
 
 
@@ -141,11 +147,16 @@ def _train_level(opt_name: str, zero_level: int):
         opt.zero_grad()
         loss = model.loss(xs[s, rows], ys[s, rows])
         loss.backward()
-        fp32_reduced &= all(g.shard.main_grad.dtype == torch.float32 and g.shard.grad is None
-                            for b in model.layers for g in b.groups)
-        fp32_reduced &= all(p.main_grad.dtype == torch.float32 and p.grad is None
-                            for p in model.parameters()
-                            if isinstance(p, nbt.DistributedParameter) and p.requires_grad)
+        fp32_reduced &= all(
+            g.shard.main_grad.dtype == torch.float32 and g.shard.grad is None
+            for b in model.layers
+            for g in b.groups
+        )
+        fp32_reduced &= all(
+            p.main_grad.dtype == torch.float32 and p.grad is None
+            for p in model.parameters()
+            if isinstance(p, nbt.DistributedParameter) and p.requires_grad
+        )
         opt.step()
         losses.append(nbt.sum_loss(loss.float()).item())
         history.append(full_masters(model, master_of))
@@ -180,7 +191,7 @@ def _ulp(x: float) -> float:
 #   (measured 0.93 lr, flat over the steps), which also dominates the first step.
 # Losses: each side's loss is a bf16 number (nbtrain's the fp32 mean of two), so they
 # may differ by one bf16 ulp of the loss (measured: half an ulp, 0.0156 near 4.1).
-U = 2.0 ** -8
+U = 2.0**-8
 REL_TOL = {"adamw": 8 * U, "sgd": 2 * U}
 GROWTH = 2.0
 
@@ -195,8 +206,12 @@ def test_bf16_matches_torch_with_fp32_masters(opt_name):
         assert res["bf16"] and res["fp32_reduced"], what
         rel_errors = []
         for s in range(STEPS):
-            assert abs(res["losses"][s] - ref_losses[s]) <= _ulp(ref_losses[s]), \
-                (what, s, res["losses"][s], ref_losses[s])
+            assert abs(res["losses"][s] - ref_losses[s]) <= _ulp(ref_losses[s]), (
+                what,
+                s,
+                res["losses"][s],
+                ref_losses[s],
+            )
             ours = res["history"][s]
             assert sorted(ours) == sorted(ref_history[s]), what
             diff = torch.cat([(ours[n] - m).flatten() for n, m in ref_history[s].items()])
@@ -205,8 +220,9 @@ def test_bf16_matches_torch_with_fp32_masters(opt_name):
             if opt_name == "adamw":
                 lr = ADAMW["lr"]
                 assert diff.abs().max() <= 2 * lr, (what, s, float(diff.abs().max()))
-        print(f"{what}: |masters - reference| / |distance moved| by step: "
-              + " ".join(f"{e:.2e}" for e in rel_errors))
+        print(
+            f"{what}: |masters - reference| / |distance moved| by step: "
+            + " ".join(f"{e:.2e}" for e in rel_errors)
+        )
         assert max(rel_errors) <= REL_TOL[opt_name], (what, rel_errors)
         assert max(rel_errors) <= GROWTH * rel_errors[0], (what, rel_errors)
-

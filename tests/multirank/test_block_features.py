@@ -1,13 +1,14 @@
 """Block details: frozen parameters, buffers, tuple outputs, keyword arguments,
 BMTrain-style DistributedModule models and deferred initialisation."""
+
 import math
 
 import pytest
 import torch
+from support.ranks import run_ranks
 from torch import nn
 
 import nbtrain as nbt
-from support.ranks import run_ranks
 
 
 class Fancy(nn.Module):
@@ -42,35 +43,49 @@ def _fancy_run(level, ckpt):
     for g in plain_grads.values():
         torch.distributed.all_reduce(g)
         g /= nbt.world_size()
-    return ([o.detach() for o in out_p], [o.detach() for o in out_b], plain_grads, grads,
-            sorted(block.state_dict()), sorted(plain.state_dict()),
-            [g.shard.dtype for g in block.groups], [g.requires_grad for g in block.groups])
+    return (
+        [o.detach() for o in out_p],
+        [o.detach() for o in out_b],
+        plain_grads,
+        grads,
+        sorted(block.state_dict()),
+        sorted(plain.state_dict()),
+        [g.shard.dtype for g in block.groups],
+        [g.requires_grad for g in block.groups],
+    )
 
 
 @pytest.mark.parametrize("level,ckpt", [(2, False), (3, False), (3, True)])
 def test_frozen_buffers_tuples_kwargs(level, ckpt):
-    for (out_p, out_b, plain_grads, grads, keys_b, keys_p, dtypes,
-         trainable) in run_ranks(_fancy_run, 2, level, ckpt):
+    for out_p, out_b, plain_grads, grads, keys_b, keys_p, dtypes, trainable in run_ranks(
+        _fancy_run, 2, level, ckpt
+    ):
         for a, b in zip(out_p, out_b):
             torch.testing.assert_close(a, b)
-        assert set(grads) == set(plain_grads) == {"lin.weight", "lin.bias", "wide.weight",
-                                                   "wide.bias"}
+        assert (
+            set(grads) == set(plain_grads) == {"lin.weight", "lin.bias", "wide.weight", "wide.bias"}
+        )
         for name, g in plain_grads.items():
             torch.testing.assert_close(grads[name], g)
         assert keys_b == keys_p and "scratch" not in keys_b
         # one flat buffer per (dtype, requires_grad)
         assert sorted(zip(map(str, dtypes), trainable)) == [
-            ("torch.float32", False), ("torch.float32", True), ("torch.float64", True)]
+            ("torch.float32", False),
+            ("torch.float32", True),
+            ("torch.float64", True),
+        ]
 
 
 class BMTLinear(nbt.DistributedModule):
     def __init__(self, dim_in, dim_out):
         super().__init__()
         self.weight = nbt.DistributedParameter(
-            torch.empty(dim_out, dim_in), init_method=nbt.ParameterInitializer(
-                nn.init.kaiming_uniform_, a=math.sqrt(5)))
+            torch.empty(dim_out, dim_in),
+            init_method=nbt.ParameterInitializer(nn.init.kaiming_uniform_, a=math.sqrt(5)),
+        )
         self.bias = nbt.DistributedParameter(
-            torch.empty(dim_out), init_method=nbt.ParameterInitializer(nn.init.zeros_))
+            torch.empty(dim_out), init_method=nbt.ParameterInitializer(nn.init.zeros_)
+        )
 
     def forward(self, x):
         return nn.functional.linear(x, self.weight, self.bias)
@@ -79,10 +94,10 @@ class BMTLinear(nbt.DistributedModule):
 class BMTModel(nbt.DistributedModule):
     def __init__(self):
         super().__init__()
-        self.emb = nbt.DistributedParameter(torch.empty(11, 6),
-                                            init_method=nn.init.normal_)
+        self.emb = nbt.DistributedParameter(torch.empty(11, 6), init_method=nn.init.normal_)
         self.layers = nbt.TransformerBlockList(
-            [nbt.Block(nn.Sequential(BMTLinear(6, 6), nn.GELU())) for _ in range(3)])
+            [nbt.Block(nn.Sequential(BMTLinear(6, 6), nn.GELU())) for _ in range(3)]
+        )
         self.out = BMTLinear(6, 11)
 
     def forward(self, idx):
@@ -102,12 +117,15 @@ def test_deferred_init_is_world_size_independent():
     by_world = {w: run_ranks(_bmt_state_and_loss, w)[0] for w in (1, 2, 3)}
     state1, loss1, grads1 = by_world[1]
     assert set(state1) == {"emb", "out.weight", "out.bias"} | {
-        f"layers.{i}.0.{p}" for i in range(3) for p in ("weight", "bias")}
+        f"layers.{i}.0.{p}" for i in range(3) for p in ("weight", "bias")
+    }
     assert state1["out.bias"].abs().sum() == 0 and state1["emb"].std() > 0.5
     for world in (2, 3):
         state, loss, grads = by_world[world]
         for k, v in state1.items():
-            torch.testing.assert_close(state[k], v, msg=lambda m: f"world {world} {k}: {m}")
+            torch.testing.assert_close(
+                state[k], v, msg=lambda m, world=world, k=k: f"world {world} {k}: {m}"
+            )
         assert loss == pytest.approx(loss1, abs=1e-6)
         for k, g in grads1.items():
             torch.testing.assert_close(grads[k], g, atol=1e-6, rtol=1e-5)

@@ -5,14 +5,15 @@ full model; `nbtrain.load` reads such a file into a sharded model at any world s
 The reference is a plain GPT on one process, trained a few SGD-with-momentum steps so
 that no tensor is still at its initial value, saved the way BMTrain saves.
 """
+
 import os
 
 import pytest
 import torch
-
 from support import cases
-import nbtrain as nbt
 from support.ranks import run_ranks
+
+import nbtrain as nbt
 
 
 def _trained_plain_state() -> dict:
@@ -51,8 +52,7 @@ def bmtrain_file(tmp_path_factory):
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_a_bmtrain_checkpoint_loads_into_a_sharded_model_and_saves_back(bmtrain_file, world):
     folder, want = bmtrain_file
-    missing, unexpected, got, back = run_ranks(_load_and_save_back, world, folder,
-                                               timeout_s=240)[0]
+    missing, unexpected, got, back = run_ranks(_load_and_save_back, world, folder, timeout_s=240)[0]
     assert missing == [] and unexpected == []
     assert list(got) == list(want)
     for key in want:

@@ -9,6 +9,7 @@
    embedding's (partial on each tp rank, summed over tp: nbtrain.zero.tp_partial).
 3. Its only nbtrain-specific line is the import.
 """
+
 import math
 import os
 import re
@@ -43,6 +44,7 @@ def _example():
 
 # -- the same GPT in plain PyTorch, under the example's parameter names -------------
 
+
 class PlainAttention(nn.Module):
     def __init__(self, dim_model, dim_head, num_heads):
         super().__init__()
@@ -55,8 +57,10 @@ class PlainAttention(nn.Module):
 
     def forward(self, x, mask):
         b, s, _ = x.shape
-        q, k, v = (p(x).view(b, s, self.num_heads, self.dim_head).transpose(1, 2)
-                   for p in (self.project_q, self.project_k, self.project_v))
+        q, k, v = (
+            p(x).view(b, s, self.num_heads, self.dim_head).transpose(1, 2)
+            for p in (self.project_q, self.project_k, self.project_v)
+        )
         score = q @ k.transpose(-1, -2) / math.sqrt(self.dim_head)
         score = score.masked_fill(~mask[:, None], float("-inf"))
         prob = torch.where(mask[:, None], score.softmax(-1), torch.zeros_like(score))
@@ -78,13 +82,15 @@ class PlainLayer(nn.Module):
 
 
 class PlainGPT(nn.Module):
-    def __init__(self, num_layers, vocab_size, dim_model, dim_head, num_heads, dim_ff,
-                 max_distance):
+    def __init__(
+        self, num_layers, vocab_size, dim_model, dim_head, num_heads, dim_ff, max_distance
+    ):
         super().__init__()
         self.word_emb = nn.Embedding(vocab_size, dim_model)
         self.pos_emb = nn.Embedding(max_distance, dim_model)
-        self.transformers = nn.ModuleList(PlainLayer(dim_model, dim_head, num_heads, dim_ff)
-                                          for _ in range(num_layers))
+        self.transformers = nn.ModuleList(
+            PlainLayer(dim_model, dim_head, num_heads, dim_ff) for _ in range(num_layers)
+        )
         self.layernorm = nn.LayerNorm(dim_model)
 
     def forward(self, ids, pos, mask):
@@ -98,9 +104,15 @@ class PlainGPT(nn.Module):
 def _plain_like(model):
     """A PlainGPT with the example's sizes, holding `model`'s full state dict."""
     emb, pos, first = model.word_emb, model.pos_emb.weight, model.transformers[0]
-    plain = PlainGPT(len(model.transformers), emb.vocab_size, emb.embedding_size,
-                     first.attn.dim_head, first.attn.num_heads, first.ff.w_in.out_features,
-                     pos.shape[0])
+    plain = PlainGPT(
+        len(model.transformers),
+        emb.vocab_size,
+        emb.embedding_size,
+        first.attn.dim_head,
+        first.attn.num_heads,
+        first.ff.w_in.out_features,
+        pos.shape[0],
+    )
     plain.load_state_dict(model.state_dict())  # collective: every rank builds one
     return plain
 
@@ -124,8 +136,9 @@ def _plain_steps(plain, batch, steps, optimizer, lr_at=None):
                 group["lr"] = lr_at(step)
         optimizer.zero_grad()
         logits = plain(ids, pos, pos < length[:, None])
-        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
-                               ignore_index=-100)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-100
+        )
         loss.backward()
         if step == 0:
             first_grads = {n: p.grad.clone() for n, p in plain.named_parameters()}
@@ -136,6 +149,7 @@ def _plain_steps(plain, batch, steps, optimizer, lr_at=None):
 
 
 # -- rank functions (run_ranks: 2 gloo ranks) ------------------------------------------
+
 
 def _adam_parity(folder):
     """The script's own main() against plain AdamW with the same schedule."""
@@ -151,15 +165,19 @@ def _adam_parity(folder):
     os.chdir(folder)
     out = train.main()
     # nbtrain's Adam defaults, spelt out: betas, eps, decoupled decay p *= 1 - lr * wd.
-    adamw = torch.optim.AdamW(plain.parameters(), lr=0.0, betas=(0.9, 0.999), eps=1e-8,
-                              weight_decay=1e-2)
+    adamw = torch.optim.AdamW(
+        plain.parameters(), lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2
+    )
     ref_losses, _, _ = _plain_steps(plain, batch, train.NUM_STEPS, adamw, _noam)
     saved = torch.load(os.path.join(folder, out["checkpoint"]), weights_only=True)
     # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift
     # shared by a query's scores): in float32 it is rounding noise near 1e-9, which
     # Adam (eps 1e-8) turns into steps of up to lr. SGD's test below compares it too.
-    worst = {k: (saved[k] - v).abs().max().item() for k, v in plain.state_dict().items()
-             if not k.endswith("attn.project_k.bias")}
+    worst = {
+        k: (saved[k] - v).abs().max().item()
+        for k, v in plain.state_dict().items()
+        if not k.endswith("attn.project_k.bias")
+    }
     return out["losses"], ref_losses, worst
 
 
@@ -204,20 +222,40 @@ def _sgd_parity(steps):
     grad_error = {k: (first_grads[k] - g).abs().max().item() for k, g in ref_grads.items()}
     grad_ratio = {k: (first_grads[k].norm() / g.norm()).item() for k, g in ref_grads.items()}
     param_error = {k: (state[k] - v).abs().max().item() for k, v in plain.state_dict().items()}
-    return {"losses": losses, "ref_losses": ref_losses, "norms": norms,
-            "ref_norms": ref_norms, "grad_error": grad_error, "grad_ratio": grad_ratio,
-            "param_error": param_error}
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "grad_error": grad_error,
+        "grad_ratio": grad_ratio,
+        "param_error": param_error,
+    }
 
 
 # -- the tests ---------------------------------------------------------------------------
+
 
 def test_the_example_runs_under_torchrun_on_two_cpu_ranks(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU ranks (gloo, float32) on any machine
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(EXAMPLE / "train.py")], check=False, cwd=tmp_path, capture_output=True, text=True,
-        timeout=180, env=env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            str(EXAMPLE / "train.py"),
+        ],
+        check=False,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     losses = [float(x) for x in re.findall(r"\| loss: ([0-9.]+) \|", proc.stdout)]
     assert len(losses) == 6, proc.stdout[-3000:]  # printed once, by rank 0
@@ -242,8 +280,9 @@ def test_the_example_runs_under_torchrun_on_two_cpu_ranks(tmp_path):
 
 
 def test_the_example_trains_as_plain_pytorch_with_adamw(tmp_path):
-    for rank, (losses, ref, worst) in enumerate(run_ranks(_adam_parity, 2, str(tmp_path),
-                                                          backend="gloo", timeout_s=120)):
+    for rank, (losses, ref, worst) in enumerate(
+        run_ranks(_adam_parity, 2, str(tmp_path), backend="gloo", timeout_s=120)
+    ):
         torch.testing.assert_close(losses, ref, rtol=1e-5, atol=1e-5, msg=f"rank {rank}")
         assert losses[-1] < losses[0], losses
         bad = {k: v for k, v in worst.items() if not v < 1e-5}
@@ -273,10 +312,12 @@ def test_the_example_model_trains_as_plain_pytorch_with_sgd_momentum(sgd_runs):
     for rank, run in enumerate(sgd_runs):
         ratios = {k: round(v, 4) for k, v in run["grad_ratio"].items() if _replicated(k)}
         assert all(v == 1.0 for v in ratios.values()), f"rank {rank}: grad ratios {ratios}"
-        torch.testing.assert_close(run["norms"], run["ref_norms"], rtol=1e-5, atol=1e-5,
-                                   msg=f"rank {rank}: grad norms")
-        torch.testing.assert_close(run["losses"], run["ref_losses"], rtol=1e-5, atol=1e-5,
-                                   msg=f"rank {rank}: losses")
+        torch.testing.assert_close(
+            run["norms"], run["ref_norms"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}: grad norms"
+        )
+        torch.testing.assert_close(
+            run["losses"], run["ref_losses"], rtol=1e-5, atol=1e-5, msg=f"rank {rank}: losses"
+        )
         bad = {k: v for k, v in run["param_error"].items() if not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
 

@@ -7,6 +7,7 @@ all_reduce give every rank the same result, from which every rank computes the s
 loss, counted once; reduce_scatter and broadcast give each rank its own result and
 the loss is the sum of the ranks' losses.
 """
+
 import warnings
 
 import pytest
@@ -23,8 +24,7 @@ f64 = torch.float64
 
 def _rank_input(rank: int) -> torch.Tensor:
     """(3, 2), values distinct across ranks (no ties for max/min), none zero."""
-    return (torch.arange(1.0, 7.0, dtype=f64).view(3, 2) * (1.5 if rank else -1.0)
-            + 0.25 * rank)
+    return torch.arange(1.0, 7.0, dtype=f64).view(3, 2) * (1.5 if rank else -1.0) + 0.25 * rank
 
 
 def _rank_rows(rank: int) -> torch.Tensor:
@@ -52,12 +52,12 @@ def _op_parallel_linear(rank: int) -> dict:
     nbt.init_distributed(tp_size=WORLD)
     apply = nbt.nn.OpParallelLinear.apply
     g = torch.Generator().manual_seed(5)
-    x = torch.randn(4, 3, dtype=f64, generator=g)      # tokens x in, column layers
-    w = torch.randn(4, 3, dtype=f64, generator=g)      # (out, in) of a column layer
+    x = torch.randn(4, 3, dtype=f64, generator=g)  # tokens x in, column layers
+    w = torch.randn(4, 3, dtype=f64, generator=g)  # (out, in) of a column layer
     b = torch.randn(4, dtype=f64, generator=g)
-    x4 = torch.randn(4, 4, dtype=f64, generator=g)     # tokens x in, row layers
+    x4 = torch.randn(4, 4, dtype=f64, generator=g)  # tokens x in, row layers
     w_row = torch.randn(2, 4, dtype=f64, generator=g)  # (out, in) of a row layer
-    grad = torch.randn(4, 4, dtype=f64, generator=g)   # loss weights of (4, 4) outputs
+    grad = torch.randn(4, 4, dtype=f64, generator=g)  # loss weights of (4, 4) outputs
     grad_row = torch.randn(4, 2, dtype=f64, generator=g)
     mine = slice(2 * rank, 2 * rank + 2)
     out = {}
@@ -170,9 +170,13 @@ def test_all_gather_values_and_gradients(ranks):
 
 @pytest.mark.parametrize("op", OPS)
 def test_all_reduce_values_and_gradients(ranks, op):
-    reduce = {"sum": lambda t: t.sum(0), "avg": lambda t: t.mean(0),
-              "max": lambda t: t.amax(0), "min": lambda t: t.amin(0),
-              "prod": lambda t: t.prod(0)}[op]
+    reduce = {
+        "sum": lambda t: t.sum(0),
+        "avg": lambda t: t.mean(0),
+        "max": lambda t: t.amax(0),
+        "min": lambda t: t.amin(0),
+        "prod": lambda t: t.prod(0),
+    }[op]
     X = _leaf(_stacked())
     want = reduce(X)
     (want * _shared_weights()[0]).sum().backward()
@@ -187,7 +191,7 @@ def test_reduce_scatter_values_and_gradients(ranks, op):
     X = _leaf(torch.stack([_rank_rows(r) for r in range(WORLD)]))
     total = X.sum(0) if op == "sum" else X.mean(0)
     rows = total.shape[0] // WORLD
-    parts = [total[r * rows:(r + 1) * rows] for r in range(WORLD)]
+    parts = [total[r * rows : (r + 1) * rows] for r in range(WORLD)]
     sum((p * _rank_weights(r, p.shape)).sum() for r, p in enumerate(parts)).backward()
     for rank, got in enumerate(ranks):
         y, grad = got[f"reduce_scatter_{op}"]
@@ -198,7 +202,7 @@ def test_reduce_scatter_values_and_gradients(ranks, op):
 def test_reduce_scatter_max_has_values_but_no_gradient(ranks):
     X = torch.stack([_rank_rows(r) for r in range(WORLD)]).amax(0)
     for rank, got in enumerate(ranks):
-        torch.testing.assert_close(got["reduce_scatter_max"], X[2 * rank:2 * rank + 2])
+        torch.testing.assert_close(got["reduce_scatter_max"], X[2 * rank : 2 * rank + 2])
         assert "reduce_scatter(op='max') has no gradient" in got["reduce_scatter_max_grad"]
 
 
@@ -226,7 +230,7 @@ def test_send_and_recv_activations(ranks):
     first, second = ranks[1]["received"]
     assert first.dtype == torch.float32 and torch.equal(first, torch.arange(6.0).view(2, 3))
     assert second.dtype == torch.int64 and torch.equal(second, torch.tensor([7, 8, 9]))
-    back, = ranks[0]["received"]
+    (back,) = ranks[0]["received"]
     assert back.dtype == torch.bfloat16 and back.shape == (2, 2, 1)
     assert torch.equal(back, torch.full((2, 2, 1), 3.0, dtype=torch.bfloat16))
 
@@ -235,7 +239,7 @@ def test_gather_result(ranks):
     want = torch.tensor([0.0, 0.0, 1.0, 1.0]).view(4, 1).expand(4, 3)
     for got in ranks:
         assert torch.equal(got["gather_result"], want)
-        (category, message), = got["warnings"]
+        ((category, message),) = got["warnings"]
         assert category == "DeprecationWarning" and "distributed.all_gather" in message
         assert got["alone"] == (1, 3, 2)
 
@@ -264,6 +268,7 @@ def test_op_parallel_linear_at_tp_two(ranks):
 
 # -- BMTrainModelWrapper ----------------------------------------------------------------
 
+
 class ListNet(nn.Module):
     """Layers in a ModuleList (Blocks), a list with a parameter-free entry, loose
     parameters around them and a buffer. Sizes no world size of 2 divides."""
@@ -271,8 +276,7 @@ class ListNet(nn.Module):
     def __init__(self):
         super().__init__()
         self.inp = nn.Linear(5, 7)
-        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(7, 7), nn.GELU())
-                                     for _ in range(3)])
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(7, 7), nn.GELU()) for _ in range(3)])
         self.mixed = nn.ModuleList([nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 7)])
         self.norm = nn.LayerNorm(7)
         self.head = nn.Linear(7, 3)
@@ -297,8 +301,10 @@ def _plain() -> ListNet:
 
 def _data():
     g = torch.Generator().manual_seed(3)
-    return (torch.randn(STEPS, WORLD * BATCH, 5, dtype=f64, generator=g),
-            torch.randn(STEPS, WORLD * BATCH, 3, dtype=f64, generator=g))
+    return (
+        torch.randn(STEPS, WORLD * BATCH, 5, dtype=f64, generator=g),
+        torch.randn(STEPS, WORLD * BATCH, 3, dtype=f64, generator=g),
+    )
 
 
 OPTIMIZERS = {
@@ -325,8 +331,10 @@ def _wrapped_training():
     out = {}
     for name, make_opt in OPTIMIZERS.items():
         model = nbt.BMTrainModelWrapper(_plain())
-        out["structure"] = ([type(m).__name__ for m in model.layers],
-                            [type(m).__name__ for m in model.mixed])
+        out["structure"] = (
+            [type(m).__name__ for m in model.layers],
+            [type(m).__name__ for m in model.mixed],
+        )
         losses = _train(model, make_opt, slice(rank * BATCH, (rank + 1) * BATCH))
         out[name] = (losses, model.state_dict())
     return out

@@ -18,14 +18,15 @@ in an OptimManager:
     DistributedParameter objects themselves; a frozen parameter is not updated and
     its `.grad` is None, as in plain PyTorch.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
+from support.ranks import run_ranks
 from torch import nn
 
 import nbtrain as bmt
 from nbtrain.zero.partition import shard_range
-from support.ranks import run_ranks
 
 VOCAB, DIM, BATCH_PER_RANK, SEQ, STEPS = 11, 6, 2, 5, 6
 FROZEN_STEPS = (2, 3)  # layers.0, layers.4, the final norm and the head frozen here
@@ -69,13 +70,23 @@ def build(dist: bool):
         def __init__(self):
             super().__init__()
             self.embed = _param((VOCAB, DIM), dist)
-            layers = [Layer(), nn.GELU(), Layer(), nn.Sequential(nn.Dropout(0.0), HalfResidual()),
-                      Layer()]
+            layers = [
+                Layer(),
+                nn.GELU(),
+                Layer(),
+                nn.Sequential(nn.Dropout(0.0), HalfResidual()),
+                Layer(),
+            ]
             if dist:
-                layers = bmt.TransformerBlockList([
-                    bmt.Block(layers[0]), bmt.Block(layers[1]),
-                    bmt.Block(layers[2], zero_level=2), bmt.Block(layers[3]),
-                    bmt.Block(layers[4], use_checkpoint=True)])
+                layers = bmt.TransformerBlockList(
+                    [
+                        bmt.Block(layers[0]),
+                        bmt.Block(layers[1]),
+                        bmt.Block(layers[2], zero_level=2),
+                        bmt.Block(layers[3]),
+                        bmt.Block(layers[4], use_checkpoint=True),
+                    ]
+                )
             self.layers = layers if dist else nn.ModuleList(layers)
             self.norm = nn.LayerNorm(DIM)  # a plain parameter: data parallel
             self.head = Linear(DIM, VOCAB)
@@ -97,7 +108,7 @@ def batches(world):
 
 
 def make_optimizer(kind, params, dist=False):
-    """"sgd", "adamw", or "bmt": BMTrain's AdamOffloadOptimizer in an OptimManager on
+    """ "sgd", "adamw", or "bmt": BMTrain's AdamOffloadOptimizer in an OptimManager on
     the sharded model (the plain model: torch's AdamW, the same update)."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.2, momentum=0.9)
@@ -123,8 +134,9 @@ def train_plain(kind, world):
         opt.zero_grad()
         loss = F.cross_entropy(model(xs[step]).flatten(0, 1), ys[step].flatten())
         loss.backward()
-        grads.append({n: None if p.grad is None else p.grad.clone()
-                      for n, p in model.named_parameters()})
+        grads.append(
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        )
         opt.step()
         losses.append(loss.item())
     return losses, grads, model.state_dict()
@@ -164,9 +176,16 @@ def train_bmtrain(kind):
         opt.zero_grad()
         loss = F.cross_entropy(model(xs[step, lo:hi]).flatten(0, 1), ys[step, lo:hi].flatten())
         opt.backward(loss) if kind == "bmt" else loss.backward()
-        grads.append({n: (None if p.grad is None else p.grad.clone(),
-                          getattr(p, "_start_partition", False), getattr(p, "_end_partition", 0))
-                      for n, p in members.items()})
+        grads.append(
+            {
+                n: (
+                    None if p.grad is None else p.grad.clone(),
+                    getattr(p, "_start_partition", False),
+                    getattr(p, "_end_partition", 0),
+                )
+                for n, p in members.items()
+            }
+        )
         opt.step()
         losses.append(loss.item())
     return losses, grads, model.state_dict()
@@ -200,19 +219,23 @@ def test_a_bmtrain_model_with_grads_and_freezing_matches_plain_pytorch(kind):
                 if start is False:  # outside Blocks: the parameter's own shard
                     numel = want[name].numel()
                     b, e = shard_range(numel, world, rank)
-                    expect = want[name].reshape(-1)[b:min(e, numel)]
-                    got_part = grad[:expect.numel()]
+                    expect = want[name].reshape(-1)[b : min(e, numel)]
+                    got_part = grad[: expect.numel()]
                 else:
                     expect, got_part = _expected_part(want[name], start, end), grad
-                torch.testing.assert_close(got_part, expect, rtol=1e-4, atol=1e-6,
-                                           msg=f"step {step} rank {rank} {name}")
+                torch.testing.assert_close(
+                    got_part, expect, rtol=1e-4, atol=1e-6, msg=f"step {step} rank {rank} {name}"
+                )
     # Each rank holds some part of the blocks' parameters, together all of them.
     for name in results[0][1][0]:
         _, start, end = results[0][1][0][name]
         if start is False:
             continue
-        covered = sum(r[1][0][name][2] - (r[1][0][name][1] or 0)
-                      for r in results if r[1][0][name][1] is not None)
+        covered = sum(
+            r[1][0][name][2] - (r[1][0][name][1] or 0)
+            for r in results
+            if r[1][0][name][1] is not None
+        )
         assert covered == want_grads[0][name].numel(), name
 
 
@@ -240,6 +263,7 @@ def _block_views():
     def spy(x):
         seen["inside"] = tuple(linear.weight.shape)
         return original(x)
+
     linear.forward = spy
     layer(torch.zeros(1, 1, DIM))
     seen["after"] = type(linear.weight).__name__
@@ -263,8 +287,9 @@ def test_freezing_part_of_a_blocks_buffer_is_refused_naming_it_and_the_views_are
 
 def _parameter_free_blocks(folder):
     x = torch.randn(2, 3, 4, requires_grad=True)
-    blocks = bmt.TransformerBlockList([bmt.Block(nn.GELU()), bmt.Block(nn.Dropout(0.0)),
-                                       bmt.Block(nn.Linear(4, 4))])
+    blocks = bmt.TransformerBlockList(
+        [bmt.Block(nn.GELU()), bmt.Block(nn.Dropout(0.0)), bmt.Block(nn.Linear(4, 4))]
+    )
     torch.manual_seed(1)
     plain = nn.Linear(4, 4)
     blocks.load_state_dict({"2.weight": plain.weight, "2.bias": plain.bias})
@@ -279,14 +304,18 @@ def _parameter_free_blocks(folder):
         blocks[2].flat_param_0.zero_()
     bmt.load(blocks, path)
     reloaded = torch.equal(blocks.state_dict()["2.weight"], plain.weight.detach())
-    return (torch.allclose(out, ref, atol=1e-6) and reloaded,
-            torch.allclose(x.grad, y.grad, atol=1e-6),
-            list(bmt.Block(nn.ReLU()).state_dict()), len(list(bmt.Block(nn.ReLU()).parameters())))
+    return (
+        torch.allclose(out, ref, atol=1e-6) and reloaded,
+        torch.allclose(x.grad, y.grad, atol=1e-6),
+        list(bmt.Block(nn.ReLU()).state_dict()),
+        len(list(bmt.Block(nn.ReLU()).parameters())),
+    )
 
 
 def test_blocks_around_modules_without_parameters_run_them(tmp_path):
-    same_out, same_grad, keys, nparams = run_ranks(_parameter_free_blocks, 2, str(tmp_path),
-                                                   timeout_s=120)[0]
+    same_out, same_grad, keys, nparams = run_ranks(
+        _parameter_free_blocks, 2, str(tmp_path), timeout_s=120
+    )[0]
     assert same_out and same_grad
     assert keys == [] and nparams == 0
 
@@ -305,8 +334,7 @@ class _TwoStates(nn.Module):
 def _blocklist_hidden_states():
     torch.manual_seed(0)
     plain = [_TwoStates(k) for k in (1, 2, 3)]
-    blocks = bmt.TransformerBlockList([bmt.Block(_TwoStates(k)) for k in (1, 2, 3)],
-                                      num_hidden=2)
+    blocks = bmt.TransformerBlockList([bmt.Block(_TwoStates(k)) for k in (1, 2, 3)], num_hidden=2)
     h, aux, mask = torch.randn(2, 4), torch.zeros(2), torch.ones(4) * 0.1
     want_in, (x, a) = [], (h, aux)
     for layer in plain:
@@ -315,10 +343,13 @@ def _blocklist_hidden_states():
     out = blocks(h, aux, mask)
     full = blocks(h, aux, mask, return_hidden_states=True)
     single = bmt.TransformerBlockList([bmt.Block(nn.Linear(4, 4)), bmt.Block(nn.Tanh())])
-    return (len(out) == 2 and torch.allclose(out[0], x) and torch.allclose(out[1], a),
-            len(full) == 4 and torch.allclose(full[2], torch.stack([w[0] for w in want_in]))
-            and torch.allclose(full[3], torch.stack([w[1] for w in want_in])),
-            isinstance(single(h), torch.Tensor))
+    return (
+        len(out) == 2 and torch.allclose(out[0], x) and torch.allclose(out[1], a),
+        len(full) == 4
+        and torch.allclose(full[2], torch.stack([w[0] for w in want_in]))
+        and torch.allclose(full[3], torch.stack([w[1] for w in want_in])),
+        isinstance(single(h), torch.Tensor),
+    )
 
 
 def test_transformer_block_list_passes_hidden_states_as_bmtrains():

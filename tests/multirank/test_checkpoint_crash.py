@@ -5,17 +5,18 @@ The victim rank pauses just before one of the save's renames (this test replaces
 `os.replace` inside the rank process), reports its PID through a marker file, and
 the test kills that PID. Its peer fails in the save's next collective; the test reaps it by handle.
 """
+
 import os
 import signal
 import tempfile
 import time
 
-import torch
-
 import optim_cases as oc
+import torch
+from support.ranks import run_ranks
+
 import nbtrain as nbt
 from nbtrain.launch import spawn_ranks
-from support.ranks import run_ranks
 
 WORLD = 2
 FIRST_STEPS = 3
@@ -26,8 +27,12 @@ def _setup():
 
 
 def _snapshot(model, opt, manager):
-    return dict(state=model.state_dict(), shards=oc.shard_snapshot(opt),
-                manager=manager.scalar_state(), lr=opt.param_groups[0]["lr"])
+    return dict(
+        state=model.state_dict(),
+        shards=oc.shard_snapshot(opt),
+        manager=manager.scalar_state(),
+        lr=opt.param_groups[0]["lr"],
+    )
 
 
 def _initial(folder):
@@ -46,8 +51,9 @@ def _crash_save(folder, victim, stage, marker):
 
     def pause_before_rename(src, dst):
         name = os.path.basename(dst)
-        where = "meta" if name == "meta.json" else "shard" if name.endswith(".safetensors") \
-            else None
+        where = (
+            "meta" if name == "meta.json" else "shard" if name.endswith(".safetensors") else None
+        )
         if where == stage and nbt.rank() == victim:
             with open(marker + ".tmp", "w") as f:
                 f.write(str(os.getpid()))
@@ -71,8 +77,16 @@ def _verify(folder):
 def _kill_during_save(folder, victim, stage):
     with tempfile.TemporaryDirectory(prefix="nbtrain-crash-") as tmp:
         marker = os.path.join(tmp, "victim.pid")
-        procs, _ = spawn_ranks(_crash_save, WORLD, folder, victim, stage, marker,
-                               init_file=os.path.join(tmp, "rendezvous"), pg_timeout_s=30.0)
+        procs, _ = spawn_ranks(
+            _crash_save,
+            WORLD,
+            folder,
+            victim,
+            stage,
+            marker,
+            init_file=os.path.join(tmp, "rendezvous"),
+            pg_timeout_s=30.0,
+        )
         try:
             deadline = time.monotonic() + 90
             while not os.path.exists(marker):
@@ -123,8 +137,11 @@ def test_killed_rank_leaves_previous_checkpoint_intact(tmp_path):
         for (pa, sa), (pb, sb) in zip(a["shards"], b["shards"]):
             assert torch.equal(pa, pb) and sa.keys() == sb.keys()
             for key in sb:
-                same = torch.equal(sa[key], sb[key]) if torch.is_tensor(sb[key]) \
+                same = (
+                    torch.equal(sa[key], sb[key])
+                    if torch.is_tensor(sb[key])
                     else sa[key] == sb[key]
+                )
                 assert same, (rank, key)
     # A later successful save removes the dead saves' folders and temporary files.
     assert len(_versions(folder)) == 1

@@ -19,6 +19,7 @@ teardown that happened on every run.
 
 Run as a script (`--rank-mode`), this file is what each rank executes.
 """
+
 from __future__ import annotations
 
 import os
@@ -90,14 +91,25 @@ def _launch(exit_mode: str, tmp_path) -> list[tuple[int, str, str]]:
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     procs, files = [], []
     for rank in range(WORLD):
-        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD),
-                   LOCAL_WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=path)
+        env = dict(
+            os.environ,
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(WORLD),
+            LOCAL_WORLD_SIZE=str(WORLD),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=path,
+        )
         out = open(tmp_path / f"{exit_mode}-{rank}.out", "w+")
         err = open(tmp_path / f"{exit_mode}-{rank}.err", "w+")
         files.append((out, err))
-        procs.append(subprocess.Popen([sys.executable, HERE, "--rank-mode", exit_mode],
-                                      env=env, stdout=out, stderr=err))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, HERE, "--rank-mode", exit_mode], env=env, stdout=out, stderr=err
+            )
+        )
     results = []
     try:
         for p in procs:
@@ -118,8 +130,10 @@ def _launch(exit_mode: str, tmp_path) -> list[tuple[int, str, str]]:
 
 def _check(exit_mode, tmp_path):
     results = _launch(exit_mode, tmp_path)
-    report = "\n".join(f"rank {r}: exit {rc}\n--- stderr ---\n{err[-3000:]}"
-                       for r, (rc, _out, err) in enumerate(results))
+    report = "\n".join(
+        f"rank {r}: exit {rc}\n--- stderr ---\n{err[-3000:]}"
+        for r, (rc, _out, err) in enumerate(results)
+    )
     for rank, (rc, out, err) in enumerate(results):
         assert rc == 0, report
         assert "terminate called" not in err, report

@@ -1,10 +1,11 @@
 """Collectives: results and the byte counters benchmarks and telemetry read."""
+
 import pytest
 import torch
+from support.ranks import run_ranks
 
 import nbtrain as nbt
 from nbtrain.comm import COUNTERS, all_gather, all_reduce, reduce_scatter
-from support.ranks import run_ranks
 
 
 def _collectives():
@@ -26,8 +27,7 @@ def _collectives():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_results_and_bytes(world_size):
     mean_factor = sum(r + 1 for r in range(world_size)) / world_size
-    for rank, (full, full2, out, total, counters) in enumerate(run_ranks(_collectives,
-                                                                         world_size)):
+    for rank, (full, full2, out, total, counters) in enumerate(run_ranks(_collectives, world_size)):
         assert full.tolist() == [float(r) for r in range(world_size) for _ in range(5)]
         torch.testing.assert_close(full2, full + 1)
         torch.testing.assert_close(out, torch.arange(5.0 * rank, 5.0 * rank + 5) * mean_factor)
@@ -41,8 +41,7 @@ def test_results_and_bytes(world_size):
 
 def _zero3_step_bytes():
     # Only block parameters: a step moves 3 x padded param bytes x (N-1)/N.
-    model = nbt.TransformerBlockList([nbt.Block(torch.nn.Linear(50, 50), 3)
-                                      for _ in range(3)])
+    model = nbt.TransformerBlockList([nbt.Block(torch.nn.Linear(50, 50), 3) for _ in range(3)])
     padded = sum(g.layout.padded_numel * 4 for b in model for g in b.groups)
     COUNTERS.reset()
     model(torch.randn(2, 50)).sum().backward()

@@ -12,6 +12,7 @@ gathers, checkpointing and release is decided; inductor (it does run on this mac
 g++ is here) only changes the kernels, and costs ~30-60 s per compile on two loaded
 cores, so it runs once, at one rank (marked slow), and on CUDA in tests/gpu.
 """
+
 import warnings
 
 import pytest
@@ -31,8 +32,10 @@ BATCH_PER_RANK = 2
 def _batches(world):
     g = torch.Generator().manual_seed(7)
     shape = (STEPS, world * BATCH_PER_RANK, CFG.seq_len)
-    return (torch.randint(0, CFG.vocab_size, shape, generator=g),
-            torch.randint(0, CFG.vocab_size, shape, generator=g))
+    return (
+        torch.randint(0, CFG.vocab_size, shape, generator=g),
+        torch.randint(0, CFG.vocab_size, shape, generator=g),
+    )
 
 
 def _optimizer(name, params):
@@ -61,15 +64,22 @@ def _train(zero_level, ckpt, opt_name, compile):
         losses.append(nbt.sum_loss(loss).item())
         graphs.append(counters["stats"]["unique_graphs"])
     stats = [b.compile_stats for b in model.layers]
-    return {"losses": losses, "grads": grads, "state": model.state_dict(),
-            "graphs": graphs, "stats": stats}
+    return {
+        "losses": losses,
+        "grads": grads,
+        "state": model.state_dict(),
+        "graphs": graphs,
+        "stats": stats,
+    }
 
 
 def _compare(zero_level, ckpt, backend):
     out = {}
     for opt_name in ("sgd", "adamw"):
-        out[opt_name] = {"eager": _train(zero_level, ckpt, opt_name, False),
-                         "compiled": _train(zero_level, ckpt, opt_name, {"backend": backend})}
+        out[opt_name] = {
+            "eager": _train(zero_level, ckpt, opt_name, False),
+            "compiled": _train(zero_level, ckpt, opt_name, {"backend": backend}),
+        }
     return out if nbt.rank() == 0 else None
 
 
@@ -84,12 +94,21 @@ def _check(results):
             assert set(g) == set(ref), what
             for name, v in ref.items():
                 torch.testing.assert_close(
-                    g[name], v, atol=1e-5, rtol=1e-5,
-                    msg=lambda m, w=what, s=step, n=name: f"{w} step {s} grad {n}: {m}")
+                    g[name],
+                    v,
+                    atol=1e-5,
+                    rtol=1e-5,
+                    msg=lambda m, w=what, s=step, n=name: f"{w} step {s} grad {n}: {m}",
+                )
         assert list(compiled["state"]) == plain_keys, what  # no `_orig_mod.` anywhere
         for name, v in eager["state"].items():
-            torch.testing.assert_close(compiled["state"][name], v, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m, w=what, n=name: f"{w} param {n}: {m}")
+            torch.testing.assert_close(
+                compiled["state"][name],
+                v,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, w=what, n=name: f"{w} param {n}: {m}",
+            )
         graphs = compiled["graphs"]
         assert graphs[0] >= 1 and graphs[1:] == [graphs[0]] * (STEPS - 1), (what, graphs)
         first, *others = compiled["stats"]
@@ -97,8 +116,11 @@ def _check(results):
         assert all(s.reused and s.graph_breaks == 0 for s in others), (what, others)
 
 
-@pytest.mark.parametrize("world_size,zero_level,ckpt", [(2, 2, False), (2, 3, True)],
-                         ids=["world2-zero2", "world2-zero3-ckpt"])
+@pytest.mark.parametrize(
+    "world_size,zero_level,ckpt",
+    [(2, 2, False), (2, 3, True)],
+    ids=["world2-zero2", "world2-zero3-ckpt"],
+)
 def test_compiled_blocks_match_eager(world_size, zero_level, ckpt):
     _check(run_ranks(_compare, world_size, zero_level, ckpt, "aot_eager", timeout_s=240)[0])
 
@@ -123,8 +145,9 @@ class _Breaks(nn.Module):
 def _reports():
     """Graph breaks reported once, by block; the errors for unusable settings."""
     torch.manual_seed(0)
-    blocks = nbt.TransformerBlockList([_Breaks() for _ in range(2)],
-                                      compile={"backend": "aot_eager"})
+    blocks = nbt.TransformerBlockList(
+        [_Breaks() for _ in range(2)], compile={"backend": "aot_eager"}
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):
@@ -145,8 +168,13 @@ def _reports():
         except RuntimeError as err:
             errors["cxx"] = str(err)
     cpp_compiler_search.cache_clear()
-    return {"stats": [b.compile_stats for b in blocks], "messages": messages,
-            "errors": errors, "repr": repr(blocks[0]), "keys": list(blocks.state_dict())}
+    return {
+        "stats": [b.compile_stats for b in blocks],
+        "messages": messages,
+        "errors": errors,
+        "repr": repr(blocks[0]),
+        "keys": list(blocks.state_dict()),
+    }
 
 
 def test_graph_breaks_reported_and_errors():
@@ -158,7 +186,15 @@ def test_graph_breaks_reported_and_errors():
     assert len(res["messages"]) == 1, res["messages"]  # once, not per block or per step
     assert "'block0'" in res["messages"][0] and "1 graph break" in res["messages"][0]
     assert "compiled" in res["repr"]
-    assert res["keys"] == ["0.a.weight", "0.a.bias", "0.b.weight", "0.b.bias",
-                           "1.a.weight", "1.a.bias", "1.b.weight", "1.b.bias"]
+    assert res["keys"] == [
+        "0.a.weight",
+        "0.a.bias",
+        "0.b.weight",
+        "0.b.bias",
+        "1.a.weight",
+        "1.a.bias",
+        "1.b.weight",
+        "1.b.bias",
+    ]
     assert "dict of torch.compile keywords" in res["errors"]["type"]
     assert "C++ compiler" in res["errors"]["cxx"] and "aot_eager" in res["errors"]["cxx"]

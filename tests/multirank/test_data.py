@@ -1,12 +1,13 @@
 """Batches from nbtrain's data helpers: each rank's rows, on the rank's device, at any
 world size that divides the global batch; a clear error otherwise."""
+
 import pytest
 import torch
+from support.ranks import run_ranks
 
 import nbtrain as nbt
 from nbtrain.models import GPT, GPTConfig
 from nbtrain.models.data import BatchSampler
-from support.ranks import run_ranks
 
 TOKENS = torch.arange(5000) % 256
 
@@ -27,8 +28,10 @@ def test_local_batches_are_the_ranks_rows_on_its_device(world):
 
 
 def test_a_batch_that_does_not_split_names_the_sizes():
-    with pytest.raises(AssertionError, match="global_batch=16 does not split over 3 ranks: "
-                                             "use a multiple of 3, e.g. 18"):
+    with pytest.raises(
+        AssertionError,
+        match="global_batch=16 does not split over 3 ranks: use a multiple of 3, e.g. 18",
+    ):
         run_ranks(_local, 3, 16)
 
 

@@ -6,15 +6,16 @@ concatenated batch: with torch.optim.AdamW, with OptimManager + AdamOptimizer, a
 with SGD + momentum (which, unlike Adam, sees the gradient's scale: a sum where a
 mean belongs would fail here).
 """
+
 import pytest
 import torch
+from lm_cases import HIDDEN, ROWS_PER_RANK, SEQ, STEPS, VOCAB, PlainLM, ShardedLM, batches
+from support.ranks import run_ranks
 
 import nbtrain as nbt
-from lm_cases import HIDDEN, ROWS_PER_RANK, SEQ, STEPS, VOCAB, PlainLM, ShardedLM, batches
 from nbtrain import telemetry
 from nbtrain.comm import COUNTERS
 from nbtrain.optim import AdamOptimizer, OptimManager
-from support.ranks import run_ranks
 
 
 def make_optimizer(kind: str, params):
@@ -66,8 +67,9 @@ def sharded_run(kind: str, zero_level: int, nested: bool = False):
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("kind,zero_level,nested", [("adamw", 3, False), ("manager", 2, False),
-                                                    ("sgd", 3, True)])
+@pytest.mark.parametrize(
+    "kind,zero_level,nested", [("adamw", 3, False), ("manager", 2, False), ("sgd", 3, True)]
+)
 def test_plain_parameters_train_like_one_process(world, kind, zero_level, nested):
     ref_losses, ref_state = plain_run(world, kind)
     for losses, state in run_ranks(sharded_run, world, kind, zero_level, nested):
@@ -92,12 +94,20 @@ def _reduction_events():
 def test_buckets_are_async_overlapped_and_counted():
     for events, counters, grads_set in run_ranks(_reduction_events, 2):
         assert grads_set
-        issues = {e["label"]: e["seq"] for e in events
-                  if e["type"] == "comm_issue" and e["label"].startswith("dp.bucket")}
+        issues = {
+            e["label"]: e["seq"]
+            for e in events
+            if e["type"] == "comm_issue" and e["label"].startswith("dp.bucket")
+        }
         assert sorted(issues) == ["dp.bucket0", "dp.bucket1"]
         # The head's bucket is reduced while the blocks are still in backward.
-        last_block = [e for e in events if e["type"] == "compute_begin"
-                      and e.get("phase") == "backward" and e["label"] == "layers.0"]
+        last_block = [
+            e
+            for e in events
+            if e["type"] == "compute_begin"
+            and e.get("phase") == "backward"
+            and e["label"] == "layers.0"
+        ]
         assert last_block and issues["dp.bucket0"] < last_block[0]["seq"]
         # Each bucket: its gradients plus one count per parameter, all-reduced (2x ring).
         head_norm = VOCAB * HIDDEN + VOCAB + 2 * HIDDEN + 4

@@ -1,4 +1,5 @@
 """`nbtrain demo`, the main job, end to end on 2 CPU ranks (a shortened run)."""
+
 import json
 import os
 import subprocess
@@ -11,17 +12,37 @@ from nbtrain.demo import summarise
 
 def test_demo_trains_and_writes_its_outputs(tmp_path):
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "demo", "--ranks", "2",
-                           "--steps", "80", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbtrain.cli",
+            "demo",
+            "--ranks",
+            "2",
+            "--steps",
+            "80",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads((out / "losses.json").read_text())
     assert result["world_size"] == 2 and len(result["losses"]) == 80
     first, last = summarise(result["losses"])
     assert last < first - 0.5, (first, last)  # the loss falls visibly
-    for name in ("report.png", "model.safetensors", "checkpoint/meta.json",
-                 "telemetry/rank0.jsonl", "telemetry/rank1.jsonl"):
+    for name in (
+        "report.png",
+        "model.safetensors",
+        "checkpoint/meta.json",
+        "telemetry/rank0.jsonl",
+        "telemetry/rank1.jsonl",
+    ):
         assert (out / name).exists(), name
     assert (out / "report.png").read_bytes()[:4] == b"\x89PNG"
     weights = load_file(str(out / "model.safetensors"))
@@ -47,10 +68,27 @@ def test_demo_in_bf16_trains_and_writes_a_checkpoint(tmp_path):
     import torch
 
     out = tmp_path / "demo"
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "demo", "--ranks", "2",
-                           "--steps", "30", "--dtype", "bf16", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbtrain.cli",
+            "demo",
+            "--ranks",
+            "2",
+            "--steps",
+            "30",
+            "--dtype",
+            "bf16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "ZeRO-3, bf16" in proc.stdout, proc.stdout
     result = json.loads((out / "losses.json").read_text())

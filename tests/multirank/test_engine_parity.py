@@ -1,13 +1,14 @@
 """Sharded training equals plain single-process PyTorch (fp32, 1e-5)."""
+
 import itertools
 import math
 
 import pytest
 import torch
-
 from support import cases
-import nbtrain as nbt
 from support.ranks import run_ranks
+
+import nbtrain as nbt
 
 STEPS = 10
 CONFIGS = list(itertools.product(["blocks", "blocklist", "wrap"], [2, 3], [False, True]))
@@ -30,13 +31,23 @@ def test_training_matches_plain_pytorch(world_size):
         assert losses == pytest.approx(ref_losses, abs=1e-5), config
         assert set(grads) == set(ref_grads), config
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"{config} grad {name}: {m}")
+            torch.testing.assert_close(
+                grads[name],
+                g,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, name=name, config=config: f"{config} grad {name}: {m}",
+            )
         assert list(state) == list(ref_state), config
         for name, v in ref_state.items():
             assert state[name].shape == v.shape, (config, name)
-            torch.testing.assert_close(state[name], v, atol=1e-5, rtol=1e-5,
-                                       msg=lambda m: f"{config} param {name}: {m}")
+            torch.testing.assert_close(
+                state[name],
+                v,
+                atol=1e-5,
+                rtol=1e-5,
+                msg=lambda m, name=name, config=config: f"{config} param {name}: {m}",
+            )
 
 
 def _shard_sizes():
@@ -45,10 +56,12 @@ def _shard_sizes():
     sizes = []
     for block in model.layers:
         for group in block.groups:
-            sizes.append((group.layout.numel, group.shard.numel(),
-                          group.layout.padded_numel))
-    loose = [(p.full_numel, p.numel()) for p in model.parameters()
-             if isinstance(p, nbt.DistributedParameter)]
+            sizes.append((group.layout.numel, group.shard.numel(), group.layout.padded_numel))
+    loose = [
+        (p.full_numel, p.numel())
+        for p in model.parameters()
+        if isinstance(p, nbt.DistributedParameter)
+    ]
     return world, sizes, loose
 
 

@@ -1,4 +1,5 @@
 """Bad input gets an error naming the value and the fix (world of one, in process)."""
+
 import pytest
 import torch
 from torch import nn
@@ -66,8 +67,9 @@ def test_state_dict_round_trip_into_plain_model():
     plain = nn.Sequential(nn.Linear(4, 3), nn.ModuleList([nn.Linear(3, 3)]))
     reference = {k: v.clone() for k, v in plain.state_dict().items()}
     sharded = nbt.wrap(plain)
-    assert {k: v.shape for k, v in sharded.state_dict().items()} == \
-        {k: v.shape for k, v in reference.items()}
+    assert {k: v.shape for k, v in sharded.state_dict().items()} == {
+        k: v.shape for k, v in reference.items()
+    }
     fresh = nn.Sequential(nn.Linear(4, 3), nn.ModuleList([nn.Linear(3, 3)]))
     fresh.load_state_dict(sharded.state_dict())
     for k, v in fresh.state_dict().items():

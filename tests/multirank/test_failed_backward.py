@@ -6,13 +6,14 @@ their gradient reductions (and, at ZeRO-3 and ZeRO-2, left blocks gathered) when
 backward stops. Stale reductions must not leak into the next step's gradients, and
 blocks gathered before the optimizer step must not serve stale parameters.
 """
+
+import lm_cases
 import pytest
 import torch
-
 from support import cases
-import lm_cases
-import nbtrain as nbt
 from support.ranks import run_ranks
+
+import nbtrain as nbt
 
 STEPS, FAIL_AT = 5, 1
 
@@ -31,7 +32,8 @@ def _arm(module):
     """Makes `module`'s output raise in backward while `module.fail` is set."""
     module.fail = False
     module.register_forward_hook(
-        lambda m, args, out: _RaiseInBackward.apply(out) if m.fail else out)
+        lambda m, args, out: _RaiseInBackward.apply(out) if m.fail else out
+    )
 
 
 def _models(kind: str, zero_level: int, sharded: bool):

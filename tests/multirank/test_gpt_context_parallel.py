@@ -13,9 +13,9 @@ one batch per step and each rank half of every sequence), wrapped with ZeRO-3:
 - in one process: the cp code path at cp 1 (`ContextParallel(ALONE)`) computes what
   the plain GPT does, and plain-PyTorch use stays bitwise as before.
 """
+
 import pytest
 import torch
-
 from gpt_cp_cases import CASES, batch, config, cp_training, new_gpt, reference
 from support.ranks import run_ranks
 

@@ -1,9 +1,10 @@
 """wrap() on a Hugging Face causal LM (built from a config, no download)."""
+
 import pytest
 import torch
+from support.ranks import run_ranks
 
 import nbtrain as nbt
-from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -12,9 +13,15 @@ STEPS, BATCH_PER_RANK, SEQ = 5, 2, 12
 
 def _config():
     return transformers.LlamaConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=56, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=True)
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=True,
+    )
 
 
 def _model():
@@ -44,8 +51,10 @@ def _sharded_run():
     tied = model.lm_head.weight is model.model.embed_tokens.weight
     is_list = isinstance(model.model.layers, nbt.TransformerBlockList)
     lo = nbt.rank() * BATCH_PER_RANK
-    losses = [nbt.sum_loss(l).item()
-              for l in _train(model, _data(nbt.world_size()), lo, lo + BATCH_PER_RANK)]
+    losses = [
+        nbt.sum_loss(ln).item()
+        for ln in _train(model, _data(nbt.world_size()), lo, lo + BATCH_PER_RANK)
+    ]
     return tied, is_list, losses, model.state_dict()
 
 
@@ -56,12 +65,13 @@ def test_wrapped_llama_trains_like_plain():
     xs = _data(world)
     # Every rank's slice has the same token count (no padding), so the mean of the
     # ranks' losses equals the loss of one process on the concatenated batch.
-    ref_losses = [l.item() for l in _train(ref, xs, 0, world * BATCH_PER_RANK)]
+    ref_losses = [ln.item() for ln in _train(ref, xs, 0, world * BATCH_PER_RANK)]
     tied, is_list, losses, state = run_ranks(_sharded_run, world, timeout_s=180)[0]
     assert tied and is_list
     assert losses == pytest.approx(ref_losses, abs=1e-5)
     ref_state = ref.state_dict()
     assert list(state) == list(ref_state)
     for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, atol=1e-5, rtol=1e-5,
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            state[name], value, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )

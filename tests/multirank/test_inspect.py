@@ -1,17 +1,18 @@
 """nbtrain.inspect: statistics of sharded parameters and recorded activations equal
 those of the plain model on the concatenated batch (float64, 1e-6)."""
+
 import fnmatch
 import subprocess
 import sys
 
 import pytest
 import torch
+from support import cases
+from support.ranks import run_ranks
 from torch import nn
 
-from support import cases
 import nbtrain as nbt
 from nbtrain.inspect import format_summary, inspect_model, inspect_tensor, record_tensor
-from support.ranks import run_ranks
 
 TOL = 1e-6
 STATS = ("mean", "std", "max", "min")
@@ -19,8 +20,12 @@ STATS = ("mean", "std", "max", "min")
 
 def _stats(t, prefix=""):
     t = t.detach().double().reshape(-1)
-    return {prefix + "mean": t.mean().item(), prefix + "std": t.std().item(),
-            prefix + "max": t.max().item(), prefix + "min": t.min().item()}
+    return {
+        prefix + "mean": t.mean().item(),
+        prefix + "std": t.std().item(),
+        prefix + "max": t.max().item(),
+        prefix + "min": t.min().item(),
+    }
 
 
 def _assert_matches(got, want, what):
@@ -42,9 +47,14 @@ def _inspect_sharded():
     x, y = _rank_batch()
     model.loss(x, y).backward()
     after = inspect_model(model, "*")
-    return {"before": before, "after": after, "layer0": inspect_model(model, "layers.0.*"),
-            "head": inspect_model(model, "head.*"), "table": format_summary(after),
-            "table_before": format_summary(before)}
+    return {
+        "before": before,
+        "after": after,
+        "layer0": inspect_model(model, "layers.0.*"),
+        "head": inspect_model(model, "head.*"),
+        "table": format_summary(after),
+        "table_before": format_summary(before),
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -58,15 +68,18 @@ def test_inspect_model_matches_plain_model(world_size):
     before = {n: {"shape": tuple(p.shape), **_stats(p)} for n, p in plain.named_parameters()}
     xs, ys = cases.batches(world_size, 1)
     plain.loss(xs[0], ys[0]).backward()  # the mean loss: equals the ranks' averaged grads
-    after = {n: {"shape": tuple(p.shape), **_stats(p), **_stats(p.grad, "grad_")}
-             for n, p in plain.named_parameters()}
+    after = {
+        n: {"shape": tuple(p.shape), **_stats(p), **_stats(p.grad, "grad_")}
+        for n, p in plain.named_parameters()
+    }
 
     assert [s["name"] for s in got["before"]] == list(before)
     assert [s["name"] for s in got["after"]] == list(after)
     for summary, reference in ((got["before"], before), (got["after"], after)):
         for s in summary:
-            _assert_matches({k: v for k, v in s.items() if k != "name"}, reference[s["name"]],
-                            s["name"])
+            _assert_matches(
+                {k: v for k, v in s.items() if k != "name"}, reference[s["name"]], s["name"]
+            )
 
     layer0 = [n for n in after if fnmatch.fnmatchcase(n, "layers.0.*")]
     assert layer0 and [s["name"] for s in got["layer0"]] == layer0
@@ -120,7 +133,8 @@ def test_inspect_model_block_with_groups_of_several_dtypes():
 
 def _record(model, x, y):
     model.layers[0].mlp.register_forward_hook(
-        lambda module, args, out: record_tensor(out, "layers.0.mlp"))
+        lambda module, args, out: record_tensor(out, "layers.0.mlp")
+    )
     record_tensor(x.float(), "ignored")  # outside any inspect_tensor block
     with inspect_tensor() as inspector:
         loss = model.loss(x, y)
@@ -149,25 +163,36 @@ def test_inspect_tensor_matches_plain_activation():
     act = acts[0]
     grad = torch.autograd.grad(plain.loss(xs[0], ys[0]), acts[1])[0]
     n = cases.BATCH_PER_RANK
-    rank_losses = [plain.loss(xs[0, r * n:(r + 1) * n], ys[0, r * n:(r + 1) * n])
-                   for r in range(world)]
+    rank_losses = [
+        plain.loss(xs[0, r * n : (r + 1) * n], ys[0, r * n : (r + 1) * n]) for r in range(world)
+    ]
 
     assert [s["name"] for s in summary] == ["layers.0.mlp", "loss"]
     # Each rank's gradient is of its own mean loss: world x the full-batch one.
-    _assert_matches({k: v for k, v in summary[0].items() if k != "name"},
-                    {"shape": tuple(act.shape), **_stats(act), **_stats(grad * world, "grad_")},
-                    "layers.0.mlp")
-    _assert_matches({k: v for k, v in summary[1].items() if k != "name"},
-                    {"shape": (world,), **_stats(torch.stack(rank_losses)),
-                     **_stats(torch.ones(world), "grad_")}, "loss")
+    _assert_matches(
+        {k: v for k, v in summary[0].items() if k != "name"},
+        {"shape": tuple(act.shape), **_stats(act), **_stats(grad * world, "grad_")},
+        "layers.0.mlp",
+    )
+    _assert_matches(
+        {k: v for k, v in summary[1].items() if k != "name"},
+        {
+            "shape": (world,),
+            **_stats(torch.stack(rank_losses)),
+            **_stats(torch.ones(world), "grad_"),
+        },
+        "loss",
+    )
     table = format_summary(summary)
     assert "layers.0.mlp" in table and "grad_std" in table
 
 
 def test_star_import():
-    code = ("from nbtrain import *; import nbtrain; "
-            "assert inspect is nbtrain.inspect and callable(inspect.inspect_model); "
-            "assert config is nbtrain.config")
+    code = (
+        "from nbtrain import *; import nbtrain; "
+        "assert inspect is nbtrain.inspect and callable(inspect.inspect_model); "
+        "assert config is nbtrain.config"
+    )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=240)
 
 

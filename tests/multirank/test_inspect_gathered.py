@@ -1,13 +1,14 @@
 """nbtrain.inspect's gather accounting on 2 ranks: parameter bytes gathered inside a
 block's forward, and track_gathered's most blocks at once, bytes and gather count, at
 ZeRO-2 and ZeRO-3 (a world of one gathers nothing: tests/unit/test_inspect_api.py)."""
+
 import pytest
 import torch
+from support.ranks import run_ranks
 
 import nbtrain as nbt
 from nbtrain.inspect import parameter_bytes, track_gathered
 from nbtrain.models import GPT, GPTConfig
-from support.ranks import run_ranks
 
 CFG = GPTConfig(vocab_size=32, hidden=16, heads=2, layers=4, seq_len=8)
 
@@ -25,21 +26,32 @@ def _accounting(level):
     at_rest = parameter_bytes(model)["gathered"]
     seen = []
     model.layers[1].mlp.register_forward_hook(
-        lambda *_: seen.append(parameter_bytes(model)["gathered"]))
+        lambda *_: seen.append(parameter_bytes(model)["gathered"])
+    )
     model.loss(*_batch()).backward()
     after = parameter_bytes(model)["gathered"]
     with track_gathered(model) as gathered:
         model.loss(*_batch()).backward()
     with track_gathered() as anonymous:  # without the model: blocks, no bytes
         model.loss(*_batch()).backward()
-    return (layer, at_rest, seen[0], after, gathered.peak_blocks, gathered.peak_bytes,
-            gathered.gathers, anonymous.peak_blocks, anonymous.peak_bytes)
+    return (
+        layer,
+        at_rest,
+        seen[0],
+        after,
+        gathered.peak_blocks,
+        gathered.peak_bytes,
+        gathered.gathers,
+        anonymous.peak_blocks,
+        anonymous.peak_bytes,
+    )
 
 
 @pytest.mark.parametrize("level", [2, 3])
 def test_gathered_bytes_and_blocks_at_two_ranks(level):
-    (layer, at_rest, inside, after, peak_blocks, peak_bytes, gathers, anon_blocks,
-     anon_bytes) = run_ranks(_accounting, 2, level, timeout_s=120)[0]
+    (layer, at_rest, inside, after, peak_blocks, peak_bytes, gathers, anon_blocks, anon_bytes) = (
+        run_ranks(_accounting, 2, level, timeout_s=120)[0]
+    )
     assert at_rest == 0 and after == 0  # all released after backward
     # Inside layer 1's forward: layer 1 and the prefetched layer 2 at ZeRO-3; at ZeRO-2
     # layers 0 and 1 stay gathered for backward, and layer 2 is prefetched.

@@ -1,12 +1,14 @@
 """No listener on a wildcard address: ranks started as a notebook cluster starts them
 (the torchrun variables, MASTER_ADDR on loopback) listen on loopback only; the
 rendezvous store, which torch's env:// rendezvous binds to every interface, included."""
+
 import subprocess
 import sys
 import textwrap
 
 from support import script_env
 from support.listeners import WILDCARDS
+
 from nbtrain.notebook.engine_boot import free_port
 
 RANK_SCRIPT = textwrap.dedent("""
@@ -29,11 +31,24 @@ def test_ranks_listen_on_loopback_only(tmp_path):
     port = free_port()
     procs = []
     for rank in range(2):
-        env = {**script_env(), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "CUDA_VISIBLE_DEVICES": ""}
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        env = {
+            **script_env(),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "WORLD_SIZE": "2",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "CUDA_VISIBLE_DEVICES": "",
+        }
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(script)],
+                env=env,
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+        )
     outputs = []
     try:
         for p in procs:
@@ -44,8 +59,12 @@ def test_ranks_listen_on_loopback_only(tmp_path):
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), outputs
-    seen = [eval(line.split(" ", 1)[1]) for out in outputs for line in out.splitlines()
-            if line.startswith("LISTENING ")]
+    seen = [
+        eval(line.split(" ", 1)[1])
+        for out in outputs
+        for line in out.splitlines()
+        if line.startswith("LISTENING ")
+    ]
     assert len(seen) == 2, outputs
     assert ("127.0.0.1", port) in seen[0], seen  # rank 0 serves the store, on loopback
     wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
@@ -59,13 +78,32 @@ def test_ranks_under_torchrun_listen_on_no_wildcard_address(tmp_path):
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
     env = script_env(CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
-                           "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-                           "--master-port", str(free_port()), str(script)],
-                          capture_output=True, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = [eval(line.split(" ", 1)[1]) for line in proc.stdout.splitlines()
-            if line.startswith("LISTENING ")]
+    seen = [
+        eval(line.split(" ", 1)[1])
+        for line in proc.stdout.splitlines()
+        if line.startswith("LISTENING ")
+    ]
     assert len(seen) == 2, proc.stdout
     wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
     assert not wild, f"a rank listens on a wildcard address: {wild}"

@@ -9,11 +9,11 @@ initialised rank by rank by init_parameters, on real gloo ranks:
 - Peak memory of building a 25 MB GPT at world 2: from the meta device below 0.7 of the
   model (each rank its half); built whole first, at least the whole model.
 """
+
 import math
 
 import pytest
 import torch
-
 from meta_cases import build_peak, gpt_from_meta, hf_llama_from_meta, plain_gpt_training
 from support.ranks import run_ranks
 
@@ -22,8 +22,9 @@ STEPS = 4
 
 @pytest.fixture(scope="module")
 def gpts():
-    return {world: run_ranks(gpt_from_meta, world, STEPS, seed=5, timeout_s=300)
-            for world in (1, 2)}
+    return {
+        world: run_ranks(gpt_from_meta, world, STEPS, seed=5, timeout_s=300) for world in (1, 2)
+    }
 
 
 def test_the_initial_model_does_not_depend_on_the_world_size(gpts):
@@ -56,15 +57,20 @@ def test_training_from_it_equals_a_plain_gpt(gpts):
 
 def test_a_transformers_model_from_a_config():
     import transformers
-
     from meta_cases import VOCAB
 
     per_rank = run_ranks(hf_llama_from_meta, 2, timeout_s=300)
     state, logits, meta_buffers = per_rank[0]
     assert not meta_buffers
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=64)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     plain = transformers.LlamaForCausalLM(config)
     plain.load_state_dict(state)
     ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))

@@ -13,15 +13,24 @@ ranks' tokens in one process:
 - balance="bias" moves the bias towards underloaded experts, the same on every rank,
   and steers selection only; balance="aux" gives the formula's loss, differentiable.
 """
+
 import math
 
 import pytest
 import torch
-
-from moe_cases import (CRAFTED, CRAFTED_KEEP, EXPERTS, HIDDEN, SILENT, all_cases,
-                       crafted_tokens, full_weights)
-from nbtrain.moe import moe_reference, route
+from moe_cases import (
+    CRAFTED,
+    CRAFTED_KEEP,
+    EXPERTS,
+    HIDDEN,
+    SILENT,
+    all_cases,
+    crafted_tokens,
+    full_weights,
+)
 from support.ranks import run_ranks
+
+from nbtrain.moe import moe_reference, route
 
 WORLDS = (1, 2, 3)
 TOL = 1e-5
@@ -117,8 +126,14 @@ def test_capacity_drops_what_the_hand_count_says(runs, world):
     for r in (r["capacity"] for r in runs[world]):
         assert r["capacity"] == math.ceil(1.0 * len(CRAFTED) * 2 / EXPERTS) == 3
         assert r["stats"]["dropped"] == 5 * world  # 5 per rank, over the ep group
-        assert r["stats"]["tokens_per_expert"] == [7 * world, 4 * world, 2 * world,
-                                                   2 * world, 1 * world, 0]
+        assert r["stats"]["tokens_per_expert"] == [
+            7 * world,
+            4 * world,
+            2 * world,
+            2 * world,
+            1 * world,
+            0,
+        ]
         assert _err(r["out"], want) < TOL
         assert float(r["out"][0, 5].abs().max()) == 0.0  # both its choices dropped
         assert _err(r["out"], dropless) > 1e-2  # the drops changed something

@@ -13,11 +13,11 @@ The layout is the caller's: given no ep group, a MoE GPT under
 init_distributed(ep_size=2) keeps every expert on every rank, sends nothing, trains
 equal to the one process too (plain data parallelism), and warns once at its build.
 """
+
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from moe_gpt_cases import ROWS, SEQ, bias_with_checkpointing, meta_build, save_and_load, train
+from safetensors.torch import load_file
 from support.ranks import run_ranks
 
 STEPS = 10
@@ -56,8 +56,9 @@ def test_moe_gpt_given_no_layout_keeps_every_expert_local_and_equals_one_process
         # this rank's own tokens only, top-2: nothing summed over an ep group
         assert sum(o["stats"]["moe.0.load"]) == 2 * ROWS * SEQ
         assert len(o["warnings"]) == 2  # one per MoE layer, on every rank
-        assert all("ep_size=2" in w and "ExpertParallel.from_topology()" in w
-                   for w in o["warnings"])
+        assert all(
+            "ep_size=2" in w and "ExpertParallel.from_topology()" in w for w in o["warnings"]
+        )
     assert out[0]["stats"] != out[1]["stats"]  # each rank routed its own batch
 
 
@@ -76,8 +77,9 @@ def test_moe_gpt_save_holds_every_expert_and_loads_back(tmp_path):
 
 
 def test_a_recomputed_forward_steps_the_bias_once():
-    plain, plain_metrics, ckpt, ckpt_metrics = run_ranks(bias_with_checkpointing, 2,
-                                                         timeout_s=300)[0]
+    plain, plain_metrics, ckpt, ckpt_metrics = run_ranks(bias_with_checkpointing, 2, timeout_s=300)[
+        0
+    ]
     assert plain.abs().sum() > 0  # the bias moved
     assert torch.equal(plain, ckpt)
     assert plain_metrics == ckpt_metrics == 3
@@ -86,7 +88,7 @@ def test_a_recomputed_forward_steps_the_bias_once():
 def test_built_on_the_meta_device_and_initialised_rank_by_rank():
     out = run_ranks(meta_build, 2, timeout_s=300)
     std, largest, bound, losses = out[0]
-    assert largest <= bound and abs(std - bound / 3 ** 0.5) < 0.2 * bound  # U(-b, b)
+    assert largest <= bound and abs(std - bound / 3**0.5) < 0.2 * bound  # U(-b, b)
     assert out[1][:3] == out[0][:3]  # every rank gathers the same experts
     assert losses[0] == pytest.approx(4.16, abs=0.1)  # log(64): an untrained model
     assert losses[1] < losses[0]

@@ -7,9 +7,9 @@ On this CPU-only machine host and device coincide, so the same code path runs
 (the copies to the device are host copies) and its memory effect does not show;
 on a GPU the device then holds only the blocks in flight.
 """
+
 import pytest
 import torch
-
 from offload_cases import train
 from support.ranks import run_ranks
 

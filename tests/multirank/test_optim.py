@@ -2,15 +2,16 @@
 
 One run_ranks call per world size runs every scenario; the checks happen here.
 """
+
 import math
 
+import optim_cases as oc
 import pytest
 import torch
+from support.ranks import run_ranks
 
-import optim_cases as oc
 import nbtrain as nbt
 from nbtrain.optim import AdamOffloadOptimizer
-from support.ranks import run_ranks
 
 STEPS = 20
 ACCUM = 4
@@ -33,9 +34,14 @@ def _parity():
     off_model, _, off_manager = oc.sharded_setup(optimizer_cls=AdamOffloadOptimizer)
     oc.sharded_train(off_model, off_manager, STEPS)
     off_state = off_model.state_dict()
-    return dict(losses=losses, state=state, padding_zero=_padding_is_zero(model),
-                offload_equal=all(torch.equal(state[k], off_state[k]) for k in state),
-                loss_scale=manager.loss_scale, skipped=manager.num_skipped)
+    return dict(
+        losses=losses,
+        state=state,
+        padding_zero=_padding_is_zero(model),
+        offload_equal=all(torch.equal(state[k], off_state[k]) for k in state),
+        loss_scale=manager.loss_scale,
+        skipped=manager.num_skipped,
+    )
 
 
 def _half(dtype):
@@ -45,13 +51,21 @@ def _half(dtype):
     for group in opt.param_groups:
         for p in group["params"]:
             master = opt.state[p]["master"]
-            masters_ok &= (p.dtype == dtype and master.dtype == torch.float32
-                           and opt.state[p]["exp_avg"].dtype == torch.float32
-                           and torch.equal(p.detach(), master.to(dtype)))
-    flat_main_grad = any(getattr(g.shard, "main_grad", None) is not None
-                         for b in model.layers for g in b.groups)
-    return dict(losses=losses, state=model.state_dict(), masters_ok=masters_ok,
-                flat_main_grad_fp32=flat_main_grad)
+            masters_ok &= (
+                p.dtype == dtype
+                and master.dtype == torch.float32
+                and opt.state[p]["exp_avg"].dtype == torch.float32
+                and torch.equal(p.detach(), master.to(dtype))
+            )
+    flat_main_grad = any(
+        getattr(g.shard, "main_grad", None) is not None for b in model.layers for g in b.groups
+    )
+    return dict(
+        losses=losses,
+        state=model.state_dict(),
+        masters_ok=masters_ok,
+        flat_main_grad_fp32=flat_main_grad,
+    )
 
 
 def _clip(norm_type):
@@ -69,7 +83,7 @@ def _accumulate():
         manager.zero_grad()
         for k in range(ACCUM):
             lo = k * oc.GLOBAL_BATCH + nbt.rank() * per
-            manager.backward(model.loss(xs[s, lo:lo + per], ys[s, lo:lo + per]) / ACCUM)
+            manager.backward(model.loss(xs[s, lo : lo + per], ys[s, lo : lo + per]) / ACCUM)
         manager.step()
     return model.state_dict()
 
@@ -86,9 +100,12 @@ def _overflow():
     before = oc.shard_snapshot(opt)
     applied = manager.step()
     after = oc.shard_snapshot(opt)
-    unchanged = all(torch.equal(p0, p1) and s0.keys() == s1.keys() and all(
-        torch.equal(s0[k], s1[k]) if torch.is_tensor(s0[k]) else s0[k] == s1[k] for k in s0)
-        for (p0, s0), (p1, s1) in zip(before, after))
+    unchanged = all(
+        torch.equal(p0, p1)
+        and s0.keys() == s1.keys()
+        and all(torch.equal(s0[k], s1[k]) if torch.is_tensor(s0[k]) else s0[k] == s1[k] for k in s0)
+        for (p0, s0), (p1, s1) in zip(before, after)
+    )
     scale_after_skip = manager.loss_scale
     scales = []
     for s in range(2, 5):
@@ -97,11 +114,16 @@ def _overflow():
         manager.step()
         scales.append(manager.loss_scale)
     metrics = nbt.telemetry.RECORDER.snapshot("metric")[-4:]
-    return dict(applied=applied, unchanged=unchanged, scale_after_skip=scale_after_skip,
-                scales=scales, skipped=manager.num_skipped,
-                metric_skipped=[m["skipped"] for m in metrics],
-                metric_scales=[m["loss_scale"] for m in metrics],
-                metric_keys=set(metrics[0]))
+    return dict(
+        applied=applied,
+        unchanged=unchanged,
+        scale_after_skip=scale_after_skip,
+        scales=scales,
+        skipped=manager.num_skipped,
+        metric_skipped=[m["skipped"] for m in metrics],
+        metric_scales=[m["loss_scale"] for m in metrics],
+        metric_keys=set(metrics[0]),
+    )
 
 
 def _manager_state_dict():
@@ -119,8 +141,16 @@ def _manager_state_dict():
 
 
 def _suite():
-    out = dict(parity=_parity(), bf16=_half(torch.bfloat16), fp16=_half(torch.float16), clip2=_clip(2.0), clipinf=_clip(math.inf),
-               accum=_accumulate(), overflow=_overflow(), resume=_manager_state_dict())
+    out = dict(
+        parity=_parity(),
+        bf16=_half(torch.bfloat16),
+        fp16=_half(torch.float16),
+        clip2=_clip(2.0),
+        clipinf=_clip(math.inf),
+        accum=_accumulate(),
+        overflow=_overflow(),
+        resume=_manager_state_dict(),
+    )
     if nbt.rank() != 0:  # only the per-rank overflow verdicts matter beyond rank 0
         return dict(overflow=out["overflow"])
     return out
@@ -129,15 +159,23 @@ def _suite():
 def _assert_state_close(state, ref, atol, rtol, what):
     assert list(state) == list(ref), what
     for name, v in ref.items():
-        torch.testing.assert_close(state[name].float(), v, atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{what} {name}: {m}")
+        torch.testing.assert_close(
+            state[name].float(),
+            v,
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, name=name: f"{what} {name}: {m}",
+        )
 
 
 @pytest.fixture(scope="module")
 def references():
-    return dict(plain=oc.plain_train(STEPS), clip2=oc.plain_train(3, clip=0.05),
-                clipinf=oc.plain_train(3, clip=0.05, norm_type=math.inf),
-                accum=oc.plain_train(3, rows=oc.GLOBAL_BATCH * ACCUM))
+    return dict(
+        plain=oc.plain_train(STEPS),
+        clip2=oc.plain_train(3, clip=0.05),
+        clipinf=oc.plain_train(3, clip=0.05, norm_type=math.inf),
+        accum=oc.plain_train(3, rows=oc.GLOBAL_BATCH * ACCUM),
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -159,8 +197,9 @@ def test_optimizer_manager_on_ranks(world_size, references):
     # The bf16 loss itself is rounded to 8 bits of mantissa (steps of 1/32 near 5.5).
     assert bf["losses"] == pytest.approx(ref_losses, rel=2e-2)
     _assert_state_close(bf["state"], ref_state, 2e-2, 2e-2, "bf16")
-    mean_err = torch.cat([(bf["state"][k].float() - v).abs().flatten()
-                          for k, v in ref_state.items()]).mean()
+    mean_err = torch.cat(
+        [(bf["state"][k].float() - v).abs().flatten() for k, v in ref_state.items()]
+    ).mean()
     print(f"bf16 vs fp32 after {STEPS} steps: mean |dparam| {mean_err:.2e}")
     assert mean_err < 2e-3, mean_err
 
@@ -190,5 +229,6 @@ def test_optimizer_manager_on_ranks(world_size, references):
         assert ov["skipped"] == 1, rank
         assert ov["metric_skipped"] == [True, False, False, False], rank
         assert ov["metric_scales"] == [2.0**10, 2.0**9, 2.0**9, 2.0**9], rank
-        assert {"loss", "lr", "loss_scale", "grad_norm", "skipped",
-                "step_time_s"} <= ov["metric_keys"], rank
+        assert {"loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s"} <= ov[
+            "metric_keys"
+        ], rank

@@ -1,8 +1,10 @@
 """Overlap is structural: checked from the order of recorded events, not timings."""
+
 from support import cases
+from support.ranks import run_ranks
+
 import nbtrain as nbt
 from nbtrain import telemetry
-from support.ranks import run_ranks
 
 
 def _one_step_events(zero_level):
@@ -57,7 +59,10 @@ def test_zero3_prefetch_and_reduce_scatter_order():
 def test_zero2_keeps_blocks_gathered_until_backward():
     for labels, events, peak in run_ranks(_one_step_events, 2, 2):
         bwd_start = _first(events, type="compute_begin", phase="backward")["seq"]
-        gathers_in_backward = [e for e in events if e["seq"] > bwd_start
-                               and e["type"] == "comm_issue" and e["kind"] == "all_gather"]
+        gathers_in_backward = [
+            e
+            for e in events
+            if e["seq"] > bwd_start and e["type"] == "comm_issue" and e["kind"] == "all_gather"
+        ]
         assert gathers_in_backward == []
         assert peak == len(labels)

@@ -1,11 +1,11 @@
 """parallelize(GPT, gpt_plan) at tp 2 and 3 trains like the plain GPT on one process,
 and its state_dict (full tensors, plain names) loads into the plain model."""
+
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.ranks import run_ranks
 
 
@@ -16,8 +16,9 @@ def _train(optimizer, tie):
 
     nbtrain.init_distributed(tp_size=dist.get_world_size())
     # vocabulary 37: padded at tp 2 and 3 when tied (an untied head needs a multiple)
-    cfg = GPTConfig(vocab_size=37 if tie else 36, seq_len=8, hidden=24, heads=6, layers=2,
-                    tie_embeddings=tie)
+    cfg = GPTConfig(
+        vocab_size=37 if tie else 36, seq_len=8, hidden=24, heads=6, layers=2, tie_embeddings=tie
+    )
     torch.manual_seed(0)
     plain = GPT(cfg)
     model = nbtrain.parallelize(copy.deepcopy(plain), gpt_plan(cfg))
@@ -46,12 +47,17 @@ def _train(optimizer, tie):
     state_err = max((state[k] - v).abs().max().item() for k, v in ref.items())
     fresh = GPT(cfg)
     fresh.load_state_dict(state)  # the tp model's state in a plain model
-    return {"loss": worst, "state": state_err, "keys": sorted(state) == sorted(ref),
-            "local_qkv": tuple(model.layers[0].attn.qkv.weight.shape)}
+    return {
+        "loss": worst,
+        "state": state_err,
+        "keys": sorted(state) == sorted(ref),
+        "local_qkv": tuple(model.layers[0].attn.qkv.weight.shape),
+    }
 
 
-@pytest.mark.parametrize("tp,optimizer,tie", [(2, "sgd", True), (3, "adamw", True),
-                                              (2, "adamw", False)])
+@pytest.mark.parametrize(
+    "tp,optimizer,tie", [(2, "sgd", True), (3, "adamw", True), (2, "adamw", False)]
+)
 def test_parallelized_gpt_trains_like_the_plain_one(tp, optimizer, tie):
     for rank, out in enumerate(run_ranks(_train, tp, optimizer, tie, timeout_s=180)):
         assert out["loss"] < 1e-5 and out["state"] < 1e-5 and out["keys"], (rank, out)
@@ -66,13 +72,16 @@ def _errors():
     nbtrain.init_distributed(tp_size=dist.get_world_size())
     out = {}
     cfg = GPTConfig(vocab_size=36, seq_len=8, hidden=24, heads=4, layers=1)
-    for key, call in (("heads", lambda: nbtrain.parallelize(GPT(cfg), gpt_plan(cfg))),
-                      ("typo", lambda: nbtrain.parallelize(GPT(cfg), {"layer.*.mlp.0": "colwise"})),
-                      ("style", lambda: nbtrain.parallelize(GPT(cfg), {"tok": "colwise"})),
-                      ("layout", lambda: nbtrain.parallelize(GPT(cfg), gpt_plan(cfg, True),
-                                                             sequence_parallel=False)),
-                      ("replicated", lambda: nbtrain.parallelize(GPT(cfg),
-                                                                 {"head": "replicated"}))):
+    for key, call in (
+        ("heads", lambda: nbtrain.parallelize(GPT(cfg), gpt_plan(cfg))),
+        ("typo", lambda: nbtrain.parallelize(GPT(cfg), {"layer.*.mlp.0": "colwise"})),
+        ("style", lambda: nbtrain.parallelize(GPT(cfg), {"tok": "colwise"})),
+        (
+            "layout",
+            lambda: nbtrain.parallelize(GPT(cfg), gpt_plan(cfg, True), sequence_parallel=False),
+        ),
+        ("replicated", lambda: nbtrain.parallelize(GPT(cfg), {"head": "replicated"})),
+    ):
         try:
             call()
         except ValueError as exc:
@@ -84,12 +93,15 @@ def test_bad_plans_and_indivisible_heads_are_clear_errors():
     out = run_ranks(_errors, 3, timeout_s=120)[0]
     assert out["heads"].startswith("attention has 4 heads, which tp_size 3 does not divide")
     assert out["typo"].startswith("parallelize: pattern(s) ['layer.*.mlp.0'] matched no module")
-    assert out["style"] == ("parallelize: tok is a Embedding, not an nn.Linear, so it cannot "
-                            "be 'colwise'")
-    assert out["layout"].startswith("parallelize: sequence_parallel=False, but the plan was "
-                                    "made for sequence_parallel=True")
-    assert out["replicated"] == ("parallelize: head is a Linear; 'replicated' takes an "
-                                 "nn.LayerNorm or an nn.Embedding")
+    assert out["style"] == (
+        "parallelize: tok is a Embedding, not an nn.Linear, so it cannot be 'colwise'"
+    )
+    assert out["layout"].startswith(
+        "parallelize: sequence_parallel=False, but the plan was made for sequence_parallel=True"
+    )
+    assert out["replicated"] == (
+        "parallelize: head is a Linear; 'replicated' takes an nn.LayerNorm or an nn.Embedding"
+    )
 
 
 def _train_zero(tp, zero_level, optimizer, sequence_parallel=False):
@@ -146,9 +158,15 @@ def _train_zero(tp, zero_level, optimizer, sequence_parallel=False):
     again_state = again.state_dict()
     reload_err = max((again_state[k] - v).abs().max().item() for k, v in ref_state.items())
     stored = sum(p.numel() for p in model.parameters())
-    return {"loss": loss_err, "norm": norm_err, "state": state_err, "reload": reload_err,
-            "keys": sorted(state) == sorted(ref_state), "stored": stored,
-            "total": sum(p.numel() for p in plain.parameters())}
+    return {
+        "loss": loss_err,
+        "norm": norm_err,
+        "state": state_err,
+        "reload": reload_err,
+        "keys": sorted(state) == sorted(ref_state),
+        "stored": stored,
+        "total": sum(p.numel() for p in plain.parameters()),
+    }
 
 
 # (world, tp, zero_level): tp 2 and 3 alone, and two data-parallel replicas of tp 2 under
@@ -156,14 +174,22 @@ def _train_zero(tp, zero_level, optimizer, sequence_parallel=False):
 LAYOUTS = [(2, 2, None), (3, 3, None), (4, 2, 2), (4, 2, 3)]
 
 
-@pytest.mark.parametrize("world,tp,zero_level,optimizer,sequence_parallel", [
-    (*layout, optimizer, sp) for layout in LAYOUTS for optimizer in ("adamw", "sgd")
-    for sp in (False, True)])
-def test_parallelized_and_wrapped_gpt_trains_like_the_plain_one(world, tp, zero_level,
-                                                                 optimizer, sequence_parallel):
+@pytest.mark.parametrize(
+    "world,tp,zero_level,optimizer,sequence_parallel",
+    [
+        (*layout, optimizer, sp)
+        for layout in LAYOUTS
+        for optimizer in ("adamw", "sgd")
+        for sp in (False, True)
+    ],
+)
+def test_parallelized_and_wrapped_gpt_trains_like_the_plain_one(
+    world, tp, zero_level, optimizer, sequence_parallel
+):
     """Megatron's layout and sequence parallel, plain (tp = world) and wrapped with ZeRO."""
-    for rank, out in enumerate(run_ranks(_train_zero, world, tp, zero_level, optimizer,
-                                         sequence_parallel, timeout_s=240)):
+    for rank, out in enumerate(
+        run_ranks(_train_zero, world, tp, zero_level, optimizer, sequence_parallel, timeout_s=240)
+    ):
         assert out["loss"] < 1e-5 and out["norm"] < 1e-5, (rank, out)
         assert out["keys"] and out["state"] < 1e-5 and out["reload"] < 1e-5, (rank, out)
         if zero_level is not None:  # every element stored once, give or take padding

@@ -2,12 +2,12 @@
 like the plain model on one process (tp 2 and 3; grouped-query attention; tied and
 untied heads) and its state_dict loads into the plain model; with `wrap` on top, two
 data-parallel replicas of the tp 2 model under ZeRO-3 train like it too."""
+
 import copy
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.ranks import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -18,10 +18,16 @@ def _train(heads, kv_heads, tie, tp=None):
     from nbtrain.models.hf_tp import llama_plan
 
     topo = nbtrain.init_distributed(tp_size=tp or dist.get_world_size()).topology
-    cfg = transformers.LlamaConfig(vocab_size=37 if tie else 36, hidden_size=24,
-                                   intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=heads, num_key_value_heads=kv_heads,
-                                   max_position_embeddings=16, tie_word_embeddings=tie)
+    cfg = transformers.LlamaConfig(
+        vocab_size=37 if tie else 36,
+        hidden_size=24,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=16,
+        tie_word_embeddings=tie,
+    )
     cfg._attn_implementation = "eager"
     torch.manual_seed(0)
     plain = transformers.LlamaForCausalLM(cfg)
@@ -42,16 +48,19 @@ def _train(heads, kv_heads, tie, tp=None):
             opt.zero_grad()
             if m is model:
                 loss = loss.detach().clone()
-                dist.all_reduce(loss)   # the mean over replicas (tp ranks agree)
+                dist.all_reduce(loss)  # the mean over replicas (tp ranks agree)
                 loss /= dist.get_world_size()
             losses.append(loss.item())
         worst = max(worst, abs(losses[0] - losses[1]))
     state, ref = model.state_dict(), plain.state_dict()
     fresh = transformers.LlamaForCausalLM(cfg)
     fresh.load_state_dict(state)
-    return {"loss": worst, "keys": sorted(state) == sorted(ref),
-            "state": max((state[k] - v).abs().max().item() for k, v in ref.items()),
-            "local_q": tuple(model.model.layers[0].self_attn.q_proj.weight.shape)}
+    return {
+        "loss": worst,
+        "keys": sorted(state) == sorted(ref),
+        "state": max((state[k] - v).abs().max().item() for k, v in ref.items()),
+        "local_q": tuple(model.model.layers[0].self_attn.q_proj.weight.shape),
+    }
 
 
 @pytest.mark.parametrize("tp,heads,kv_heads,tie", [(2, 4, 2, False), (3, 6, 3, True)])

@@ -4,14 +4,16 @@ losses and every final parameter within 1e-5); 1F1B holds at most P - s micro-ba
 activations on stage s, GPipe all M. The GPT whose embedding is its output projection,
 tied across stages: at pp 2 and 3, by tensor parallelism, and by data parallelism with
 each stage (or chunk) wrapped for ZeRO."""
+
 import pytest
-
-from support.ranks import run_ranks
 from pipeline_cases import MICRO, parity
+from support.ranks import run_ranks
 
 
-@pytest.mark.parametrize("pipe,schedule,optimizer", [
-    (2, "gpipe", "adamw"), (2, "1f1b", "sgd"), (3, "gpipe", "sgd"), (3, "1f1b", "adamw")])
+@pytest.mark.parametrize(
+    "pipe,schedule,optimizer",
+    [(2, "gpipe", "adamw"), (2, "1f1b", "sgd"), (3, "gpipe", "sgd"), (3, "1f1b", "adamw")],
+)
 def test_pipeline_matches_one_plain_process(pipe, schedule, optimizer):
     out = run_ranks(parity, pipe, pipe, schedule, optimizer, timeout_s=180)
     covered = sorted(i for o in out for i in o["layers"])
@@ -20,14 +22,14 @@ def test_pipeline_matches_one_plain_process(pipe, schedule, optimizer):
         assert o["n"][0] == o["n"][1] > 0, (stage, o)
         assert o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (stage, o)
         # activations held at once: 1F1B at most P - s, GPipe all M
-        assert o["peak"] == (MICRO if schedule == "gpipe" else min(pipe - stage, MICRO)), \
-            (stage, o)
+        assert o["peak"] == (MICRO if schedule == "gpipe" else min(pipe - stage, MICRO)), (stage, o)
 
 
-@pytest.mark.parametrize("world,pipe,zero_level,optimizer,schedule", [
-    (2, 2, 3, "adamw", "1f1b"), (4, 2, 3, "sgd", "1f1b"), (4, 2, 2, "adamw", "gpipe")])
-def test_zero_inside_stages_and_pipe_by_data_parallel(world, pipe, zero_level, optimizer,
-                                                      schedule):
+@pytest.mark.parametrize(
+    "world,pipe,zero_level,optimizer,schedule",
+    [(2, 2, 3, "adamw", "1f1b"), (4, 2, 3, "sgd", "1f1b"), (4, 2, 2, "adamw", "gpipe")],
+)
+def test_zero_inside_stages_and_pipe_by_data_parallel(world, pipe, zero_level, optimizer, schedule):
     out = run_ranks(parity, world, pipe, schedule, optimizer, zero_level, timeout_s=180)
     for rank, o in enumerate(out):
         assert o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (rank, o)
@@ -44,8 +46,10 @@ def test_a_stage_whose_gradients_nobody_reduces_is_refused():
         run_ranks(parity, 4, 2, "1f1b", "sgd", timeout_s=120)
 
 
-@pytest.mark.parametrize("world,pipe,zero_level,optimizer", [
-    (2, 2, 3, "adamw"), (3, 3, 2, "sgd"), (4, 2, 3, "sgd"), (4, 2, 2, "adamw")])
+@pytest.mark.parametrize(
+    "world,pipe,zero_level,optimizer",
+    [(2, 2, 3, "adamw"), (3, 3, 2, "sgd"), (4, 2, 3, "sgd"), (4, 2, 2, "adamw")],
+)
 def test_bmtrain_pipeline_block_list_script(world, pipe, zero_level, optimizer):
     """Every rank passes its own batch slice and gets its slice back; the embedding and
     head around the list are plain data-parallel code."""
@@ -62,8 +66,9 @@ def test_bmtrain_pipeline_block_list_script(world, pipe, zero_level, optimizer):
         assert o["flat_groups"] > 0 and o["reductions"] == once, o
         assert o["gathers"] == 2 * once, o
         # every layer under the plain model's names on every rank (BMTrain's state dict)
-        assert {k.split(".")[1] for k in o["keys"] if k.startswith("layers.")} \
-            == {str(i) for i in range(5)}, (rank, o["keys"])
+        assert {k.split(".")[1] for k in o["keys"] if k.startswith("layers.")} == {
+            str(i) for i in range(5)
+        }, (rank, o["keys"])
 
 
 @pytest.mark.parametrize("pipe,schedule,optimizer", [(2, "1f1b", "sgd"), (3, "gpipe", "adamw")])
@@ -78,20 +83,29 @@ def test_gpt_with_tied_embeddings_across_stages(pipe, schedule, optimizer):
         assert o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (stage, o)
 
 
-@pytest.mark.parametrize("optimizer,zero_level", [("adamw", None), ("sgd", None),
-                                                  ("sgd", 3), ("adamw", 2)])
+@pytest.mark.parametrize(
+    "optimizer,zero_level", [("adamw", None), ("sgd", None), ("sgd", 3), ("adamw", 2)]
+)
 def test_pipe_by_tensor_parallel_at_world_4(optimizer, zero_level):
     # With ZeRO the tied output projection's weight on the last stage is sharded and
     # gathered for its forward: it must compute with that weight, not the embedding's.
     from pipeline_cases import gpt_pipeline
 
-    for rank, o in enumerate(run_ranks(gpt_pipeline, 4, 2, "1f1b", optimizer, 2, zero_level,
-                                       timeout_s=180)):
-        assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (rank, o)
+    for rank, o in enumerate(
+        run_ranks(gpt_pipeline, 4, 2, "1f1b", optimizer, 2, zero_level, timeout_s=180)
+    ):
+        assert o["checked"] > 0 and o["loss"] < 1e-5 and o["params"] < 1e-5 and o["norm"] < 1e-5, (
+            rank,
+            o,
+        )
 
 
-GPT_DP_CASES = [("1f1b", "adamw", 3), ("1f1b", "sgd", 3), ("gpipe", "sgd", 2),
-                ("interleaved", "sgd", 3)]
+GPT_DP_CASES = [
+    ("1f1b", "adamw", 3),
+    ("1f1b", "sgd", 3),
+    ("gpipe", "sgd", 2),
+    ("interleaved", "sgd", 3),
+]
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,14 @@ inside the stage, over its data-parallel ranks). The GPT's embedding is its outp
 projection: at pp=2 the plain stages sum its gradient over both ends; at pp=1 wrap keeps
 the two layers holding it outside Blocks, so it stays one parameter.
 """
+
 import json
 import os
 
 import pytest
-from safetensors.torch import load_file
-
-from support.ranks import run_ranks
 from pipeline_ckpt_cases import HALF, resume
+from safetensors.torch import load_file
+from support.ranks import run_ranks
 
 TIED = "0.tok.weight"  # the GPT's embedding: its first name in nn.Sequential(*gpt_layers)
 HEAD = "3.head.weight"  # the same parameter as the output projection (layer 3 of 4)
@@ -30,15 +30,17 @@ def _check(out, what):
     assert set().union(*(o["keys"] for o in out)) == set(out[0]["plain_keys"]), what
 
 
-@pytest.mark.parametrize("kind,first,second,optimizer", [
-    ("mlp", (2, 3), (1, 3), "adamw"),       # pp=2 -> pp=1 with dp=2
-    ("mlp", (1, 3), (2, 3), "sgd"),         # dp=2 -> pp=2
-    ("mlp", (2, None), (1, 2), "sgd"),      # plain stages -> ZeRO-2: another grouping
-    ("gpt", (2, None), (1, 3), "sgd"),      # tied embedding across stages -> dp=2
-    ("gpt", (1, 3), (2, None), "adamw"),    # and back
-])
-def test_checkpoint_reshards_between_pipeline_layouts(tmp_path, kind, first, second,
-                                                       optimizer):
+@pytest.mark.parametrize(
+    "kind,first,second,optimizer",
+    [
+        ("mlp", (2, 3), (1, 3), "adamw"),  # pp=2 -> pp=1 with dp=2
+        ("mlp", (1, 3), (2, 3), "sgd"),  # dp=2 -> pp=2
+        ("mlp", (2, None), (1, 2), "sgd"),  # plain stages -> ZeRO-2: another grouping
+        ("gpt", (2, None), (1, 3), "sgd"),  # tied embedding across stages -> dp=2
+        ("gpt", (1, 3), (2, None), "adamw"),  # and back
+    ],
+)
+def test_checkpoint_reshards_between_pipeline_layouts(tmp_path, kind, first, second, optimizer):
     folder = str(tmp_path / "ckpt")
     out = run_ranks(resume, 2, kind, first, second, optimizer, folder, timeout_s=240)
     _check(out, (kind, first, second))

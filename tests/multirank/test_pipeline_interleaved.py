@@ -6,11 +6,12 @@ the plain model's part v * P + p). Also: the order cannot deadlock and holds Meg
 live activations; spans, bytes, and the refusals of a bad M and of a lone stage.
 
 Every case of a world runs in one launch (a module fixture); the tests read its results."""
-import pytest
 
-from nbtrain.pipeline.interleaved import interleaved_order, sends_of
+import pytest
 from pipeline_cases import BATCH, STEPS
 from support.ranks import run_ranks
+
+from nbtrain.pipeline.interleaved import interleaved_order, sends_of
 
 DIMS = [6, 16, 12, 16, 10, 12, 5]  # pipeline_cases._layers: the width after each layer
 RUNS_PP2 = [(4, "adamw"), (4, "sgd"), (2, "adamw"), (2, "sgd")]
@@ -90,8 +91,12 @@ def test_gpt_with_tied_embeddings_across_ranks(pp2, optimizer):
 
 def test_compute_spans_name_stage_chunk_and_micro_batch(pp2):
     for rank, o in enumerate(pp2):
-        want = sorted((f"stage{rank}.v{v}.mb{i}", phase) for v in range(2) for i in range(4)
-                      for phase in ("backward", "forward"))
+        want = sorted(
+            (f"stage{rank}.v{v}.mb{i}", phase)
+            for v in range(2)
+            for i in range(4)
+            for phase in ("backward", "forward")
+        )
         assert o[(4, "sgd")]["spans"] == want, rank
 
 
@@ -133,10 +138,15 @@ def _simulate(pipe, virtual, micro):
     while moved:
         moved = False
         for p in range(pipe):
-            for kind, i, v in orders[p][done[p]:]:
+            for kind, i, v in orders[p][done[p] :]:
                 part = v * pipe + p
-                need = (("act", part - 1, i) if kind == "f" and part > 0 else
-                        ("grad", part + 1, i) if kind == "b" and part < last else None)
+                need = (
+                    ("act", part - 1, i)
+                    if kind == "f" and part > 0
+                    else ("grad", part + 1, i)
+                    if kind == "b" and part < last
+                    else None
+                )
                 if need is not None and need not in sent:
                     break
                 key = ("act" if kind == "f" else "grad", part, i)
@@ -149,13 +159,16 @@ def _simulate(pipe, virtual, micro):
     return done, peak
 
 
-@pytest.mark.parametrize("pipe,virtual,micro", [
-    (1, 3, 2), (2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 6), (4, 2, 8), (4, 3, 12)])
+@pytest.mark.parametrize(
+    "pipe,virtual,micro",
+    [(1, 3, 2), (2, 2, 2), (2, 2, 4), (2, 3, 6), (3, 2, 3), (3, 2, 6), (4, 2, 8), (4, 3, 12)],
+)
 def test_order_runs_every_step_once_without_deadlock(pipe, virtual, micro):
     done, peak = _simulate(pipe, virtual, micro)
     assert done == [2 * micro * virtual] * pipe, done  # nobody waits forever
     for p in range(pipe):
         steps = interleaved_order(pipe, p, virtual, micro)
-        assert sorted(steps) == sorted((k, i, v) for k in "bf" for i in range(micro)
-                                       for v in range(virtual))
+        assert sorted(steps) == sorted(
+            (k, i, v) for k in "bf" for i in range(micro) for v in range(virtual)
+        )
         assert peak[p] == _predicted_peak(pipe, p, virtual, micro), (p, peak)

@@ -4,6 +4,7 @@ it, and loads a plain model's state dict strictly on every stage. Tiny models (a
 embedding, four residual layers, a head) trained a few steps with every rank's batch
 slice, against the plain model on one process with the whole batch (SGD with momentum
 and AdamW)."""
+
 import pytest
 import torch
 from pipeline_cases import (
@@ -12,14 +13,15 @@ from pipeline_cases import (
     state_dict_checkpoint,
     state_dict_loading,
 )
-from support.ranks import run_ranks
 from safetensors.torch import load_file
+from support.ranks import run_ranks
 
 VARIANTS = ["pipe", "block", "plain", "pipe frozen embed"]
 
 
-@pytest.mark.parametrize("world,pipe,optimizer", [
-    (2, 2, "sgd"), (2, 2, "adamw"), (4, 2, "adamw")])  # world 4: dp 2 inside each stage
+@pytest.mark.parametrize(
+    "world,pipe,optimizer", [(2, 2, "sgd"), (2, 2, "adamw"), (4, 2, "adamw")]
+)  # world 4: dp 2 inside each stage
 def test_state_dict_holds_every_layer_on_every_rank(world, pipe, optimizer):
     """Blocks made with mode="PIPE", plain Blocks and plain modules train alike, and each
     rank's state dict is the plain model's (values checked with assert_close inside the
@@ -50,8 +52,9 @@ def test_a_plain_state_dict_loads_strictly_on_every_stage(loading):
         assert o["after"] < 1e-6 and o["still"] < 1e-6, (rank, o)
 
 
-@pytest.mark.parametrize("key", ["layers.0.linear.weight", f"layers.{SD_LAYERS - 1}.gain",
-                                 "head.bias"])
+@pytest.mark.parametrize(
+    "key", ["layers.0.linear.weight", f"layers.{SD_LAYERS - 1}.gain", "head.bias"]
+)
 def test_a_missing_key_is_missing_on_every_stage(loading, key):
     """A key of a stage-0 layer, of a stage-1 layer's buffer, outside the list: reported
     (strict=False) and raised (strict=True) on every rank, naming the key."""
@@ -77,11 +80,13 @@ def test_nbtrain_save_and_load_with_a_pipeline_block_list(tmp_path):
     for rank, o in enumerate(out):
         for name in ("model.safetensors", "model.pt"):
             r = o[name]
-            assert r["missing"] == [] and r["unexpected"] == [] and r["err"] < 1e-6, \
-                (rank, name, r)
-    for name, saved in (("model.safetensors", load_file(str(tmp_path / "model.safetensors"))),
-                        ("model.pt", torch.load(str(tmp_path / "model.pt"),
-                                                weights_only=True))):
+            assert r["missing"] == [] and r["unexpected"] == [] and r["err"] < 1e-6, (rank, name, r)
+    for name, saved in (
+        ("model.safetensors", load_file(str(tmp_path / "model.safetensors"))),
+        ("model.pt", torch.load(str(tmp_path / "model.pt"), weights_only=True)),
+    ):
         assert sorted(saved) == sorted(ref), (name, sorted(set(saved) ^ set(ref)))
         for k, v in ref.items():
-            torch.testing.assert_close(saved[k], v, msg=lambda m, k=k, name=name: f"{name} {k}: {m}")
+            torch.testing.assert_close(
+                saved[k], v, msg=lambda m, k=k, name=name: f"{name} {k}: {m}"
+            )

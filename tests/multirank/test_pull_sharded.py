@@ -2,11 +2,12 @@
 a layer of a PipelineTransformerBlockList (held by one stage; the list's state dict is
 collective over every rank) and a DistributedParameter a Block holds (it shows only
 this rank's part, so the full tensor comes from the block's state dict)."""
-import torch
 
 import pipeline_cases as pc
-from nbtrain.notebook import engine_pull
+import torch
 from support.ranks import run_ranks
+
+from nbtrain.notebook import engine_pull
 
 
 def _pull_on_ranks(names):
@@ -21,7 +22,7 @@ def _pull_on_ranks(names):
         kind = engine_pull.pull_kind(name)
         value = engine_pull.pull_full(name, kind)
         out[name] = (kind, value)
-    return out, {n: plain.state_dict()[n[len("model."):]] for n in names}
+    return out, {n: plain.state_dict()[n[len("model.") :]] for n in names}
 
 
 def test_pulling_a_pipeline_layers_tensor_gathers_it_on_every_rank():

@@ -1,6 +1,7 @@
 """nbtrain.comm.recovery on real gloo ranks, without the notebook: the abort key frees
 a rank blocked in a collective, the group is rebuilt, a graceful stop ends every
 rank's loop at the same step, and a cut optimizer step is reported."""
+
 import os
 import signal
 import time
@@ -8,7 +9,6 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.ranks import run_ranks
 
 

@@ -11,22 +11,33 @@ F.scaled_dot_product_attention on the full sequence:
   the blocks (skipped future pairs, equal zigzag work), the fused kernel's use on CPU,
   and the input errors.
 """
+
 import pytest
 import torch
 import torch.nn.functional as F
-
+from ring_cases import (
+    BATCH,
+    HEAD_DIM,
+    HEADS,
+    SEQ_PER_RANK,
+    full_inputs,
+    packed_position_ids,
+    ring_cases,
+)
 from support.ranks import run_ranks
-from ring_cases import (BATCH, HEAD_DIM, HEADS, SEQ_PER_RANK, full_inputs, packed_position_ids,
-                        ring_cases)
 
 from nbtrain import context_parallel as R
 from nbtrain.context_parallel import kernels as K
 from nbtrain.context_parallel import layout as L
 
 WORLDS = (2, 3)
-CASES = [(causal, packed, layout, kernel) for causal in (True, False)
-         for packed in (False, True) for layout in ("zigzag", "contiguous")
-         for kernel in ("auto", "math")]
+CASES = [
+    (causal, packed, layout, kernel)
+    for causal in (True, False)
+    for packed in (False, True)
+    for layout in ("zigzag", "contiguous")
+    for kernel in ("auto", "math")
+]
 
 
 @pytest.fixture(scope="module")
@@ -50,8 +61,11 @@ def reference(q, k, v, dout, causal, position_ids=None):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{'causal' if c[0] else 'full'}-"
-                         f"{'packed' if c[1] else 'one-doc'}-{c[2]}-{c[3]}")
+@pytest.mark.parametrize(
+    "case",
+    CASES,
+    ids=lambda c: f"{'causal' if c[0] else 'full'}-{'packed' if c[1] else 'one-doc'}-{c[2]}-{c[3]}",
+)
 def test_output_and_gradients_equal_full_attention(ring_runs, world, case):
     causal, packed, _, _ = case
     first = ring_runs[world][0]
@@ -101,11 +115,12 @@ def test_p2p_bytes_follow_the_ring(ring_runs, world):
 def test_next_block_is_posted_before_the_current_one_is_computed(ring_runs, world):
     for rank_result in ring_runs[world]:
         order = rank_result["events"]
-        for phase, kv_label in (("forward", "cp ring kv step"),
-                                ("backward", "cp ring kv grad step")):
+        for phase, kv_label in (
+            ("forward", "cp ring kv step"),
+            ("backward", "cp ring kv grad step"),
+        ):
             for step in range(world - 1):
-                compute = order.index(("compute_begin", f"cp ring attention step {step}",
-                                       phase))
+                compute = order.index(("compute_begin", f"cp ring attention step {step}", phase))
                 issued = order.index(("comm_issue", f"{kv_label} {step + 1}", None))
                 waited = order.index(("comm_wait", f"{kv_label} {step + 1}", None))
                 assert issued < compute < waited, (phase, step, order)
@@ -125,8 +140,9 @@ def test_a_cp_group_inside_a_larger_world(ring_runs):
 
 
 def test_a_world_of_one_is_plain_attention():
-    q, k, v, dout = (torch.randn(2, 3, 10, 4, generator=torch.Generator().manual_seed(i))
-                     for i in range(4))
+    q, k, v, dout = (
+        torch.randn(2, 3, 10, 4, generator=torch.Generator().manual_seed(i)) for i in range(4)
+    )
     position_ids = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4, 0, 1]] * 2)
     for causal in (True, False):
         for pos in (None, position_ids):
@@ -198,14 +214,13 @@ def test_blocks_skip_future_pairs_and_zigzag_work_is_equal(world):
             for rank in range(world):
                 pairs = 0  # (query, key) pairs left visible by each block's mask
                 for step in range(world):
-                    for block in L._step_blocks(rank, world, step, local,
-                                                R.SequenceLayout(layout), causal,
-                                                whole_diagonal):
+                    for block in L._step_blocks(
+                        rank, world, step, local, R.SequenceLayout(layout), causal, whole_diagonal
+                    ):
                         rows = block.rows.stop - block.rows.start
                         assert not block.causal or (causal and step == 0)
                         assert block.keys >= rows or not block.causal
-                        pairs += rows * block.keys - (rows * (rows - 1) // 2 if block.causal
-                                                      else 0)
+                        pairs += rows * block.keys - (rows * (rows - 1) // 2 if block.causal else 0)
                 per_rank[layout].append(pairs)
             seq = world * local
             # exactly the visible pairs: nothing in a query's future is computed
@@ -215,9 +230,12 @@ def test_blocks_skip_future_pairs_and_zigzag_work_is_equal(world):
             assert len(set(per_rank["contiguous"])) == world, per_rank
     # the fused kernel's own block is one square; the math kernel's, one per query chunk
     assert L._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True) == [
-        R.Block(slice(0, 8), 8, True)]
+        R.Block(slice(0, 8), 8, True)
+    ]
     assert L._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True, False) == [
-        R.Block(slice(0, 4), 4, True), R.Block(slice(4, 8), 8, True)]
+        R.Block(slice(0, 4), 4, True),
+        R.Block(slice(4, 8), 8, True),
+    ]
 
 
 def test_bad_inputs_name_the_problem():

@@ -8,29 +8,40 @@ backend through `compare` (one case with per-token loss weights, one with a loss
 the same rows on every rank. Packed documents against the documents run one per row
 (tp=2, pp=2). Then a save/load resume that continues exactly, the
 issue's contract example, and the `nbtrain validate` command."""
+
 import os
 import subprocess
 import sys
 
 import pytest
-
 from support import script_env
 from support.ranks import run_ranks
 from support.runtime_cases import contract_example, packed_vs_alone, parity, resume
 
 STEPS = 10
-WORLD2 = [("adamw", {}), ("sgd", {}), ("adamw", {"zero_level": 2}), ("sgd", {"weighted": True}),
-          ("adamw", {"tp_size": 2}), ("sgd", {"tp_size": 2}),
-          ("adamw", {"pipe_size": 2, "num_micro_batches": 2}),
-          ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
-          ("adamw", {"pipe_size": 2, "num_micro_batches": 2, "scaled": True}),
-          ("adamw", {"ep_size": 2, "moe": "bias"}), ("sgd", {"ep_size": 2, "moe": "bias"}),
-          ("adamw", {"cp_size": 2}), ("sgd", {"cp_size": 2, "weighted": True})]
-WORLD4 = [("adamw", {"tp_size": 2}), ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
-          ("sgd", {"ep_size": 2, "moe": "none"}),
-          ("adamw", {"cp_size": 2, "pipe_size": 2, "num_micro_batches": 2}),
-          ("adamw", {"tp_size": 2, "pipe_size": 2, "num_micro_batches": 2}),
-          ("sgd", {"tp_size": 2, "pipe_size": 2, "num_micro_batches": 2, "untied": True})]
+WORLD2 = [
+    ("adamw", {}),
+    ("sgd", {}),
+    ("adamw", {"zero_level": 2}),
+    ("sgd", {"weighted": True}),
+    ("adamw", {"tp_size": 2}),
+    ("sgd", {"tp_size": 2}),
+    ("adamw", {"pipe_size": 2, "num_micro_batches": 2}),
+    ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
+    ("adamw", {"pipe_size": 2, "num_micro_batches": 2, "scaled": True}),
+    ("adamw", {"ep_size": 2, "moe": "bias"}),
+    ("sgd", {"ep_size": 2, "moe": "bias"}),
+    ("adamw", {"cp_size": 2}),
+    ("sgd", {"cp_size": 2, "weighted": True}),
+]
+WORLD4 = [
+    ("adamw", {"tp_size": 2}),
+    ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
+    ("sgd", {"ep_size": 2, "moe": "none"}),
+    ("adamw", {"cp_size": 2, "pipe_size": 2, "num_micro_batches": 2}),
+    ("adamw", {"tp_size": 2, "pipe_size": 2, "num_micro_batches": 2}),
+    ("sgd", {"tp_size": 2, "pipe_size": 2, "num_micro_batches": 2, "untied": True}),
+]
 
 
 def _name(case):
@@ -111,9 +122,11 @@ def test_packed_documents_match_the_documents_alone(packed, index):
         assert abs(mine_norm - ref_norm) < 1e-5, (mine_norm, ref_norm)
 
 
-@pytest.mark.parametrize("backend,parallel", [("nbtrain", {}), ("nbtrain", {"pipe_size": 2}),
-                                              ("reference", {})],
-                         ids=["dp2-zero3", "pp2", "reference"])
+@pytest.mark.parametrize(
+    "backend,parallel",
+    [("nbtrain", {}), ("nbtrain", {"pipe_size": 2}), ("reference", {})],
+    ids=["dp2-zero3", "pp2", "reference"],
+)
 def test_save_load_resumes_identically(tmp_path, backend, parallel):
     out = run_ranks(resume, 2, backend, parallel, str(tmp_path / "ckpt"), timeout_s=300)
     for o in out:
@@ -139,10 +152,27 @@ def test_contract_example_runs():
 
 def test_validate_command_prints_the_table():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "validate", "--ranks", "2",
-                           "--pipe-size", "2", "--num-micro-batches", "2", "--steps", "2"],
-                          capture_output=True, text=True, timeout=300, env=env,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbtrain.cli",
+            "validate",
+            "--ranks",
+            "2",
+            "--pipe-size",
+            "2",
+            "--num-micro-batches",
+            "2",
+            "--steps",
+            "2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "largest deviation" in proc.stdout and "within tolerance 1e-05" in proc.stdout
     assert proc.stdout.count("\n   ") >= 2, proc.stdout  # one row per step
@@ -155,11 +185,23 @@ def test_the_runtime_runs_as_a_script_under_torchrun():
     import sys
 
     script = os.path.join(os.path.dirname(__file__), "runtime_torchrun.py")
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", script], capture_output=True, text=True,
-                          timeout=180, env=script_env())  # it imports support.runtime_cases
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=script_env(),
+    )  # it imports support.runtime_cases
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("ROWS "))[5:])
+    rows = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS "))[5:])
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows:
         assert abs(r["loss_a"] - r["loss_b"]) < 1e-5, r

@@ -14,8 +14,8 @@
   trains through the runtime against its reference, at dp 2 ZeRO-3, tp 2 and pp 2,
   with nothing else changed.
 """
-import pytest
 
+import pytest
 from model_cases import hf_logits, hf_training, load_peak, save_hf_model, toy_parity
 from support.ranks import run_ranks
 
@@ -27,9 +27,11 @@ LAYOUTS = [{}, {"tp_size": 2}, {"pipe_size": 2}, {"cp_size": 2}]
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
-    return {"gpt2": save_hf_model("gpt2", str(root / "gpt2")),
-            "llama": save_hf_model("llama", str(root / "llama"), tie=True, shard="40KB"),
-            "qwen2": save_hf_model("qwen2", str(root / "qwen2"), tie=False)}
+    return {
+        "gpt2": save_hf_model("gpt2", str(root / "gpt2")),
+        "llama": save_hf_model("llama", str(root / "llama"), tie=True, shard="40KB"),
+        "qwen2": save_hf_model("qwen2", str(root / "qwen2"), tie=False),
+    }
 
 
 def test_the_llama_folder_is_sharded(folders):
@@ -63,8 +65,9 @@ def test_hf_logits_at_world_2(logits2, kind, layout):
 
 @pytest.fixture(scope="module")
 def big_llama(tmp_path_factory):
-    return save_hf_model("llama", str(tmp_path_factory.mktemp("big") / "llama"), tie=False,
-                         size="big", shard="4MB")
+    return save_hf_model(
+        "llama", str(tmp_path_factory.mktemp("big") / "llama"), tie=False, size="big", shard="4MB"
+    )
 
 
 @pytest.mark.parametrize("layout", [{}, {"tp_size": 2}], ids=["dp2-zero3", "tp2"])
@@ -79,8 +82,12 @@ def test_no_rank_holds_the_whole_model_while_loading(big_llama, layout):
 
 @pytest.fixture(scope="module")
 def trained(folders):
-    cases = [("adamw", {"tp_size": 2}), ("sgd", {}),
-             ("sgd", {"pipe_size": 2, "num_micro_batches": 2}), ("sgd", {"cp_size": 2})]
+    cases = [
+        ("adamw", {"tp_size": 2}),
+        ("sgd", {}),
+        ("sgd", {"pipe_size": 2, "num_micro_batches": 2}),
+        ("sgd", {"cp_size": 2}),
+    ]
     return run_ranks(hf_training, 2, folders["qwen2"], cases, STEPS, timeout_s=300)
 
 
@@ -91,13 +98,16 @@ def test_training_from_a_folder_matches_the_reference(trained, index):
 
 @pytest.fixture(scope="module")
 def toy():
-    cases = [("adamw", {}), ("sgd", {}), ("sgd", {"tp_size": 2}),
-             ("adamw", {"pipe_size": 2, "num_micro_batches": 2})]
+    cases = [
+        ("adamw", {}),
+        ("sgd", {}),
+        ("sgd", {"tp_size": 2}),
+        ("adamw", {"pipe_size": 2, "num_micro_batches": 2}),
+    ]
     return run_ranks(toy_parity, 2, cases, STEPS, timeout_s=300)
 
 
-@pytest.mark.parametrize("index", range(4), ids=["adamw-dp2", "sgd-dp2", "sgd-tp2",
-                                                 "adamw-pp2"])
+@pytest.mark.parametrize("index", range(4), ids=["adamw-dp2", "sgd-dp2", "sgd-tp2", "adamw-pp2"])
 def test_a_model_registered_from_the_test_folder_trains(toy, index):
     _check(toy, index)
 
@@ -124,13 +134,34 @@ def test_validate_command_takes_a_registered_model_and_a_folder(folders):
     import sys
 
     here = os.path.dirname(__file__)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
-    for args in (["--model", "toy", "--import", "toy_lm.registered"],
-                 ["--model", "llama", "--hf-path", folders["qwen2"], "--lr", "3e-4"]):
-        proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "validate", "--ranks", "2",
-                               "--tp-size", "2", "--steps", "3", *args], capture_output=True,
-                              text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
+    }
+    for args in (
+        ["--model", "toy", "--import", "toy_lm.registered"],
+        ["--model", "llama", "--hf-path", folders["qwen2"], "--lr", "3e-4"],
+    ):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nbtrain.cli",
+                "validate",
+                "--ranks",
+                "2",
+                "--tp-size",
+                "2",
+                "--steps",
+                "3",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         assert f"nbtrain validate: {args[1]}" in proc.stdout
         assert "within tolerance 1e-05" in proc.stdout

@@ -8,9 +8,9 @@ loading into a fresh sharded model adds at most its shards plus the largest tens
 it). The file is a plain safetensors file holding the trained weights, and the reload
 equals them.
 """
+
 import pytest
 import torch
-
 from meta_cases import bad_files, save_load_peak
 from support.ranks import run_ranks
 
@@ -29,15 +29,17 @@ def test_saving_holds_less_than_one_block(peaks):
     # all_gather keeps a temporary copy (measured: 6 MiB for this 3 MiB block).
     for p in peaks:
         assert p["full"] > 20e6 and p["block"] < p["full"] / 6
-        assert p["save_peak"] < p["block"], \
+        assert p["save_peak"] < p["block"], (
             f"save peak {p['save_peak'] / MB:.1f} MiB, one block {p['block'] / MB:.1f} MiB"
+        )
 
 
 def test_loading_holds_the_shards_and_one_tensor(peaks):
     for p in peaks:
         bound = p["held"] + p["largest"] + 2 * MB
-        assert p["load_peak"] < bound, \
+        assert p["load_peak"] < bound, (
             f"load peak {p['load_peak'] / MB:.1f} MiB, bound {bound / MB:.1f} MiB"
+        )
         assert p["load_peak"] < 0.7 * p["full"]
         assert p["same"]  # the reload equals the saved model
 
@@ -56,8 +58,9 @@ def test_loading_reads_only_this_ranks_rows(wide):
     for p in wide:
         assert p["largest"] == 32 * MB and p["same"]
         bound = p["held"] + 0.75 * p["largest"]
-        assert p["load_peak"] < bound, \
+        assert p["load_peak"] < bound, (
             f"load peak {p['load_peak'] / MB:.1f} MiB, bound {bound / MB:.1f} MiB"
+        )
 
 
 def test_the_file_is_plain_safetensors(peaks):
@@ -76,18 +79,30 @@ def errors(tmp_path_factory):
     return run_ranks(bad_files, 2, str(tmp_path_factory.mktemp("bad")), timeout_s=300)
 
 
-@pytest.mark.parametrize("case,pattern", [
-    ("truncated", r"ValueError: '.*truncated.safetensors' is not a readable safetensors file"),
-    ("garbage", r"ValueError: '.*garbage.safetensors' is not a readable safetensors file"),
-    ("missing", r"FileNotFoundError: nbtrain.load: no file '.*nothing.safetensors'"),
-    ("other model", r"'tok.weight' has shape \(96, 32\) in the file but \(96, 64\)"),
-    ("unwritable", r"nbtrain.save\('.*/no/such/dir/m.safetensors'\): the folder '.*/no/such/dir'"
-                   r" does not exist"),
-    ("truncated shard", r"ValueError: checkpoint shard .*/ckpt/v-\w+/rank0000[01].safetensors is "
-                        r"not a readable safetensors file"),
-    ("unwritable checkpoint", r"save_checkpoint\('.*good.safetensors/ckpt'\): cannot create "
-                              r"the checkpoint folder there \(Not a directory\)"),
-])
+@pytest.mark.parametrize(
+    "case,pattern",
+    [
+        ("truncated", r"ValueError: '.*truncated.safetensors' is not a readable safetensors file"),
+        ("garbage", r"ValueError: '.*garbage.safetensors' is not a readable safetensors file"),
+        ("missing", r"FileNotFoundError: nbtrain.load: no file '.*nothing.safetensors'"),
+        ("other model", r"'tok.weight' has shape \(96, 32\) in the file but \(96, 64\)"),
+        (
+            "unwritable",
+            r"nbtrain.save\('.*/no/such/dir/m.safetensors'\): the folder '.*/no/such/dir'"
+            r" does not exist",
+        ),
+        (
+            "truncated shard",
+            r"ValueError: checkpoint shard .*/ckpt/v-\w+/rank0000[01].safetensors is "
+            r"not a readable safetensors file",
+        ),
+        (
+            "unwritable checkpoint",
+            r"save_checkpoint\('.*good.safetensors/ckpt'\): cannot create "
+            r"the checkpoint folder there \(Not a directory\)",
+        ),
+    ],
+)
 def test_bad_files_name_the_file_and_the_problem(errors, case, pattern):
     import re
 

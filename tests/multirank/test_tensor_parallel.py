@@ -1,8 +1,8 @@
 """Tensor-parallel layers at tp 2 and 3 (odd sizes, batch > 1, every flag) against the
 plain layers: outputs, input gradients and weight gradients within 1e-5."""
+
 import pytest
 import torch
-
 from support.ranks import run_ranks
 from tp_cases import layer_errors
 
@@ -15,29 +15,42 @@ def test_every_layer_and_flag_matches_the_plain_layer(tp):
         assert not bad, f"rank {rank}: {bad}"
 
 
-@pytest.mark.parametrize("tp,sequence_parallel,optimizer", [
-    (2, True, "sgd"), (2, False, "adamw"), (3, True, "adamw"), (3, False, "sgd")])
+@pytest.mark.parametrize(
+    "tp,sequence_parallel,optimizer",
+    [(2, True, "sgd"), (2, False, "adamw"), (3, True, "adamw"), (3, False, "sgd")],
+)
 def test_training_matches_one_plain_process(tp, sequence_parallel, optimizer):
     from tp_cases import training_errors
 
-    for rank, errs in enumerate(run_ranks(training_errors, tp, sequence_parallel, optimizer,
-                                          timeout_s=120)):
+    for rank, errs in enumerate(
+        run_ranks(training_errors, tp, sequence_parallel, optimizer, timeout_s=120)
+    ):
         assert errs["loss"] < 1e-5 and errs["params"] < 1e-5, f"rank {rank}: {errs}"
         assert errs["keys"] and errs["state"] < 1e-5, f"rank {rank}: {errs}"  # state_dict
         assert errs["norm"] < 1e-5, f"rank {rank}: {errs}"  # the global grad norm
 
 
-@pytest.mark.parametrize("sequence_parallel,optimizer,zero_level", [
-    (True, "sgd", None), (False, "adamw", None), (True, "adamw", 3), (False, "sgd", 2),
-    (True, "sgd", 2), (False, "adamw", 3)])
-def test_tp2_by_dp2_data_parallel_replicas_match_one_plain_process(sequence_parallel,
-                                                                   optimizer, zero_level):
+@pytest.mark.parametrize(
+    "sequence_parallel,optimizer,zero_level",
+    [
+        (True, "sgd", None),
+        (False, "adamw", None),
+        (True, "adamw", 3),
+        (False, "sgd", 2),
+        (True, "sgd", 2),
+        (False, "adamw", 3),
+    ],
+)
+def test_tp2_by_dp2_data_parallel_replicas_match_one_plain_process(
+    sequence_parallel, optimizer, zero_level
+):
     """Plain data-parallel replicas, and the tp layers in a ZeRO-2/3 Block sharded over
     the data-parallel group."""
     from tp_cases import training_errors
 
-    for rank, errs in enumerate(run_ranks(training_errors, 4, sequence_parallel, optimizer, 2,
-                                          zero_level, timeout_s=180)):
+    for rank, errs in enumerate(
+        run_ranks(training_errors, 4, sequence_parallel, optimizer, 2, zero_level, timeout_s=180)
+    ):
         assert errs["loss"] < 1e-5 and errs["params"] < 1e-5, f"rank {rank}: {errs}"
         assert errs["keys"] and errs["state"] < 1e-5, f"rank {rank}: {errs}"  # state_dict
         assert errs["norm"] < 1e-5, f"rank {rank}: {errs}"  # the global grad norm
@@ -78,8 +91,7 @@ def test_weights_saved_at_tp2_load_at_tp1_dp3_and_tp2_dp2(tmp_path):
 
     saved = run_ranks(save_at, 2, str(tmp_path), 2, timeout_s=120)[0]
     for world, tp in ((3, 1), (4, 2)):
-        for rank, state in enumerate(run_ranks(load_at, world, str(tmp_path), tp,
-                                               timeout_s=120)):
+        for rank, state in enumerate(run_ranks(load_at, world, str(tmp_path), tp, timeout_s=120)):
             assert sorted(state) == sorted(saved)
             worst = max((state[k] - saved[k]).abs().max().item() for k in saved)
             assert worst == 0.0, (world, tp, rank, worst)

@@ -1,16 +1,22 @@
 """init_distributed(tp_size=...): the rank layout, the named groups, BMTrain's config keys."""
+
 import pytest
 import torch
 import torch.distributed as dist
+from support.ranks import run_ranks
 
 from nbtrain.comm import topology
-from support.ranks import run_ranks
 
 
 def test_layout_is_pipeline_then_data_then_tensor():
     # world 8, tp 2, pipe 2 -> dp 2; rank = (pipe * dp + dp_rank) * tp + tp_rank
     assert [topology.coordinates(r, 2, 2) for r in (0, 1, 2, 5, 7)] == [
-        (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+        (0, 0, 0),
+        (0, 0, 1),
+        (0, 1, 0),
+        (1, 0, 1),
+        (1, 1, 1),
+    ]
     assert topology.group_ranks("tp", 8, 2, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert topology.group_ranks("dp", 8, 2, 2) == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert topology.group_ranks("zero", 8, 2, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -21,8 +27,11 @@ def test_layout_is_pipeline_then_data_then_tensor():
 
 
 def test_sizes_that_do_not_divide_name_all_three_numbers():
-    with pytest.raises(ValueError, match=r"world size 6 is not divisible by tp_size 4 x "
-                                         r"pipe_size 1 = 4"):
+    with pytest.raises(
+        ValueError,
+        match=r"world size 6 is not divisible by tp_size 4 x "
+        r"pipe_size 1 = 4",
+    ):
         topology.check_sizes(6, 4, 1)
     with pytest.raises(ValueError, match="tp_size=0"):
         topology.check_sizes(4, 0, 1)
@@ -33,16 +42,32 @@ def _at_tp2():
 
     ctx = nbtrain.init_distributed(tp_size=2)  # the harness made a plain world first
     topo, cfg = ctx.topology, nbtrain.config
-    keys = {k: cfg[k] for k in ("tp_size", "tp_rank", "tp_zero_size", "tp_zero_rank",
-                                "zero_rank", "zero_size", "pipe_size")}
+    keys = {
+        k: cfg[k]
+        for k in (
+            "tp_size",
+            "tp_rank",
+            "tp_zero_size",
+            "tp_zero_rank",
+            "zero_rank",
+            "zero_size",
+            "pipe_size",
+        )
+    }
     sums = {}
     for name in ("tp", "dp"):
         x = torch.ones(1) * (ctx.rank + 1)
         dist.all_reduce(x, group=topo.group(name))
         sums[name] = x.item()
-    return {"keys": keys, "sums": sums, "tp": topo.ranks("tp"), "dp": topo.ranks("dp"),
-            "label": topo.label(), "tp_id": cfg["topology"].tp_id,
-            "zero_is_world": topo.group("zero") is None}
+    return {
+        "keys": keys,
+        "sums": sums,
+        "tp": topo.ranks("tp"),
+        "dp": topo.ranks("dp"),
+        "label": topo.label(),
+        "tp_id": cfg["topology"].tp_id,
+        "zero_is_world": topo.group("zero") is None,
+    }
 
 
 def test_tp2_at_world4_groups_and_config():
@@ -52,9 +77,15 @@ def test_tp2_at_world4_groups_and_config():
     # all_reduce over the group sums (rank + 1) over exactly its members
     assert [o["sums"]["tp"] for o in out] == [3.0, 3.0, 7.0, 7.0]
     assert [o["sums"]["dp"] for o in out] == [4.0, 6.0, 4.0, 6.0]
-    assert out[3]["keys"] == {"tp_size": 2, "tp_rank": 1, "tp_zero_size": 2,
-                              "tp_zero_rank": 1, "zero_rank": 3, "zero_size": 4,
-                              "pipe_size": 1}
+    assert out[3]["keys"] == {
+        "tp_size": 2,
+        "tp_rank": 1,
+        "tp_zero_size": 2,
+        "tp_zero_rank": 1,
+        "zero_rank": 3,
+        "zero_size": 4,
+        "pipe_size": 1,
+    }
     assert out[3]["label"] == "rank 3 tp1 dp1" and out[3]["tp_id"] == 1
     assert all(o["zero_is_world"] for o in out)
 
@@ -70,12 +101,22 @@ def _refused(tp, pipe):
 
 
 def test_bad_sizes_are_refused_on_every_rank():
-    assert run_ranks(_refused, 2, 4, 1, timeout_s=60) == [
-        "world size 2 is not divisible by tp_size 4 x pipe_size 1 = 4: choose sizes whose "
-        "product divides the number of ranks"] * 2
-    assert run_ranks(_refused, 2, 1, 3, timeout_s=60) == [
-        "world size 2 is not divisible by tp_size 1 x pipe_size 3 = 3: choose sizes whose "
-        "product divides the number of ranks"] * 2
+    assert (
+        run_ranks(_refused, 2, 4, 1, timeout_s=60)
+        == [
+            "world size 2 is not divisible by tp_size 4 x pipe_size 1 = 4: choose sizes whose "
+            "product divides the number of ranks"
+        ]
+        * 2
+    )
+    assert (
+        run_ranks(_refused, 2, 1, 3, timeout_s=60)
+        == [
+            "world size 2 is not divisible by tp_size 1 x pipe_size 3 = 3: choose sizes whose "
+            "product divides the number of ranks"
+        ]
+        * 2
+    )
 
 
 def test_expert_and_context_groups_are_carved_from_data_parallel_ranks():
@@ -88,13 +129,15 @@ def test_expert_and_context_groups_are_carved_from_data_parallel_ranks():
     for name in topology.GROUPS:
         groups = topology.group_ranks(name, 12, 1, 2, ep_size=3, cp_size=2)
         assert sorted(r for g in groups for r in g) == list(range(12)), name
-    topo = topology.Topology(rank=5, world_size=8, dp_size=4, pipe_size=2, ep_size=2,
-                             cp_size=2)
+    topo = topology.Topology(rank=5, world_size=8, dp_size=4, pipe_size=2, ep_size=2, cp_size=2)
     assert (topo.dp_rank, topo.ep_rank, topo.edp_rank, topo.cp_rank) == (1, 1, 0, 1)
     assert (topo.data_size, topo.data_rank) == (2, 0)
     assert topo.label() == "rank 5 pp1 dp1 ep1 cp1"
-    with pytest.raises(ValueError, match=r"ep_size=3 does not divide the data-parallel "
-                                         r"size 4 \(world 8 / tp_size 1 / pipe_size 2\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"ep_size=3 does not divide the data-parallel "
+        r"size 4 \(world 8 / tp_size 1 / pipe_size 2\)",
+    ):
         topology.check_sizes(8, 1, 2, ep_size=3)
     with pytest.raises(ValueError, match="cp_size=0"):
         topology.check_sizes(4, 1, 1, cp_size=0)

@@ -1,4 +1,5 @@
 """The same model code as a plain script under torchrun (init from its variables)."""
+
 import json
 import os
 import subprocess
@@ -6,7 +7,6 @@ import sys
 import time
 
 import pytest
-
 from support import cases, script_env
 
 STEPS = 3
@@ -16,10 +16,23 @@ def test_torchrun_script_matches_plain_pytorch():
     script = os.path.join(os.path.dirname(__file__), "torchrun_train.py")
     env = script_env()  # the script imports support.cases
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         script, str(STEPS)], capture_output=True, text=True, timeout=180, env=env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            script,
+            str(STEPS),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOSSES"))
     result = json.loads(line.split(" ", 1)[1])
     assert result["world"] == 2 and result["backend"] == "gloo"
     ref_losses, _, _ = cases.train_plain(2, STEPS)
@@ -31,8 +44,20 @@ def test_a_pipeline_stage_raising_fails_the_script_naming_the_stage():
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         script], capture_output=True, text=True, timeout=180, env=env)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            script,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout
     assert time.monotonic() - start < 60  # stage 0 is not left waiting on its receive
     assert "ValueError: bad micro-batch on stage 1" in proc.stderr, proc.stderr[-3000:]

@@ -1,13 +1,10 @@
 """Sharded checkpoints of tensor-parallel models reshard across layouts: saved at
 (tp=2, dp=1), loaded at (tp=1, dp=3) and (tp=2, dp=2), model and AdamW state, and the
 loaded run continues exactly as the saving run did (within 1e-5)."""
-import copy
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-
 from support.ranks import run_ranks
 
 STEPS = 3
@@ -37,6 +34,7 @@ def _setup(tp, kind):
 
 def _module_model(nbtrain):
     from torch import nn
+
     from nbtrain.nn import ColumnParallelLinear, FusedCrossEntropy, RowParallelLinear, VPEmbedding
 
     class FFN(nn.Module):
@@ -108,8 +106,9 @@ def test_tp_checkpoints_reshard_to_other_layouts(tmp_path, kind):
     folder = str(tmp_path / "ckpt")
     ref_losses, ref_state = run_ranks(_save, 2, folder, kind, timeout_s=180)[0]
     for world, tp in ((3, 1), (4, 2)):
-        for rank, (losses, state) in enumerate(run_ranks(_load, world, folder, tp, kind,
-                                                         timeout_s=180)):
+        for rank, (losses, state) in enumerate(
+            run_ranks(_load, world, folder, tp, kind, timeout_s=180)
+        ):
             assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (world, rank)
             assert sorted(state) == sorted(ref_state)
             worst = max((state[k] - v).abs().max().item() for k, v in ref_state.items())
@@ -135,4 +134,5 @@ def test_a_tp_checkpoint_in_a_model_without_tp_layers_is_a_clear_error(tmp_path)
     assert message == (
         "load_checkpoint: 'tok.weight' was saved as tensor-parallel slices, and the model holds "
         "it whole: build the model with the same layers as the saving run (nbtrain.parallelize "
-        "works at tp_size 1 too), or move weights between them with nbtrain.save/load"), message
+        "works at tp_size 1 too), or move weights between them with nbtrain.save/load"
+    ), message

@@ -7,12 +7,11 @@ outside Blocks, a Block's flat group, and nbtrain.nn.LayerNorm, which sums over 
 itself (so it must not be summed twice). At tp 2 and at tp 2 x dp 2, with SGD
 momentum (a gradient scale error shows) against one plain process.
 """
+
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
-
 from support.ranks import run_ranks
+from torch import nn
 
 D, FF, ROWS, STEPS = 6, 8, 8, 3
 
@@ -37,8 +36,14 @@ class Plain(nn.Module):
         self.block = Inner()
         self.tpnorm = nn.LayerNorm(D)
         with torch.no_grad():  # not the default ones and zeros: every gradient matters
-            for p in (self.norm.weight, self.norm.bias, self.tpnorm.weight, self.tpnorm.bias,
-                      self.block.ln.weight, self.block.ln.bias):
+            for p in (
+                self.norm.weight,
+                self.norm.bias,
+                self.tpnorm.weight,
+                self.tpnorm.bias,
+                self.block.ln.weight,
+                self.block.ln.bias,
+            ):
                 p.add_(torch.randn(D) * 0.2)
 
     def forward(self, x):
@@ -92,14 +97,16 @@ def train_tp(sequence_parallel):
     tp_rows = dp_rows // topo.tp_size
 
     def rows_of(t):  # this rank's rows: its dp slice, and its tp slice when sequence parallel
-        t = t[topo.dp_rank * dp_rows:(topo.dp_rank + 1) * dp_rows]
-        return t[topo.tp_rank * tp_rows:(topo.tp_rank + 1) * tp_rows] if sequence_parallel else t
+        t = t[topo.dp_rank * dp_rows : (topo.dp_rank + 1) * dp_rows]
+        return t[topo.tp_rank * tp_rows : (topo.tp_rank + 1) * tp_rows] if sequence_parallel else t
 
     # The loss each rank computes: its rows' share of the plain mean over ROWS rows,
     # scaled so that the average over dp of the (tp-summed) gradients is the plain one.
     _train(model, rows_of, topo.dp_size / ROWS)
-    partial = {"shift": model._parameters["shift"]._nbtrain_tp_layout.partial,
-               "block": model.block.groups[0].tp_layout.partial}
+    partial = {
+        "shift": model._parameters["shift"]._nbtrain_tp_layout.partial,
+        "block": model.block.groups[0].tp_layout.partial,
+    }
     return model.state_dict(), partial
 
 
@@ -107,11 +114,17 @@ def train_tp(sequence_parallel):
 def test_replicated_gradients_in_both_tp_layouts_equal_plain_pytorch(world):
     want = plain_state()
     for sequence_parallel in (True, False):
-        for rank, (state, partial) in enumerate(run_ranks(train_tp, world, sequence_parallel,
-                                                          timeout_s=180)):
+        for rank, (state, partial) in enumerate(
+            run_ranks(train_tp, world, sequence_parallel, timeout_s=180)
+        ):
             assert list(state) == list(want)
             for key, value in want.items():
-                torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6,
-                                           msg=f"sp={sequence_parallel} rank {rank} {key}")
+                torch.testing.assert_close(
+                    state[key],
+                    value,
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=f"sp={sequence_parallel} rank {rank} {key}",
+                )
             assert partial["shift"] == [sequence_parallel], partial
             assert partial["block"] == [sequence_parallel] * 3, partial  # ln.weight, ln.bias, gain

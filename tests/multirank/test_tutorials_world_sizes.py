@@ -19,6 +19,7 @@ process); the test fails if a tutorial appears that is neither run here nor
 listed as rank-free. On a GPU machine the gpu-marked variant runs the same code
 on NCCL, one GPU per rank.
 """
+
 from __future__ import annotations
 
 import builtins
@@ -32,16 +33,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
-import nbtrain
 from support.ranks import run_ranks
 
+import nbtrain
+
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4                    # every range() in rank code yields at most this many items
+STEPS = 4  # every range() in rank code yields at most this many items
 WORLDS = (1, 2, 3)
-RTOL = 1e-4                  # losses at different world sizes: reduction order only
+RTOL = 1e-4  # losses at different world sizes: reduction order only
 RANK_FREE = {"tutorials/06_kernels.ipynb"}  # no %%distributed cell, no script
-PER_RANK = {"tutorials/03_overlap.ipynb"}    # results are timings: ranks differ
+PER_RANK = {"tutorials/03_overlap.ipynb"}  # results are timings: ranks differ
 
 
 def _source(cell) -> str:
@@ -120,8 +121,15 @@ def _run_session(cells: list[tuple], results: list[str], tmp: str, argv: list[st
     return {expr: _plain(eval(expr, ns)) for expr in results}
 
 
-def run_notebook(rel: str, worlds: tuple[int, ...], tmp: Path, results: list[list[str]],
-                 patch=None, ranks_agree: bool = True, backend: str = "gloo") -> list[dict]:
+def run_notebook(
+    rel: str,
+    worlds: tuple[int, ...],
+    tmp: Path,
+    results: list[list[str]],
+    patch=None,
+    ranks_agree: bool = True,
+    backend: str = "gloo",
+) -> list[dict]:
     """Each session of `rel` on `worlds[i]` ranks; rank 0's results per session.
 
     `results[i]` names the expressions evaluated after session i; with
@@ -138,8 +146,9 @@ def run_notebook(rel: str, worlds: tuple[int, ...], tmp: Path, results: list[lis
             cells = [(t, patch(c)) for t, c in cells]
         script = len(cells) == 1 and "sys.argv" in cells[0][1]
         argv = ["train.py", str(tmp / "run")] if script else ["-"]
-        by_rank = run_ranks(_run_session, world, cells, exprs, str(tmp), argv, timeout_s=240,
-                            backend=backend)
+        by_rank = run_ranks(
+            _run_session, world, cells, exprs, str(tmp), argv, timeout_s=240, backend=backend
+        )
         for r, got in enumerate(by_rank[1:] if ranks_agree else [], 1):
             assert _close(got, by_rank[0]), (rel, i, r, got, by_rank[0])
         out.append(by_rank[0])
@@ -159,8 +168,9 @@ def _close(a, b, rtol=RTOL) -> bool:
 def _agree(name: str, runs: dict[int, object], rtol=RTOL):
     base = runs[WORLDS[0]]
     for world, got in runs.items():
-        assert _close(got, base, rtol), \
+        assert _close(got, base, rtol), (
             f"{name}: world {world} gives {got}, world {WORLDS[0]} {base}"
+        )
 
 
 # notebook -> (results per session, check(results by world))
@@ -168,6 +178,7 @@ def _check_losses(*names):
     def check(by_world):
         for name in names:
             _agree(name, {w: r[-1][name] for w, r in by_world.items()})
+
     return check
 
 
@@ -192,10 +203,14 @@ def _check_memory(by_world):
         layers = 4  # the small preset: ZeRO-2 keeps all of them until backward
         # One rank's shard is the whole buffer: nothing is ever gathered.
         many = world > 1
-        assert res["zero3"]["gathered_blocks_peak"] == (min(2, layers) if many else 0), \
-            (world, res["zero3"])
-        assert res["zero2"]["gathered_blocks_peak"] == (layers if many else 0), \
-            (world, res["zero2"])
+        assert res["zero3"]["gathered_blocks_peak"] == (min(2, layers) if many else 0), (
+            world,
+            res["zero3"],
+        )
+        assert res["zero2"]["gathered_blocks_peak"] == (layers if many else 0), (
+            world,
+            res["zero2"],
+        )
         assert res["ddp"]["gathered_blocks_peak"] == 0, (world, res["ddp"])
 
 
@@ -219,39 +234,53 @@ def _check_reload(by_world):
 def _check_resume(by_world):
     _agree("reference", {w: r[0]["reference"] for w, r in by_world.items()})
     for world, (first, second) in by_world.items():  # resharded W -> W % 3 + 1 ranks
-        assert _close(second["resumed"][:len(first["reference"])], first["reference"]), \
-            (world, first, second)
+        assert _close(second["resumed"][: len(first["reference"])], first["reference"]), (
+            world,
+            first,
+            second,
+        )
 
 
 NOTEBOOKS = {
-    "tutorials/01_quickstart.ipynb": ([["before", "after", "step"]],
-                                      _check_losses("before", "after")),
+    "tutorials/01_quickstart.ipynb": (
+        [["before", "after", "step"]],
+        _check_losses("before", "after"),
+    ),
     "tutorials/02_zero_levels_and_memory.ipynb": ([["results"]], _check_memory),
     "tutorials/03_overlap.ipynb": ([["results"]], _check_overlap),
     "tutorials/04_checkpoints_and_resume.ipynb": ([["reference"], ["resumed"]], _check_resume),
-    "tutorials/05_notebook_to_script.ipynb": ([["nbt.sum_loss(loss).item()"]],
-                                              _check_losses("nbt.sum_loss(loss).item()")),
-    "tutorials/07_migrating_from_bmtrain.ipynb": ([["bmt.sum_loss(loss).item()"]],
-                                                  _check_losses("bmt.sum_loss(loss).item()")),
+    "tutorials/05_notebook_to_script.ipynb": (
+        [["nbt.sum_loss(loss).item()"]],
+        _check_losses("nbt.sum_loss(loss).item()"),
+    ),
+    "tutorials/07_migrating_from_bmtrain.ipynb": (
+        [["bmt.sum_loss(loss).item()"]],
+        _check_losses("bmt.sum_loss(loss).item()"),
+    ),
     "notebooks/pretraining.ipynb": ([["val_loss()", "step"]], _check_losses("val_loss()", "step")),
     # tp = the world size, so 1, 2 and 3 are all tensor-parallel layouts of one model
     # pipe_size = the world size: 1, 2 and 3 stages of one model
-    "tutorials/09_pipeline_parallelism.ipynb": ([["losses", "plain_losses", "block_losses"]],
-                                                _check_losses("losses", "plain_losses",
-                                                              "block_losses")),
+    "tutorials/09_pipeline_parallelism.ipynb": (
+        [["losses", "plain_losses", "block_losses"]],
+        _check_losses("losses", "plain_losses", "block_losses"),
+    ),
     # (the second session: tp x dp with ZeRO-3 in the notebook, ZeRO-3 data parallel here)
-    "tutorials/08_tensor_parallelism.ipynb": ([["losses", "fresh.loss(x, y).item()"],
-                                               ["zero_losses"]],
-                                              _check_tp),
+    "tutorials/08_tensor_parallelism.ipynb": (
+        [["losses", "fresh.loss(x, y).item()"], ["zero_losses"]],
+        _check_tp,
+    ),
     # built on the meta device, trained, saved, reloaded, checkpointed in the background
-    "tutorials/11_a_model_that_does_not_fit.ipynb": ([["losses", "trained_loss",
-                                                       "reloaded_loss"]], _check_reload),
+    "tutorials/11_a_model_that_does_not_fit.ipynb": (
+        [["losses", "trained_loss", "reloaded_loss"]],
+        _check_reload,
+    ),
     # ep_size and cp_size = the world size: 1, 2 and 3 ranks hold the 6 experts, and split
     # each row of 384 tokens (2 x cp chunks); the cells assert the all-to-all and ring bytes
     # against the routing and the theory, and each layout against one process
     "tutorials/12_experts_and_long_sequences.ipynb": (
         [["balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses"]],
-        _check_losses("balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses")),
+        _check_losses("balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses"),
+    ),
 }
 # Rank code that cannot run at 1 and 3 ranks, and what covers it instead. Tutorial 10's
 # rank code imports the package its %%writefile cells write into a folder the notebook
@@ -262,13 +291,19 @@ ELSEWHERE = {"tutorials/10_runtime_and_your_own_model.ipynb"}
 # Tensor and pipeline parallelism split layers, not data: every rank takes the global batch.
 # Tutorial 12's context parallelism splits every row of one batch over all ranks (each
 # reads it whole and keeps its part), and its one-process references take it whole too.
-WHOLE_BATCH = {"tutorials/08_tensor_parallelism.ipynb", "tutorials/09_pipeline_parallelism.ipynb",
-               "tutorials/12_experts_and_long_sequences.ipynb"}
+WHOLE_BATCH = {
+    "tutorials/08_tensor_parallelism.ipynb",
+    "tutorials/09_pipeline_parallelism.ipynb",
+    "tutorials/12_experts_and_long_sequences.ipynb",
+}
 
 
 def test_every_tutorial_is_run_here_or_has_no_rank_code():
-    found = {str(p.relative_to(ROOT)) for d in ("tutorials", "notebooks")
-             for p in (ROOT / d).glob("*.ipynb")}
+    found = {
+        str(p.relative_to(ROOT))
+        for d in ("tutorials", "notebooks")
+        for p in (ROOT / d).glob("*.ipynb")
+    }
     for rel in sorted(found - set(NOTEBOOKS)):
         if rel in RANK_FREE:
             assert sessions(ROOT / rel) == [], f"{rel} has rank code now: add it to NOTEBOOKS"
@@ -286,8 +321,9 @@ def test_rank_code_runs_at_world_sizes_1_2_3(rel, tmp_path):
     by_world = {}
     for world in WORLDS:
         worlds = (world,) if len(results) == 1 else (world, world % 3 + 1)
-        by_world[world] = run_notebook(rel, worlds, tmp_path / f"w{world}", results,
-                                       ranks_agree=rel not in PER_RANK)
+        by_world[world] = run_notebook(
+            rel, worlds, tmp_path / f"w{world}", results, ranks_agree=rel not in PER_RANK
+        )
     check(by_world)
 
 
@@ -303,8 +339,9 @@ def test_a_hard_coded_per_rank_slice_is_caught(tmp_path):
     assert any(original in code for _, code in sessions(ROOT / rel)[0])
     patch = lambda code: code.replace(original, "x, y = " + HARD_CODED)  # noqa: E731
     results, check = NOTEBOOKS[rel]
-    by_world = {w: run_notebook(rel, (w,), tmp_path / f"w{w}", results, patch=patch)
-                for w in (1, 2)}
+    by_world = {
+        w: run_notebook(rel, (w,), tmp_path / f"w{w}", results, patch=patch) for w in (1, 2)
+    }
     with pytest.raises(AssertionError, match="world 2 gives"):
         check(by_world)
     assert static_problems(patch(original))  # and the static check names it
@@ -325,8 +362,12 @@ def static_problems(code: str) -> list[str]:
 @pytest.mark.parametrize("rel", list(NOTEBOOKS))
 def test_rank_code_takes_its_rows_from_local_batch(rel):
     code = [c for session in sessions(ROOT / rel) for _, c in session]
-    problems = [p for c in code for p in static_problems(c)
-                if not (rel in WHOLE_BATCH and p.startswith("global batch on a rank"))]
+    problems = [
+        p
+        for c in code
+        for p in static_problems(c)
+        if not (rel in WHOLE_BATCH and p.startswith("global batch on a rank"))
+    ]
     assert not problems, f"{rel}: " + "; ".join(problems)
     if any("BatchSampler(" in c for c in code) and rel not in WHOLE_BATCH:
         assert any(".local_batch(" in c for c in code), rel
@@ -341,6 +382,12 @@ def test_rank_code_runs_on_gpus(rel, tmp_path):
     results, check = NOTEBOOKS[rel]
     by_world = {}
     for world in range(1, min(torch.cuda.device_count(), 3) + 1):
-        by_world[world] = run_notebook(rel, (world,) * len(results), tmp_path / f"w{world}",
-                                       results, ranks_agree=rel not in PER_RANK, backend="nccl")
+        by_world[world] = run_notebook(
+            rel,
+            (world,) * len(results),
+            tmp_path / f"w{world}",
+            results,
+            ranks_agree=rel not in PER_RANK,
+            backend="nccl",
+        )
     check(by_world)

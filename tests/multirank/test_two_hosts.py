@@ -7,6 +7,7 @@ by the other while nothing leaves loopback. The engines get `NBTRAIN_HOST` and
 the code the notebook runs: ranks by engine id, LOCAL_RANK counted per host, MASTER_ADDR
 rank 0's reported address, then ZeRO-3 training across both groups.
 """
+
 import socket
 
 import pytest
@@ -80,8 +81,9 @@ def test_ranks_on_two_hosts_rendezvous_at_rank_0_and_train_together(tmp_path, mo
     for var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR"):  # nothing written under ~
         monkeypatch.setenv(var, str(tmp_path / var.lower()))
     world = RANKS_PER_HOST * len(HOSTS)
-    cluster = TwoHostCluster(n=world, backend="gloo", start_timeout_s=120,
-                             profile_dir=str(tmp_path / "profile"))
+    cluster = TwoHostCluster(
+        n=world, backend="gloo", start_timeout_s=120, profile_dir=str(tmp_path / "profile")
+    )
     try:
         cluster.start()
         ranks = cluster.ranks
@@ -100,7 +102,7 @@ def test_ranks_on_two_hosts_rendezvous_at_rank_0_and_train_together(tmp_path, mo
             assert local == ["0", "1"], (host, seen)
         assert {s["LOCAL_WORLD_SIZE"] for s in seen} == {"2"}
         losses = cluster.pull("losses")
-        assert all(l == losses[0] for l in losses)
+        assert all(ln == losses[0] for ln in losses)
         assert losses[0] == pytest.approx(_reference_losses(world), rel=1e-5, abs=1e-6)
         assert [row["host"] for row in cluster.status()] == [r["host"] for r in ranks]
     finally:

@@ -4,13 +4,14 @@ re-running the cell that built it) train independently, each equal to its plain 
 Their steps interleave: both forwards, then both backwards, then both optimizer
 steps, so each model's reductions are in flight while the other computes.
 """
+
 import pytest
 import torch
-
-from support import cases
-import nbtrain as nbt
 from lm_cases import ROWS_PER_RANK, STEPS, PlainLM, ShardedLM, batches
+from support import cases
 from support.ranks import run_ranks
+
+import nbtrain as nbt
 
 
 def _gpt_batches(world: int):
@@ -29,14 +30,15 @@ def _step_pair(models, opts, data, rows, reduce):
 
 
 def _train_pair(gpt, lm, world: int, rows, reduce=lambda loss: loss):
-    opts = [torch.optim.SGD(gpt.parameters(), lr=0.1, momentum=0.9),
-            torch.optim.AdamW(lm.parameters(), lr=1e-2, eps=1e-6)]
+    opts = [
+        torch.optim.SGD(gpt.parameters(), lr=0.1, momentum=0.9),
+        torch.optim.AdamW(lm.parameters(), lr=1e-2, eps=1e-6),
+    ]
     gx, gy = _gpt_batches(world)
     lx, ly = batches(world)
     history = []
     for s in range(STEPS):
-        history.append(_step_pair([gpt, lm], opts, [(gx[s], gy[s]), (lx[s], ly[s])], rows,
-                                  reduce))
+        history.append(_step_pair([gpt, lm], opts, [(gx[s], gy[s]), (lx[s], ly[s])], rows, reduce))
     return history, gpt.state_dict(), lm.state_dict()
 
 
@@ -50,10 +52,16 @@ def _sharded(zero_level: int):
     # rebuilt models must not share any state with the old ones.
     old_gpt = cases.sharded_model("wrap", zero_level, False)
     old_lm = ShardedLM(PlainLM(seed=1), zero_level)
-    _step_pair([old_gpt, old_lm], [torch.optim.SGD(old_gpt.parameters(), lr=0.1),
-                                   torch.optim.SGD(old_lm.parameters(), lr=0.1)],
-               [(x[0], y[0]) for x, y in (_gpt_batches(world), batches(world))],
-               slice(0, 1), nbt.sum_loss)
+    _step_pair(
+        [old_gpt, old_lm],
+        [
+            torch.optim.SGD(old_gpt.parameters(), lr=0.1),
+            torch.optim.SGD(old_lm.parameters(), lr=0.1),
+        ],
+        [(x[0], y[0]) for x, y in (_gpt_batches(world), batches(world))],
+        slice(0, 1),
+        nbt.sum_loss,
+    )
     gpt = cases.sharded_model("wrap", zero_level, False)
     lm = ShardedLM(PlainLM(seed=1), zero_level)
     rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)

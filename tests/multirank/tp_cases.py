@@ -1,4 +1,5 @@
 """Rank functions for test_tensor_parallel.py: each tp layer against the plain layer."""
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -25,7 +26,7 @@ def layer_errors():
 
     errs = {}
     gen = torch.Generator().manual_seed(11)
-    B, S = 6, 3                      # the batch splits over tp 2 and 3
+    B, S = 6, 3  # the batch splits over tp 2 and 3
     X = torch.randn(B, S, 7, generator=gen)
     for gi in (True, False):
         for go in (False, True):
@@ -41,10 +42,12 @@ def layer_errors():
             (y * (G if go else cols(G))).sum().backward()
             key = f"column gather_input={gi} gather_output={go}"
             expected = ref(X) if go else cols(ref(X))
-            errs[key] = max(_err(y, expected),
-                            _err(x.grad, rows(xr.grad) if gi else xr.grad),
-                            _err(layer.weight.grad, rows(ref.weight.grad)),
-                            _err(layer.bias.grad, rows(ref.bias.grad)))
+            errs[key] = max(
+                _err(y, expected),
+                _err(x.grad, rows(xr.grad) if gi else xr.grad),
+                _err(layer.weight.grad, rows(ref.weight.grad)),
+                _err(layer.bias.grad, rows(ref.bias.grad)),
+            )
     X2 = torch.randn(B, S, 6, generator=gen)
     for split in (False, True):
         for aro in (False, True):
@@ -63,9 +66,12 @@ def layer_errors():
             y = layer(x)
             (y * (G if aro else rows(G))).sum().backward()
             key = f"row split_input={split} all_reduce_output={aro}"
-            errs[key] = max(_err(y, ref(X2) if aro else rows(ref(X2))), _err(x.grad, grad_ref),
-                            _err(layer.weight.grad, cols(ref.weight.grad)),
-                            _err(layer.bias.grad, ref.bias.grad))
+            errs[key] = max(
+                _err(y, ref(X2) if aro else rows(ref(X2))),
+                _err(x.grad, grad_ref),
+                _err(layer.weight.grad, cols(ref.weight.grad)),
+                _err(layer.bias.grad, ref.bias.grad),
+            )
     # Vocabulary 11: padded to 12 at tp 2 and 3.
     V, E = 11, 5
     torch.manual_seed(7)
@@ -78,8 +84,9 @@ def layer_errors():
     out = emb(rows(ids))
     (out * rows(G)).sum().backward()
     W_pad = torch.cat([W.grad, torch.zeros(1, E)])
-    errs["embedding"] = max(_err(out, F.embedding(rows(ids), W)),
-                            _err(emb.weight.grad, rows(W_pad)))
+    errs["embedding"] = max(
+        _err(out, F.embedding(rows(ids), W)), _err(emb.weight.grad, rows(W_pad))
+    )
     # The tied projection and the parallel loss (ignore_index, label smoothing).
     emb.weight.grad = None
     W.grad = None
@@ -89,20 +96,24 @@ def layer_errors():
     for smoothing in (0.0, 0.1):
         hr = H.clone().requires_grad_()
         full = F.linear(hr, W)
-        ref_loss = F.cross_entropy(full.reshape(-1, V), target.reshape(-1), ignore_index=-100,
-                                   label_smoothing=smoothing)
+        ref_loss = F.cross_entropy(
+            full.reshape(-1, V), target.reshape(-1), ignore_index=-100, label_smoothing=smoothing
+        )
         ref_loss.backward()
         h = rows(H).clone().requires_grad_()
         logits = emb(h, projection=True)
-        loss = nbtrain.nn.FusedCrossEntropy(ignore_index=-100, label_smoothing=smoothing,
-                                            parallel=True)(logits, target)
+        loss = nbtrain.nn.FusedCrossEntropy(
+            ignore_index=-100, label_smoothing=smoothing, parallel=True
+        )(logits, target)
         loss.backward()
         finite = torch.isfinite(logits)
         full_padded = torch.cat([full, torch.full((B, S, 1), float("-inf"))], dim=-1)
         errs[f"projection + parallel loss, smoothing {smoothing}"] = max(
-            _err(logits[finite], cols(full_padded)[finite]), _err(loss, ref_loss),
+            _err(logits[finite], cols(full_padded)[finite]),
+            _err(loss, ref_loss),
             _err(h.grad, rows(hr.grad)),
-            _err(emb.weight.grad, rows(torch.cat([W.grad, torch.zeros(1, E)]))))
+            _err(emb.weight.grad, rows(torch.cat([W.grad, torch.zeros(1, E)]))),
+        )
         emb.weight.grad = W.grad = None
     return errs
 
@@ -185,11 +196,11 @@ def training_errors(sequence_parallel, optimizer, tp_size=None, zero_level=None)
         logits = model(mine.chunk(tp, 0)[r] if sp else mine)
         loss = loss_fn(logits, my_target)
         loss.backward()
-        norm = manager.clip_grad_norm(1e9)   # the global norm, over tp and dp
+        norm = manager.clip_grad_norm(1e9)  # the global norm, over tp and dp
         opt.step()
         opt.zero_grad()
         loss = loss.detach().clone()
-        dist.all_reduce(loss)           # the mean over replicas (tp ranks agree)
+        dist.all_reduce(loss)  # the mean over replicas (tp ranks agree)
         loss /= dist.get_world_size()
         ref = F.cross_entropy(plain(ids).reshape(-1, V), target.reshape(-1))
         ref.backward()
@@ -211,7 +222,9 @@ def training_errors(sequence_parallel, optimizer, tp_size=None, zero_level=None)
             _err(f.up.bias, pf.up.bias.chunk(tp, 0)[r]),
             _err(f.down.weight, pf.down.weight.chunk(tp, 1)[r]),
             _err(f.down.bias, pf.down.bias),
-            _err(f.norm.weight, pf.norm.weight), _err(f.norm.bias, pf.norm.bias))
+            _err(f.norm.weight, pf.norm.weight),
+            _err(f.norm.bias, pf.norm.bias),
+        )
     else:  # in a Block: the gathered state is every final parameter
         param_err = state_err
     fresh = Plain()
@@ -219,10 +232,16 @@ def training_errors(sequence_parallel, optimizer, tp_size=None, zero_level=None)
     torch.manual_seed(99)
     again = TinyTP()
     again.load_state_dict(plain.state_dict())
-    state_err = max(state_err, max(_err(a, b) for a, b in zip(again.parameters(),
-                                                              model.parameters())))
-    return {"loss": loss_err, "params": param_err, "state": state_err, "norm": norm_err,
-            "keys": sorted(state) == sorted(plain.state_dict())}
+    state_err = max(
+        state_err, max(_err(a, b) for a, b in zip(again.parameters(), model.parameters()))
+    )
+    return {
+        "loss": loss_err,
+        "params": param_err,
+        "state": state_err,
+        "norm": norm_err,
+        "keys": sorted(state) == sorted(plain.state_dict()),
+    }
 
 
 def telemetry_kinds():
@@ -237,7 +256,7 @@ def telemetry_kinds():
     x = torch.randn(4, 4).requires_grad_()
     down(up(x)).sum().backward()
     x = torch.ones(2)
-    dist.all_reduce(x)   # not through nbtrain: not counted
+    dist.all_reduce(x)  # not through nbtrain: not counted
     telemetry.next_step()
     kinds = sorted(telemetry.summary()["steps"][-1]["comm"])
     telemetry.set_enabled(False)
@@ -289,7 +308,7 @@ def save_at(folder, tp_size):
     model = _tiny_tp_model()
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(0.5)     # not what a fresh model at seed 3 holds
+            p.add_(0.5)  # not what a fresh model at seed 3 holds
     nbtrain.save(model, f"{folder}/model.safetensors")
     return {k: v.clone() for k, v in model.state_dict().items()}
 

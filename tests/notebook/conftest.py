@@ -2,6 +2,7 @@
 rank, a real IPython shell and the cluster a module shares. A cluster that a test leaves
 running is reported and stopped, by its cluster id (never by process name), by the state
 guard (tests/state_guard.py)."""
+
 from support.homes import use_private_homes
 
 use_private_homes("nbtrain-nbtests-")

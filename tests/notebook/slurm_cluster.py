@@ -13,6 +13,7 @@ and there are two partitions: `debug` (the default, no time limit) and `short`
 (one minute at most, so that a longer request waits forever with reason
 PartitionTimeLimit: a job that can never start).
 """
+
 from __future__ import annotations
 
 import os
@@ -57,11 +58,13 @@ def install() -> str | None:
     install_cmd = ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]
     # Measured: about a minute with a network; the three steps stay under the tests'
     # 600 s timeout, which counts this fixture's setup too.
-    for attempt, limit_s in ((install_cmd, 240), (["apt-get", "update", "-qq"], 90),
-                             (install_cmd, 240)):
+    for attempt, limit_s in (
+        (install_cmd, 240),
+        (["apt-get", "update", "-qq"], 90),
+        (install_cmd, 240),
+    ):
         try:
-            done = subprocess.run(attempt, env=env, capture_output=True, text=True,
-                                  timeout=limit_s)
+            done = subprocess.run(attempt, env=env, capture_output=True, text=True, timeout=limit_s)
         except subprocess.TimeoutExpired:
             return f"`{' '.join(attempt)}` did not finish within {limit_s} s"
         if attempt is install_cmd and done.returncode == 0:
@@ -98,19 +101,33 @@ class SlurmCluster:
         lines = [
             "ClusterName=nbtrain-test",
             f"SlurmctldHost={self.node}(127.0.0.1)",
-            f"SlurmctldPort={_free_port()}", f"SlurmdPort={_free_port()}",
-            "SlurmUser=root", "SlurmdUser=root",
-            "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={self.munge_socket}",
-            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "MpiDefault=none",
-            "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",
-            "SlurmdParameters=config_overrides", "ReturnToService=2",
+            f"SlurmctldPort={_free_port()}",
+            f"SlurmdPort={_free_port()}",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            f"AuthInfo=socket={self.munge_socket}",
+            "ProctrackType=proctrack/linuxproc",
+            "TaskPlugin=task/none",
+            "MpiDefault=none",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "SlurmdParameters=config_overrides",
+            "ReturnToService=2",
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
-            "JobCompType=jobcomp/none", "KillWait=2", "MinJobAge=30", "InactiveLimit=0",
+            "JobCompType=jobcomp/none",
+            "KillWait=2",
+            "MinJobAge=30",
+            "InactiveLimit=0",
             "PropagateResourceLimits=NONE",
-            f"StateSaveLocation={d}/state", f"SlurmdSpoolDir={d}/spool",
-            f"SlurmctldPidFile={d}/slurmctld.pid", f"SlurmdPidFile={d}/slurmd.pid",
-            f"SlurmctldLogFile={d}/slurmctld.log", f"SlurmdLogFile={d}/slurmd.log",
+            f"StateSaveLocation={d}/state",
+            f"SlurmdSpoolDir={d}/spool",
+            f"SlurmctldPidFile={d}/slurmctld.pid",
+            f"SlurmdPidFile={d}/slurmd.pid",
+            f"SlurmctldLogFile={d}/slurmctld.log",
+            f"SlurmdLogFile={d}/slurmd.log",
             f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "PartitionName=short Nodes=ALL MaxTime=1 State=UP",
@@ -120,9 +137,14 @@ class SlurmCluster:
 
     def _start(self, name: str, argv: list[str]) -> None:
         log = open(os.path.join(self.dir, f"{name}.out"), "wb")
-        self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL, env=self.env(),
-                                            preexec_fn=_no_core_dumps)
+        self.procs[name] = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=self.env(),
+            preexec_fn=_no_core_dumps,
+        )
         log.close()
 
     def env(self) -> dict:
@@ -130,17 +152,27 @@ class SlurmCluster:
 
     def run(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """A Slurm command against this cluster (SLURM_CONF set), output captured."""
-        return subprocess.run(list(argv), env=self.env(), capture_output=True, text=True,
-                              timeout=timeout)
+        return subprocess.run(
+            list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout
+        )
 
     def up(self, timeout_s: float = 60.0) -> "SlurmCluster":
         """Start the daemons and wait until the node is idle. Raises RuntimeError."""
         self._write_files()
         d = self.dir
-        self._start("munged", [_which("munged"), "--foreground", "--force",
-                               f"--socket={self.munge_socket}", f"--key-file={d}/munge.key",
-                               f"--pid-file={d}/munged.pid", f"--log-file={d}/munged.log",
-                               f"--seed-file={d}/munged.seed"])
+        self._start(
+            "munged",
+            [
+                _which("munged"),
+                "--foreground",
+                "--force",
+                f"--socket={self.munge_socket}",
+                f"--key-file={d}/munge.key",
+                f"--pid-file={d}/munged.pid",
+                f"--log-file={d}/munged.log",
+                f"--seed-file={d}/munged.seed",
+            ],
+        )
         self._wait(lambda: os.path.exists(self.munge_socket), 15, "munged did not start")
         self._start("slurmctld", [_which("slurmctld"), "-D", "-f", self.conf])
         self._start("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.node])
@@ -159,14 +191,21 @@ class SlurmCluster:
         while not ready():
             dead = [n for n, p in self.procs.items() if p.poll() is not None]
             if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"{what} within {timeout_s:g} s (exited: {dead}):\n"
-                                   + self.logs())
+                raise RuntimeError(
+                    f"{what} within {timeout_s:g} s (exited: {dead}):\n" + self.logs()
+                )
             time.sleep(0.3)
 
     def logs(self, lines: int = 15) -> str:
         out = []
-        for name in ("munged.out", "munged.log", "slurmctld.out", "slurmctld.log",
-                     "slurmd.out", "slurmd.log"):
+        for name in (
+            "munged.out",
+            "munged.log",
+            "slurmctld.out",
+            "slurmctld.log",
+            "slurmd.out",
+            "slurmd.log",
+        ):
             path = os.path.join(self.dir, name)
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -185,8 +224,10 @@ class SlurmCluster:
             for job in self.jobs():
                 self.run("scancel", job, timeout=10)
             deadline = time.monotonic() + 10
-            while self.run("squeue", "-h", "-t", "R,CG", "-o", "%i",
-                           timeout=10).stdout.split() and time.monotonic() < deadline:
+            while (
+                self.run("squeue", "-h", "-t", "R,CG", "-o", "%i", timeout=10).stdout.split()
+                and time.monotonic() < deadline
+            ):
                 time.sleep(0.3)
         for name in reversed(_DAEMONS):
             proc = self.procs.pop(name, None)

@@ -1,12 +1,14 @@
 """What the notebook keeps per request stays bounded over a long session: the
 ipyparallel Client's request history is trimmed, and the hub stores no results
 (its default in-memory store kept the last 1024 requests with their output)."""
+
 import pytest
 
 pytest.importorskip("ipyparallel")
 from IPython.utils.capture import capture_output  # noqa: E402
 
-from nbtrain.notebook import cluster as cluster_module, magics  # noqa: E402
+from nbtrain.notebook import cluster as cluster_module  # noqa: E402
+from nbtrain.notebook import magics
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,6 +1,7 @@
 """A cell's last dashboard picture is drawn in the background: the cell does not wait
 for matplotlib (2-5 s a picture on a loaded 2-core machine made a 0.5 s cell take
 5.5 s with the dashboard shown), and the last summaries are still the ones drawn."""
+
 import threading
 import time
 
@@ -11,8 +12,14 @@ from nbtrain.notebook import dashboard  # noqa: E402
 
 
 def summary(seq: int, loss: float) -> dict:
-    return {"seq": seq, "step": seq, "metrics": [{"step": seq, "loss": loss}],
-            "overlap": [], "steps": [], "memory_history": []}
+    return {
+        "seq": seq,
+        "step": seq,
+        "metrics": [{"step": seq, "loss": loss}],
+        "overlap": [],
+        "steps": [],
+        "memory_history": [],
+    }
 
 
 def test_final_update_returns_before_the_picture_and_the_last_one_is_drawn(monkeypatch):

@@ -1,6 +1,7 @@
 """The extension in a real Jupyter kernel driven by nbclient: live cells, a figure
 from a rank, an error naming its rank, Ctrl-C, and no orphan after the kernel goes
 (shut down, or killed outright)."""
+
 import glob
 import os
 import signal
@@ -11,9 +12,8 @@ import pytest
 
 # The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
 # running only `pytest -m gpu`: skip this module there rather than fail collection.
-for _needed in ('nbformat', 'nbclient', 'ipyparallel'):
+for _needed in ("nbformat", "nbclient", "ipyparallel"):
     pytest.importorskip(_needed)
-import nbformat  # noqa: E402
 
 from procs import wait_gone
 from support.kernels import START, new_client, pids_from, run_cells, text_of
@@ -26,12 +26,16 @@ def test_kernel_cells_errors_interrupt_and_shutdown():
     with client.setup_kernel():
         _, _, pids_cell = run_cells(client, nb, START)
         pids = pids_from(pids_cell)
-        reduce_cell, figure_cell, error_cell = run_cells(client, nb, [
-            "%%distributed\nx = torch.ones(2) * (nbt.rank() + 1)\n"
-            "torch.distributed.all_reduce(x)\nprint('reduced', x.tolist())",
-            "%%distributed -t 0\nimport matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()",
-            "%%distributed\nif nbt.rank() == 1:\n    raise KeyError('missing on one rank')",
-        ])
+        reduce_cell, figure_cell, error_cell = run_cells(
+            client,
+            nb,
+            [
+                "%%distributed\nx = torch.ones(2) * (nbt.rank() + 1)\n"
+                "torch.distributed.all_reduce(x)\nprint('reduced', x.tolist())",
+                "%%distributed -t 0\nimport matplotlib.pyplot as plt\nplt.plot([0, 1], [1, 0])\nplt.show()",
+                "%%distributed\nif nbt.rank() == 1:\n    raise KeyError('missing on one rank')",
+            ],
+        )
         assert "[rank 0] reduced [3.0, 3.0]" in text_of(reduce_cell)
         assert "[rank 1] reduced [3.0, 3.0]" in text_of(reduce_cell)
         assert any("image/png" in o.get("data", {}) for o in figure_cell.outputs)
@@ -43,15 +47,27 @@ def test_kernel_cells_errors_interrupt_and_shutdown():
         threading.Timer(3.0, os.kill, (kernel_pid, signal.SIGINT)).start()
         start = time.monotonic()
         # A loop of collectives: every rank stops, the group is rebuilt, nothing is lost.
-        (interrupted,) = run_cells(client, nb, ["%%distributed\nkept = 40 + nbt.rank()\n"
-                                                "x = torch.ones(2)\nwhile True:\n"
-                                                "    torch.distributed.all_reduce(x)\n"
-                                                "    x.fill_(1)"])
+        (interrupted,) = run_cells(
+            client,
+            nb,
+            [
+                "%%distributed\nkept = 40 + nbt.rank()\n"
+                "x = torch.ones(2)\nwhile True:\n"
+                "    torch.distributed.all_reduce(x)\n"
+                "    x.fill_(1)"
+            ],
+        )
         assert time.monotonic() - start < 20
         assert "KeyboardInterrupt" in text_of(interrupted)
-        (after,) = run_cells(client, nb, ["%%distributed\nx = torch.ones(1)\n"
-                                          "torch.distributed.all_reduce(x)\n"
-                                          "print('still here', nbt.rank(), kept, x.item())"])
+        (after,) = run_cells(
+            client,
+            nb,
+            [
+                "%%distributed\nx = torch.ones(1)\n"
+                "torch.distributed.all_reduce(x)\n"
+                "print('still here', nbt.rank(), kept, x.item())"
+            ],
+        )
         assert "[rank 0] still here 0 40 2.0" in text_of(after)
         assert "[rank 1] still here 1 41 2.0" in text_of(after)
         assert wait_gone(pids, timeout_s=0.1) == pids  # all alive before the kernel goes
@@ -60,8 +76,13 @@ def test_kernel_cells_errors_interrupt_and_shutdown():
 
 
 def cluster_files() -> set:
-    return set(glob.glob(os.path.join(os.environ["IPYTHONDIR"], "profile_*", "security",
-                                      "cluster-nbtrain-*.json")))
+    return set(
+        glob.glob(
+            os.path.join(
+                os.environ["IPYTHONDIR"], "profile_*", "security", "cluster-nbtrain-*.json"
+            )
+        )
+    )
 
 
 def test_killed_kernel_leaves_no_orphan():

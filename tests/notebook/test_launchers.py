@@ -1,5 +1,6 @@
 """Multi-node launchers: MPI for real on this machine; Slurm by its generated script and
 its checks here (test_slurm.py runs it for real)."""
+
 import os
 import shutil
 import signal
@@ -9,13 +10,12 @@ import sys
 
 import pytest
 from IPython.core.error import UsageError
+from procs import wait_gone
 
 from nbtrain.notebook import slurm
-from nbtrain.notebook.launchers import slurm_script
 from nbtrain.notebook.cluster import Cluster
+from nbtrain.notebook.launchers import slurm_script
 from nbtrain.notebook.watchdog import Watchdog
-
-from procs import wait_gone
 
 TRAIN = """
 model = torch.nn.Linear(4, 1)
@@ -52,8 +52,10 @@ def test_mpi_launcher_ranks_equal_mpi_ranks(ipython):
     pids = cluster.pids()
     try:
         assert cluster.launcher == "mpi" and cluster.world_size == 2
-        cluster.execute("from mpi4py import MPI\nmpi_rank = MPI.COMM_WORLD.Get_rank()\n"
-                        "mpi_size = MPI.COMM_WORLD.Get_size()\ndist_rank = nbt.rank()")
+        cluster.execute(
+            "from mpi4py import MPI\nmpi_rank = MPI.COMM_WORLD.Get_rank()\n"
+            "mpi_size = MPI.COMM_WORLD.Get_size()\ndist_rank = nbt.rank()"
+        )
         assert cluster.pull("mpi_rank") == [0, 1] == cluster.pull("dist_rank")
         assert cluster.pull("mpi_size") == [2, 2]
         ar = cluster.execute(TRAIN)
@@ -65,18 +67,34 @@ def test_mpi_launcher_ranks_equal_mpi_ranks(ipython):
 
 
 def test_slurm_script_places_ranks_on_two_nodes(tmp_path):
-    text = slurm_script(n=8, cluster_id="nbtrain-test", profile_dir=str(tmp_path),
-                        slurm={"nodes": 2, "gpus_per_node": 4, "partition": "gpu",
-                               "account": "proj42", "time": "02:00:00",
-                               "options": ["--qos=high", "#SBATCH --exclusive"]})
+    text = slurm_script(
+        n=8,
+        cluster_id="nbtrain-test",
+        profile_dir=str(tmp_path),
+        slurm={
+            "nodes": 2,
+            "gpus_per_node": 4,
+            "partition": "gpu",
+            "account": "proj42",
+            "time": "02:00:00",
+            "options": ["--qos=high", "#SBATCH --exclusive"],
+        },
+    )
     lines = text.splitlines()
     assert lines[0] == "#!/bin/sh"
-    for expected in ("#SBATCH --job-name=nbtrain-nbtrain-test", "#SBATCH --nodes=2",
-                     "#SBATCH --ntasks=8", "#SBATCH --ntasks-per-node=4",
-                     "#SBATCH --gpus-per-node=4", "#SBATCH --partition=gpu",
-                     "#SBATCH --account=proj42", "#SBATCH --time=02:00:00",
-                     "#SBATCH --qos=high", "#SBATCH --exclusive",
-                     "export OMP_NUM_THREADS=1"):
+    for expected in (
+        "#SBATCH --job-name=nbtrain-nbtrain-test",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks=8",
+        "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj42",
+        "#SBATCH --time=02:00:00",
+        "#SBATCH --qos=high",
+        "#SBATCH --exclusive",
+        "export OMP_NUM_THREADS=1",
+    ):
         assert expected in lines, expected
     output = next(line for line in lines if line.startswith("#SBATCH --output="))
     assert output.startswith(f"#SBATCH --output={tmp_path}")  # the engines' errors land there
@@ -85,7 +103,7 @@ def test_slurm_script_places_ranks_on_two_nodes(tmp_path):
     # sbatch runs with the cluster id and connection info in its environment
     # (IPP_CLUSTER_ID, IPP_CONNECTION_INFO): --export=ALL hands them to every task.
     assert "#SBATCH --export=ALL" in lines
-    assert lines.index(srun) > max(i for i, l in enumerate(lines) if l.startswith("#SBATCH"))
+    assert lines.index(srun) > max(i for i, ln in enumerate(lines) if ln.startswith("#SBATCH"))
 
 
 def test_slurm_options_are_checked_before_anything_is_submitted(ipython):
@@ -116,30 +134,49 @@ def test_start_flags_reach_the_cluster(ipython, monkeypatch):
 
     monkeypatch.setattr(Cluster, "start", start)
     with pytest.raises(Started):
-        ipython.run_line_magic("nbtrain", "start --launcher slurm --nodes 2 --gpus-per-node 4 "
-                               "--partition gpu --time 02:00:00 --account proj "
-                               "--controller-ip 10.1.0.1 --master-addr 10.2.0.5 "
-                               "--sbatch=--qos=high --sbatch=--exclusive")
+        ipython.run_line_magic(
+            "nbtrain",
+            "start --launcher slurm --nodes 2 --gpus-per-node 4 "
+            "--partition gpu --time 02:00:00 --account proj "
+            "--controller-ip 10.1.0.1 --master-addr 10.2.0.5 "
+            "--sbatch=--qos=high --sbatch=--exclusive",
+        )
     cluster = seen[0]
     assert (cluster.n, cluster.controller_ip, cluster.master_addr_override) == (
-        8, "10.1.0.1", "10.2.0.5")
-    assert cluster.slurm == {"nodes": 2, "ntasks_per_node": 4, "gpus_per_node": 4,
-                             "partition": "gpu", "time": "02:00:00", "account": "proj",
-                             "options": ["--qos=high", "--exclusive"]}
+        8,
+        "10.1.0.1",
+        "10.2.0.5",
+    )
+    assert cluster.slurm == {
+        "nodes": 2,
+        "ntasks_per_node": 4,
+        "gpus_per_node": 4,
+        "partition": "gpu",
+        "time": "02:00:00",
+        "account": "proj",
+        "options": ["--qos=high", "--exclusive"],
+    }
 
 
-@pytest.mark.parametrize("where, refused", [
-    ({"gpu1": ("gpu1", "10.0.0.11"), "gpu2": ("gpu2", "10.0.0.12")}, True),
-    ({"here": (socket.gethostname(), "10.0.0.1")}, False),
-    ({"n1": ("n1", "127.0.0.1")}, False),  # a node that is this host by address
-    ({}, False),  # sinfo not there or says nothing: sbatch will tell
-], ids=["other-hosts", "this-host", "loopback-node", "unknown"])
-def test_a_loopback_controller_is_refused_only_for_nodes_on_other_hosts(monkeypatch, where,
-                                                                        refused):
+@pytest.mark.parametrize(
+    "where, refused",
+    [
+        ({"gpu1": ("gpu1", "10.0.0.11"), "gpu2": ("gpu2", "10.0.0.12")}, True),
+        ({"here": (socket.gethostname(), "10.0.0.1")}, False),
+        ({"n1": ("n1", "127.0.0.1")}, False),  # a node that is this host by address
+        ({}, False),  # sinfo not there or says nothing: sbatch will tell
+    ],
+    ids=["other-hosts", "this-host", "loopback-node", "unknown"],
+)
+def test_a_loopback_controller_is_refused_only_for_nodes_on_other_hosts(
+    monkeypatch, where, refused
+):
     monkeypatch.setattr(slurm, "node_hosts", lambda nodes="", partition="": where)
     if refused:
-        with pytest.raises(ValueError, match="gpu1, gpu2 are other hosts and cannot reach a "
-                                             "controller on 127.0.0.1"):
+        with pytest.raises(
+            ValueError,
+            match="gpu1, gpu2 are other hosts and cannot reach a controller on 127.0.0.1",
+        ):
             slurm.refuse_loopback("127.0.0.1", partition="gpu")
     else:
         slurm.refuse_loopback("127.0.0.1", partition="gpu")
@@ -149,9 +186,11 @@ def test_a_loopback_controller_is_refused_only_for_nodes_on_other_hosts(monkeypa
 
 def test_a_loopback_controller_is_refused_once_the_job_landed_elsewhere(monkeypatch):
     hosts = {"here": (socket.gethostname(), "10.0.0.1"), "gpu2": ("gpu2", "10.0.0.12")}
-    monkeypatch.setattr(slurm, "node_hosts",
-                        lambda nodes="", partition="": {k: v for k, v in hosts.items()
-                                                        if not nodes or k in nodes})
+    monkeypatch.setattr(
+        slurm,
+        "node_hosts",
+        lambda nodes="", partition="": {k: v for k, v in hosts.items() if not nodes or k in nodes},
+    )
     slurm.refuse_loopback("127.0.0.1", partition="all")  # it might land here: submit
     slurm.refuse_loopback("127.0.0.1", nodes="here")
     with pytest.raises(ValueError, match="gpu2 are other hosts"):
@@ -181,8 +220,13 @@ time.sleep(120)
 def test_the_watchdog_ends_children_a_launcher_started_after_it_was_watched():
     # ipyparallel starts the controller in a session of its own; its schedulers start a
     # moment later. A stop in between orphaned them: the watchdog ends the whole group.
-    leader = subprocess.Popen([sys.executable, "-c", LAUNCHER], start_new_session=True,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    leader = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER],
+        start_new_session=True,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     dog, child = Watchdog(), None
     try:
         dog.watch_launcher(leader.pid)

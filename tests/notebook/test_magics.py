@@ -4,6 +4,7 @@ One cluster is shared by the module (start costs ~10 s on 2 cores); the tests th
 break it (a killed engine, a rank stuck in a collective) restart it, and the last
 test stops it and checks by pid that nothing of it remains.
 """
+
 import json
 import os
 import re
@@ -16,25 +17,26 @@ import pytest
 
 # The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
 # running only `pytest -m gpu`: skip this module there rather than fail collection.
-for _needed in ('IPython', 'ipyparallel'):
+for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 from IPython.core.error import UsageError
-
-from nbtrain.notebook import magics
-from nbtrain import CellTimeoutError, RankDiedError, RankError
-from nbtrain.notebook import NoClusterError
-
 from procs import wait_gone
 from support.notebook import distributed, run
+
+from nbtrain import CellTimeoutError, RankDiedError, RankError
+from nbtrain.notebook import NoClusterError, magics
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_start_gives_two_initialised_ranks(ipython, cluster):
     assert cluster.world_size == 2
-    out = run(ipython, "import torch.distributed as dist, os\n"
-                          "print(dist.get_rank(), dist.get_world_size(), os.environ['LOCAL_RANK'],"
-                          " nbt.get_context().backend, torch.__name__)")
+    out = run(
+        ipython,
+        "import torch.distributed as dist, os\n"
+        "print(dist.get_rank(), dist.get_world_size(), os.environ['LOCAL_RANK'],"
+        " nbt.get_context().backend, torch.__name__)",
+    )
     assert "[rank 0] 0 2 0 gloo torch" in out
     assert "[rank 1] 1 2 1 gloo torch" in out
 
@@ -48,26 +50,32 @@ def test_start_again_keeps_the_running_cluster(ipython, cluster, capsys):
     assert cluster.cluster_id == before_id and cluster.pids() == before_pids
 
 
-@pytest.mark.parametrize("line, asked", [
-    ("start -n 3", "-n 3"),
-    ("start -n 2 --launcher slurm", "--launcher slurm"),
-    ("start --tp-size 2", "--tp-size 2"),
-])
+@pytest.mark.parametrize(
+    "line, asked",
+    [
+        ("start -n 3", "-n 3"),
+        ("start -n 2 --launcher slurm", "--launcher slurm"),
+        ("start --tp-size 2", "--tp-size 2"),
+    ],
+)
 def test_a_start_that_asks_for_another_cluster_is_refused_naming_the_difference(
-        ipython, cluster, line, asked):
+    ipython, cluster, line, asked
+):
     # Keeping the running cluster silently would run the next cells on 2 local ranks.
     before_pids = cluster.pids()
     with pytest.raises(UsageError) as info:
         ipython.run_line_magic("nbtrain", line)
     message = str(info.value)
-    assert f"already running (2 ranks, local launcher, tp 1" in message
+    assert "already running (2 ranks, local launcher, tp 1" in message
     assert f"this start asks for {asked}:" in message and "`%nbtrain stop` first" in message
     assert magics.current_cluster() is cluster and cluster.pids() == before_pids
 
 
 def test_all_reduce(ipython, cluster):
-    out = run(ipython, "x = torch.ones(3) * (nbt.rank() + 1)\n"
-                          "torch.distributed.all_reduce(x)\nprint(x.tolist())")
+    out = run(
+        ipython,
+        "x = torch.ones(3) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\nprint(x.tolist())",
+    )
     assert "[rank 0] [3.0, 3.0, 3.0]" in out and "[rank 1] [3.0, 3.0, 3.0]" in out
 
 
@@ -90,8 +98,9 @@ def test_the_runtime_runs_in_a_distributed_cell(ipython, cluster):
     reference); its optimizer steps are the telemetry's steps the dashboard draws."""
     out = run(ipython, RUNTIME_CELL)
     for rank in (0, 1):
-        match = re.search(rf"\[rank {rank}\] runtime 2 steps, worst (\S+) \| dashboard step \d+",
-                          out)
+        match = re.search(
+            rf"\[rank {rank}\] runtime 2 steps, worst (\S+) \| dashboard step \d+", out
+        )
         assert match and float(match.group(1)) < 1e-5, out
 
 
@@ -110,8 +119,11 @@ def test_targets_run_only_there(ipython, cluster):
 
 
 def test_rich_output_is_displayed(ipython, cluster):
-    outputs = distributed(ipython, "from IPython.display import HTML, display\n"
-                          "display(HTML(f'<b>rank {nbt.rank()}</b>'))", line="-t 0").outputs
+    outputs = distributed(
+        ipython,
+        "from IPython.display import HTML, display\ndisplay(HTML(f'<b>rank {nbt.rank()}</b>'))",
+        line="-t 0",
+    ).outputs
     html = [o.data["text/html"] for o in outputs if "text/html" in o.data]
     assert html == ["<b>rank 0</b>"]
 
@@ -163,8 +175,12 @@ def test_controller_listens_on_loopback_with_signed_messages(cluster):
     assert cluster.client.session.auth is not None  # the client signs what it sends
     controller = psutil.Process(cluster._ipp.controller.process.pid)
     procs = [controller] + controller.children(recursive=True)
-    listening = [c.laddr.ip for p in procs for c in p.net_connections("tcp")
-                 if c.status == psutil.CONN_LISTEN]
+    listening = [
+        c.laddr.ip
+        for p in procs
+        for c in p.net_connections("tcp")
+        if c.status == psutil.CONN_LISTEN
+    ]
     assert listening and set(listening) == {"127.0.0.1"}
 
 
@@ -173,14 +189,21 @@ def test_killed_engine_fails_the_cell_then_restart_works(ipython, cluster):
     threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
     start = time.monotonic()
     with pytest.raises(RankDiedError) as info:
-        ipython.run_cell_magic("distributed", "", "import time\nfor _ in range(300):\n"
-                               "    torch.distributed.barrier()\n    time.sleep(0.1)")
+        ipython.run_cell_magic(
+            "distributed",
+            "",
+            "import time\nfor _ in range(300):\n"
+            "    torch.distributed.barrier()\n    time.sleep(0.1)",
+        )
     assert time.monotonic() - start < 10
     assert "rank 1 died" in str(info.value) and "%nbtrain restart" in str(info.value)
     ipython.run_line_magic("nbtrain", "restart")
     assert victim not in cluster.pids()
-    out = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
-                          "print('sum', x.item())")
+    out = run(
+        ipython,
+        "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
+        "print('sum', x.item())",
+    )
     assert out.count("sum 3.0") == 2
 
 
@@ -192,4 +215,3 @@ def test_stop_leaves_no_process(ipython, cluster):
     assert wait_gone(pids) == []
     with pytest.raises(NoClusterError, match="%nbtrain start"):
         ipython.run_cell_magic("distributed", "", "print(1)")
-

@@ -3,13 +3,14 @@
 Real IPython shell, 2 real gloo ranks shared by the module (start costs ~10 s on 2
 cores); the module's fixture stops the cluster at the end.
 """
+
 import time
 
 import pytest
 
 # The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
 # running only `pytest -m gpu`: skip this module there rather than fail collection.
-for _needed in ('IPython', 'ipyparallel'):
+for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 from IPython.utils.capture import capture_output
 from support.notebook import captured, nbtrain
@@ -35,8 +36,14 @@ def test_autodistribute_transformer_leaves_magics_and_shell_alone():
     t = magics._autodistribute
     assert t(["x = 1\n"]) == ["%%distributed\n", "x = 1\n"]
     assert t(["\n", "  y = 2\n"])[0] == "%%distributed\n"
-    for lines in (["%autodistributed off\n"], ["%%time\n", "x = 1\n"], ["!ls\n"], [],
-                  ["\n"], ["  %nbtrain status\n"]):
+    for lines in (
+        ["%autodistributed off\n"],
+        ["%%time\n", "x = 1\n"],
+        ["!ls\n"],
+        [],
+        ["\n"],
+        ["  %nbtrain status\n"],
+    ):
         assert t(lines) == lines
 
 
@@ -44,9 +51,12 @@ def test_autodistribute_transformer_leaves_magics_and_shell_alone():
 def test_noblock_cell_frees_the_kernel_then_wait_collects_it(ipython, cluster):
     ipython.user_ns.pop("slept", None)
     start = time.monotonic()
-    _, out = captured(ipython, "distributed", "--noblock",
-                      "import time\ntime.sleep(8)\nslept = nbt.rank() + 100\n"
-                      "print('woke', nbt.rank())")
+    _, out = captured(
+        ipython,
+        "distributed",
+        "--noblock",
+        "import time\ntime.sleep(8)\nslept = nbt.rank() + 100\nprint('woke', nbt.rank())",
+    )
     # The cell sleeps 8 s: anything that waited for it would take that long.
     assert time.monotonic() - start < 6, "--noblock waited for the cell"
     assert "running on ranks 0, 1" in out and "%nbtrain wait" in out
@@ -131,10 +141,13 @@ def test_dashboard_updates_while_a_noblock_cell_runs(ipython, cluster):
 
     with capture_output():
         board = Dashboard().show()
-        ipython.run_cell_magic("distributed", "--noblock",
-                               "import time\nfor i in range(40):\n"
-                               "    nbt.telemetry.metric(loss=10.0 - i)\n"
-                               "    nbt.telemetry.next_step()\n    time.sleep(0.25)")
+        ipython.run_cell_magic(
+            "distributed",
+            "--noblock",
+            "import time\nfor i in range(40):\n"
+            "    nbt.telemetry.metric(loss=10.0 - i)\n"
+            "    nbt.telemetry.next_step()\n    time.sleep(0.25)",
+        )
     try:
         deadline = time.monotonic() + 8
         steps = {}

@@ -4,11 +4,12 @@ Real IPython shell, 2 real gloo ranks shared by the module (start costs ~10 s on
 cores); the restart test goes to 3 ranks and back, and the module's fixture stops
 the cluster at the end.
 """
+
 import pytest
 
 # The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
 # running only `pytest -m gpu`: skip this module there rather than fail collection.
-for _needed in ('IPython', 'ipyparallel'):
+for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 import torch
 from IPython.core.error import UsageError
@@ -33,6 +34,7 @@ def test_help_lists_every_action_and_flag():
 # ------------------------------------------------------------- targets (no engines)
 class _Ranks:
     """Just enough of a Cluster for `Cluster.targets`: 4 ranks, running."""
+
     targets = magics.Cluster.targets
     world_size = 4
 
@@ -40,17 +42,41 @@ class _Ranks:
         pass
 
 
-@pytest.mark.parametrize("spec, ranks", [
-    (None, [0, 1, 2, 3]), ("0,2", [0, 2]), ("0:2", [0, 1]), ("::2", [0, 2]),
-    ("1:", [1, 2, 3]), ("-1", [3]), (-1, [3]), ("0, 3", [0, 3]), ("2,0:2", [0, 1, 2]),
-    ("-2:", [2, 3]), (slice(None, None, -1), [0, 1, 2, 3]), ([1, -1], [1, 3]), (2, [2])])
+@pytest.mark.parametrize(
+    "spec, ranks",
+    [
+        (None, [0, 1, 2, 3]),
+        ("0,2", [0, 2]),
+        ("0:2", [0, 1]),
+        ("::2", [0, 2]),
+        ("1:", [1, 2, 3]),
+        ("-1", [3]),
+        (-1, [3]),
+        ("0, 3", [0, 3]),
+        ("2,0:2", [0, 1, 2]),
+        ("-2:", [2, 3]),
+        (slice(None, None, -1), [0, 1, 2, 3]),
+        ([1, -1], [1, 3]),
+        (2, [2]),
+    ],
+)
 def test_targets_accept_lists_and_slices(spec, ranks):
     assert _Ranks().targets(spec) == ranks
 
 
-@pytest.mark.parametrize("spec, named", [
-    ("4", "4"), ("-5", "-5"), ("a", "'a'"), ("1:x", "'1:x'"), ("::0", "'::0'"),
-    ("4:", "'4:'"), ([7], "7"), ("0:1:2:3", "'0:1:2:3'")])
+@pytest.mark.parametrize(
+    "spec, named",
+    [
+        ("4", "4"),
+        ("-5", "-5"),
+        ("a", "'a'"),
+        ("1:x", "'1:x'"),
+        ("::0", "'::0'"),
+        ("4:", "'4:'"),
+        ([7], "7"),
+        ("0:1:2:3", "'0:1:2:3'"),
+    ],
+)
 def test_bad_targets_name_the_value_and_the_range(spec, named):
     with pytest.raises(ValueError) as info:
         _Ranks().targets(spec)
@@ -85,9 +111,14 @@ def test_targets_slices_in_cells_and_pull(ipython, cluster):
     assert "[rank 1] here 1" in out and "[rank 0]" not in out
 
 
-@pytest.mark.parametrize("line, message", [
-    ("pull mark -t 2", "out of range"), ("pull mark -t 0,5", "out of range"),
-    ("pull mark -t x", "'x' is not a rank")])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("pull mark -t 2", "out of range"),
+        ("pull mark -t 0,5", "out of range"),
+        ("pull mark -t x", "'x' is not a rank"),
+    ],
+)
 def test_bad_targets_are_usage_errors(ipython, cluster, line, message):
     with pytest.raises(UsageError, match=message) as info:
         nbtrain(ipython, line)
@@ -99,10 +130,17 @@ def test_bad_targets_in_a_cell_are_usage_errors(ipython, cluster):
         ipython.run_cell_magic("distributed", "-t 3", "print('never')")
 
 
-@pytest.mark.parametrize("line, message", [
-    ("pull", "name the variable"), ("push", "name the variable"),
-    ("pull a b", "one NAME"), ("frobnicate", "invalid choice: 'frobnicate'"),
-    ("start -n 0", "-n 0"), ("restart -n 0", "-n 0")])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("pull", "name the variable"),
+        ("push", "name the variable"),
+        ("pull a b", "one NAME"),
+        ("frobnicate", "invalid choice: 'frobnicate'"),
+        ("start -n 0", "-n 0"),
+        ("restart -n 0", "-n 0"),
+    ],
+)
 def test_bad_usage_is_a_usage_error(ipython, cluster, line, message):
     with pytest.raises(UsageError, match=message):
         nbtrain(ipython, line)
@@ -110,8 +148,11 @@ def test_bad_usage_is_a_usage_error(ipython, cluster, line, message):
 
 
 def test_pull_plain_values_and_attribute_paths(ipython, cluster):
-    run(ipython, "import torch.nn as nn\ntorch.manual_seed(0)\n"
-                 "net = nn.Sequential(nn.Linear(3, 2))\nitems = [nbt.rank(), 'x']")
+    run(
+        ipython,
+        "import torch.nn as nn\ntorch.manual_seed(0)\n"
+        "net = nn.Sequential(nn.Linear(3, 2))\nitems = [nbt.rank(), 'x']",
+    )
     weights = nbtrain(ipython, "pull net.0.weight")
     assert len(weights) == 2 and torch.equal(weights[0], weights[1])
     assert nbtrain(ipython, "pull items.0") == [0, 1]
@@ -122,20 +163,22 @@ def test_pull_plain_values_and_attribute_paths(ipython, cluster):
 
 
 def test_pull_distributed_parameter_gives_the_full_tensor(ipython, cluster):
-    run(ipython, "p = nbt.DistributedParameter(torch.arange(15.).reshape(3, 5))\n"
-                 "shard = p.numel()")
+    run(ipython, "p = nbt.DistributedParameter(torch.arange(15.).reshape(3, 5))\nshard = p.numel()")
     assert nbtrain(ipython, "pull shard") == [8, 8]  # each rank holds half (padded)
     full = nbtrain(ipython, "pull p")
-    assert torch.equal(full, torch.arange(15.).reshape(3, 5))
+    assert torch.equal(full, torch.arange(15.0).reshape(3, 5))
     assert torch.equal(nbtrain(ipython, "pull p -t 1"), full)
 
 
 def test_pull_parameter_of_a_sharded_model_gives_the_full_tensor(ipython, cluster):
-    run(ipython, "import torch.nn as nn\ntorch.manual_seed(0)\n"
-                 "model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 3)))\n"
-                 "want = {k: v.clone() for k, v in model.state_dict().items()}\n"
-                 "model[1] = nbt.Block(model[1], zero_level=3)\n"
-                 "model[0] = nbt.Block(model[0], zero_level=3)")
+    run(
+        ipython,
+        "import torch.nn as nn\ntorch.manual_seed(0)\n"
+        "model = nn.Sequential(nn.Linear(4, 8), nn.Sequential(nn.Linear(8, 3)))\n"
+        "want = {k: v.clone() for k, v in model.state_dict().items()}\n"
+        "model[1] = nbt.Block(model[1], zero_level=3)\n"
+        "model[0] = nbt.Block(model[0], zero_level=3)",
+    )
     want = nbtrain(ipython, "pull want -t 0")
     got = nbtrain(ipython, "pull model.1.0.weight")
     assert isinstance(got, torch.Tensor) and got.shape == (3, 8)

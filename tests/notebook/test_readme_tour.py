@@ -1,6 +1,7 @@
 """The README's 60-second tour, cell by cell, in a real IPython shell on 2 real gloo
 ranks: every cell it shows runs as shown, the model cell shards the GPT over both ranks
 and the training cell lowers the loss."""
+
 import math
 import re
 from pathlib import Path

@@ -4,6 +4,7 @@ On 3 real gloo ranks in a real IPython shell. After each failure the next cell's
 collectives work and every rank's namespace still holds what it held before (see
 nbtrain/comm/recovery.py and nbtrain/notebook/recover.py).
 """
+
 import os
 import re
 import signal
@@ -15,9 +16,9 @@ import pytest
 for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 
-from nbtrain import CellTimeoutError, RankError
-
 from support.notebook import run
+
+from nbtrain import CellTimeoutError, RankError
 
 pytestmark = pytest.mark.timeout(240)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -36,8 +37,12 @@ def cluster(cluster, ipython):
 
 def still_works(ipython):
     """The next cell's all_reduce works and the earlier variable holds on every rank."""
-    out = run(ipython, "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
-                       "print('sum', x.item(), 'kept', kept)", stderr=True)
+    out = run(
+        ipython,
+        "x = torch.ones(1) * (nbt.rank() + 1)\ntorch.distributed.all_reduce(x)\n"
+        "print('sum', x.item(), 'kept', kept)",
+        stderr=True,
+    )
     for r in range(3):
         assert f"[rank {r}] sum 6.0 kept {r * 10 + 7}" in out, out
 
@@ -50,9 +55,12 @@ def interrupt_after(seconds):
 def test_a_rank_raising_mid_collective_fails_the_cell_fast_and_keeps_work(ipython, cluster):
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run(ipython, "import time\nif nbt.rank() == 1:\n    time.sleep(0.5)\n"
-                     "    raise ValueError('bad batch on rank 1')\n"
-                     "torch.distributed.all_reduce(torch.ones(1))")
+        run(
+            ipython,
+            "import time\nif nbt.rank() == 1:\n    time.sleep(0.5)\n"
+            "    raise ValueError('bad batch on rank 1')\n"
+            "torch.distributed.all_reduce(torch.ones(1))",
+        )
     assert time.monotonic() - start < 15
     error = info.value
     assert error.ranks[0] == 1 and error.origin == 1  # the raising rank comes first
@@ -68,8 +76,11 @@ def test_interrupt_during_a_loop_of_collectives_stops_every_rank(ipython, cluste
     interrupt_after(2.0)
     start = time.monotonic()
     with pytest.raises(RankError) as info:
-        run(ipython, "x = torch.ones(4)\nfor i in range(10**7):\n"
-                     "    torch.distributed.all_reduce(x)\n    x.fill_(1)")
+        run(
+            ipython,
+            "x = torch.ones(4)\nfor i in range(10**7):\n"
+            "    torch.distributed.all_reduce(x)\n    x.fill_(1)",
+        )
     assert time.monotonic() - start < 15
     assert "KeyboardInterrupt" in str(info.value)
     still_works(ipython)
@@ -77,10 +88,14 @@ def test_interrupt_during_a_loop_of_collectives_stops_every_rank(ipython, cluste
 
 def test_progress_loop_stops_gracefully_at_the_same_step(ipython, cluster):
     interrupt_after(3.0)
-    out = run(ipython, "done = -1\nx = torch.ones(1)\n"
-                       "for step in nbt.progress(range(10**6), print_s=60):\n"
-                       "    torch.distributed.all_reduce(x)\n    x.fill_(1)\n    done = step\n"
-                       "print('after the loop', done)", stderr=True)
+    out = run(
+        ipython,
+        "done = -1\nx = torch.ones(1)\n"
+        "for step in nbt.progress(range(10**6), print_s=60):\n"
+        "    torch.distributed.all_reduce(x)\n    x.fill_(1)\n    done = step\n"
+        "print('after the loop', done)",
+        stderr=True,
+    )
     assert "every rank stopped cleanly" in out
     steps = {int(m) for m in re.findall(r"after the loop (\d+)", out)}
     assert len(steps) == 1 and steps.pop() > 0, out  # all three at one step boundary
@@ -90,14 +105,17 @@ def test_progress_loop_stops_gracefully_at_the_same_step(ipython, cluster):
 
 def test_an_optimizer_step_cut_half_way_says_so(ipython, cluster):
     with pytest.raises(RankError) as info:
-        run(ipython, "class HalfStep(torch.optim.SGD):\n"
-                     "    def step(self, closure=None):\n"
-                     "        super().step(closure)\n"
-                     "        if nbt.rank() == 2:\n"
-                     "            raise RuntimeError('power cut in the update')\n"
-                     "w = torch.nn.Parameter(torch.ones(2))\nw.grad = torch.ones(2)\n"
-                     "HalfStep([w], lr=0.1).step()\n"
-                     "torch.distributed.barrier()")
+        run(
+            ipython,
+            "class HalfStep(torch.optim.SGD):\n"
+            "    def step(self, closure=None):\n"
+            "        super().step(closure)\n"
+            "        if nbt.rank() == 2:\n"
+            "            raise RuntimeError('power cut in the update')\n"
+            "w = torch.nn.Parameter(torch.ones(2))\nw.grad = torch.ones(2)\n"
+            "HalfStep([w], lr=0.1).step()\n"
+            "torch.distributed.barrier()",
+        )
     assert info.value.origin == 2
     rendered = ANSI.sub("", "\n".join(info.value._render_traceback_()))
     assert "the step was interrupted half way, during HalfStep.step()" in rendered

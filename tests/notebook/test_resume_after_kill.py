@@ -2,6 +2,7 @@
 seconds naming the dead rank and the one-line recovery (`%nbtrain restart`); after it,
 the same cell resumes from the last checkpoint and ends exactly where an uninterrupted
 run ends."""
+
 import os
 import re
 import signal

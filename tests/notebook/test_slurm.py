@@ -4,6 +4,7 @@ once for this module, and `%nbtrain start --launcher slurm` through it.
 Skipped, with the reason printed, only where Slurm is missing and apt-get cannot
 install slurm-wlm and munge (or this is not root, which slurmd needs).
 """
+
 import os
 import re
 import signal
@@ -17,14 +18,13 @@ for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from procs import wait_gone
+from slurm_cluster import SlurmCluster, install
 
 from nbtrain import RankDiedError
 from nbtrain.notebook import magics
 from nbtrain.notebook.slurm import SlurmError
 from nbtrain.notebook.watchdog import Watchdog
-
-from procs import wait_gone
-from slurm_cluster import SlurmCluster, install
 
 pytestmark = pytest.mark.timeout(600)  # the first test's setup may install Slurm with apt
 
@@ -75,8 +75,9 @@ def start(ipython, line):
 
 def sleeper(slurm, seconds, *options):
     """Submits a job that sleeps; returns its id."""
-    return slurm.run("sbatch", "--output=/dev/null", "--parsable", *options, "--wrap",
-                     f"sleep {seconds}").stdout.strip()
+    return slurm.run(
+        "sbatch", "--output=/dev/null", "--parsable", *options, "--wrap", f"sleep {seconds}"
+    ).stdout.strip()
 
 
 def our_engines_and_controllers() -> list[int]:
@@ -84,8 +85,10 @@ def our_engines_and_controllers() -> list[int]:
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         try:
-            if ("ipyparallel" in " ".join(proc.info["cmdline"] or [])
-                    and proc.environ().get("IPYTHONDIR") == os.environ["IPYTHONDIR"]):
+            if (
+                "ipyparallel" in " ".join(proc.info["cmdline"] or [])
+                and proc.environ().get("IPYTHONDIR") == os.environ["IPYTHONDIR"]
+            ):
                 found.append(proc.pid)
         except psutil.Error:
             pass
@@ -101,8 +104,11 @@ def stop_and_check_gone(ipython, slurm):
     assert wait_gone(pids) == []
     if job_id is not None:
         assert slurm.run("squeue", "-h", "-j", job_id, "-t", "PD,R,CG").stdout.strip() == ""
-        steps = [p.pid for p in psutil.process_iter(["cmdline"])
-                 if f"[{job_id}." in " ".join(p.info["cmdline"] or [])]
+        steps = [
+            p.pid
+            for p in psutil.process_iter(["cmdline"])
+            if f"[{job_id}." in " ".join(p.info["cmdline"] or [])
+        ]
         assert wait_gone(steps) == []  # slurmstepd of the job's steps ended too
 
 
@@ -125,8 +131,10 @@ def test_slurm_ranks_train_like_local_ranks_and_stop_leaves_nothing(ipython, slu
     assert cap.stdout.count(slurm.node) >= 3  # the job line and one row per rank
     stop_and_check_gone(ipython, slurm)
     with capsys.disabled():
-        print(f"\nstart-until-ready: local {local_s:.1f} s, slurm {slurm_s:.1f} s "
-              f"(slurm / local = {slurm_s / local_s:.2f})")
+        print(
+            f"\nstart-until-ready: local {local_s:.1f} s, slurm {slurm_s:.1f} s "
+            f"(slurm / local = {slurm_s / local_s:.2f})"
+        )
 
 
 def test_a_job_cancelled_from_outside_is_reported_as_rank_died(ipython, slurm):
@@ -160,8 +168,11 @@ def test_waiting_in_the_queue_is_shown_and_not_counted_against_the_timeout(ipyth
         time.sleep(0.3)
     try:
         out, _ = start(ipython, "-n 2 --launcher slurm --start-timeout-s 12")
-        assert re.search(r"Slurm job \d+ PENDING \((Resources|Priority)\): waiting in the "
-                         r"queue", out), out
+        assert re.search(
+            r"Slurm job \d+ PENDING \((Resources|Priority)\): waiting in the "
+            r"queue",
+            out,
+        ), out
         queued = re.search(r"Slurm job \d+ RUNNING on \S+ after (\d+) s in the queue", out)
         assert queued and int(queued.group(1)) > 12, out  # longer than the timeout, and started
         assert magics.current_cluster().world_size == 2
@@ -189,19 +200,26 @@ def test_interrupting_the_wait_in_the_queue_cancels_the_job(ipython, slurm):
 
 # Slurm first says PartitionConfig for a request over the partition's limits, and the
 # precise limit once the scheduler has looked at it: either is Slurm's own reason.
-@pytest.mark.parametrize("flags, reason", [
-    ("--partition nope", "invalid partition specified: nope"),
-    ("--gpus-per-node 1", "Invalid generic resource"),
-    ("--nodes 2", "can never start: Slurm's reason is Partition(NodeLimit|Config)"),
-    ("--partition short --time 5",
-     "can never start: Slurm's reason is Partition(TimeLimit|Config)"),
-], ids=["unknown-partition", "no-gpus", "too-many-nodes", "over-time-limit"])
+@pytest.mark.parametrize(
+    "flags, reason",
+    [
+        ("--partition nope", "invalid partition specified: nope"),
+        ("--gpus-per-node 1", "Invalid generic resource"),
+        ("--nodes 2", "can never start: Slurm's reason is Partition(NodeLimit|Config)"),
+        (
+            "--partition short --time 5",
+            "can never start: Slurm's reason is Partition(TimeLimit|Config)",
+        ),
+    ],
+    ids=["unknown-partition", "no-gpus", "too-many-nodes", "over-time-limit"],
+)
 def test_a_job_that_cannot_start_fails_at_once_with_slurms_reason(ipython, slurm, flags, reason):
     n = 2 if "--nodes 2" in flags else 1
     began = time.monotonic()
     with pytest.raises(SlurmError, match=reason):
-        ipython.run_line_magic("nbtrain",
-                               f"start -n {n} --launcher slurm --start-timeout-s 60 {flags}")
+        ipython.run_line_magic(
+            "nbtrain", f"start -n {n} --launcher slurm --start-timeout-s 60 {flags}"
+        )
     assert time.monotonic() - began < 20  # not the start timeout, let alone forever
     assert magics.current_cluster() is None
     assert wait_gone(our_engines_and_controllers()) == []  # the controller's children too
@@ -211,8 +229,9 @@ def test_a_job_that_cannot_start_fails_at_once_with_slurms_reason(ipython, slurm
 def test_a_wrong_n_is_refused_before_submitting(ipython, slurm):
     before = slurm.run("squeue", "-h", "-o", "%i").stdout
     with pytest.raises(UsageError, match=r"-n 4 does not match .* \(2 x 1 = 2\)"):
-        ipython.run_line_magic("nbtrain", "start -n 4 --launcher slurm --nodes 2 "
-                                          "--ntasks-per-node 1")
+        ipython.run_line_magic(
+            "nbtrain", "start -n 4 --launcher slurm --nodes 2 --ntasks-per-node 1"
+        )
     assert slurm.run("squeue", "-h", "-o", "%i").stdout == before  # nothing submitted
 
 

@@ -1,5 +1,6 @@
 """The same Block model, trained a few steps, gives the same losses in a
 `%%distributed` cell as under torchrun with the same world size."""
+
 import json
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from nbtrain.notebook.engine_boot import free_port
 
 pytestmark = pytest.mark.timeout(240)
 
-SCRIPT = '''
+SCRIPT = """
 import json
 import torch
 import nbtrain as nbt
@@ -41,23 +42,34 @@ if __name__ == "__main__":
     losses = train()
     if nbt.rank() == 0:
         print("LOSSES", json.dumps(losses))
-'''
+"""
 
 
 def test_block_training_matches_torchrun(ipython, tmp_path):
     script = tmp_path / "train_blocks.py"
     script.write_text(SCRIPT)
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           f"--master_port={free_port()}", str(script)],
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            str(script),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("LOSSES"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOSSES"))
     torchrun_losses = json.loads(line.split(" ", 1)[1])
 
     ipython.run_line_magic("nbtrain", "start -n 2 --start-timeout-s 90")
     try:
-        ipython.run_cell_magic("distributed", "", f"import runpy\n"
-                               f"losses = runpy.run_path({str(script)!r})['train']()")
+        ipython.run_cell_magic(
+            "distributed", "", f"import runpy\nlosses = runpy.run_path({str(script)!r})['train']()"
+        )
         cell_losses = ipython.run_line_magic("nbtrain", "pull losses -t 0")
         assert ipython.run_line_magic("nbtrain", "pull losses -t 1") == cell_losses
     finally:

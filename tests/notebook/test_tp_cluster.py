@@ -1,13 +1,14 @@
 """`%nbtrain start -n 2 --tp-size 2`: the topology on every engine, coordinates in the output."""
+
 import pytest
 
 for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
+from procs import wait_gone
 
 from nbtrain.notebook import magics
-from procs import wait_gone
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -24,20 +25,28 @@ def test_tensor_parallel_cluster(ipython):
     pids = cluster.pids()
     try:
         with capture_output() as cap:
-            ipython.run_cell_magic("distributed", "", (
-                "from nbtrain.nn import ColumnParallelLinear\n"
-                "torch.manual_seed(0)\n"
-                "layer = ColumnParallelLinear(4, 6, gather_output=True)\n"
-                "torch.manual_seed(0)\n"
-                "plain = torch.nn.Linear(4, 6)\n"
-                "x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))\n"
-                "y = layer(x.chunk(2)[nbt.config['tp_rank']])\n"
-                "print('tp', nbt.config['tp_size'], nbt.config['tp_rank'],\n"
-                "      'err', float((y - plain(x)).abs().max()) < 1e-6)"))
+            ipython.run_cell_magic(
+                "distributed",
+                "",
+                (
+                    "from nbtrain.nn import ColumnParallelLinear\n"
+                    "torch.manual_seed(0)\n"
+                    "layer = ColumnParallelLinear(4, 6, gather_output=True)\n"
+                    "torch.manual_seed(0)\n"
+                    "plain = torch.nn.Linear(4, 6)\n"
+                    "x = torch.randn(4, 4, generator=torch.Generator().manual_seed(1))\n"
+                    "y = layer(x.chunk(2)[nbt.config['tp_rank']])\n"
+                    "print('tp', nbt.config['tp_size'], nbt.config['tp_rank'],\n"
+                    "      'err', float((y - plain(x)).abs().max()) < 1e-6)"
+                ),
+            )
         assert "[rank 0 tp0 dp0] tp 2 0 err True" in cap.stdout
         assert "[rank 1 tp1 dp0] tp 2 1 err True" in cap.stdout
-        with pytest.raises(UsageError, match=r"restart -n 3: the cluster has tensor-parallel "
-                                             r"size 2"):
+        with pytest.raises(
+            UsageError,
+            match=r"restart -n 3: the cluster has tensor-parallel "
+            r"size 2",
+        ):
             ipython.run_line_magic("nbtrain", "restart -n 3")
         assert cluster.running and cluster.pids() == pids  # nothing was restarted
     finally:

@@ -1,4 +1,5 @@
 """CPU load beside a stress run: busy-looping processes, ended by their pids."""
+
 from __future__ import annotations
 
 import contextlib
@@ -9,8 +10,9 @@ import sys
 @contextlib.contextmanager
 def busy(count: int):
     """`count` processes that spin on a core each while the block runs."""
-    procs = [subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"])
-             for _ in range(count)]
+    procs = [
+        subprocess.Popen([sys.executable, "-c", "while True:\n    pass\n"]) for _ in range(count)
+    ]
     try:
         yield procs
     finally:

@@ -19,6 +19,7 @@ most between the end of warm-up and the end of the run (slows the run ~3x; the
 RSS growth then counts tracemalloc's own bookkeeping).
 The script runs the nbtrain of the checkout it sits in.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,17 +43,22 @@ def containers() -> dict:
 
     rec = telemetry.RECORDER
     log = rec.log
-    out = {"events": len(rec.events), "metrics": len(log.metrics),
-           "overlap": len(log.overlap), "steps": len(log.steps),
-           "memory_history": len(log.memory_history), "spans": len(log._spans),
-           "sinks": len(rec.sinks),
-           "jsonl_buffer": sum(len(getattr(s, "_buffer", ())) for s in rec.sinks),
-           "counter_kinds": len(collectives.COUNTERS.bytes),
-           "in_flight": len(collectives.IN_FLIGHT),
-           "step_end_hooks": len(events._STEP_END),
-           "subscribers": len(events.HUB.subscribers),
-           "phases": len(recovery._S.phases),
-           "gc_objects": len(gc.get_objects())}
+    out = {
+        "events": len(rec.events),
+        "metrics": len(log.metrics),
+        "overlap": len(log.overlap),
+        "steps": len(log.steps),
+        "memory_history": len(log.memory_history),
+        "spans": len(log._spans),
+        "sinks": len(rec.sinks),
+        "jsonl_buffer": sum(len(getattr(s, "_buffer", ())) for s in rec.sinks),
+        "counter_kinds": len(collectives.COUNTERS.bytes),
+        "in_flight": len(collectives.IN_FLIGHT),
+        "step_end_hooks": len(events._STEP_END),
+        "subscribers": len(events.HUB.subscribers),
+        "phases": len(recovery._S.phases),
+        "gc_objects": len(gc.get_objects()),
+    }
     return out
 
 
@@ -73,19 +79,19 @@ def _rank_main(args) -> dict:
     cfg = GPTConfig.preset("tiny", vocab_size=VOCAB_SIZE, seq_len=args.seq_len)
     model = nbt.wrap(GPT(cfg).to(ctx.device), zero_level=3)
     optimizer = nbt.optim.AdamOptimizer(model.parameters(), lr=1e-3, weight_decay=0.01)
-    scheduler = nbt.lr_scheduler.Cosine(optimizer, start_lr=1e-3,
-                                        warmup_iter=max(1, args.steps // 20),
-                                        end_iter=args.steps)
+    scheduler = nbt.lr_scheduler.Cosine(
+        optimizer, start_lr=1e-3, warmup_iter=max(1, args.steps // 20), end_iter=args.steps
+    )
     manager = nbt.optim.OptimManager()
     manager.add_optimizer(optimizer, scheduler)
     telemetry.watch(model, optimizer)  # each step's memory sample counts the model state
-    sampler = BatchSampler(stdlib_corpus(), cfg.seq_len, args.batch_per_rank * ctx.world_size,
-                           seed=0)
+    sampler = BatchSampler(
+        stdlib_corpus(), cfg.seq_len, args.batch_per_rank * ctx.world_size, seed=0
+    )
 
     samples, lengths, top = [], [], None
     started = time.perf_counter()
-    for step in progress(range(args.steps), desc="memory_growth", unit="step",
-                         mininterval=30):
+    for step in progress(range(args.steps), desc="memory_growth", unit="step", mininterval=30):
         x, y = sampler.local_batch(step)
         telemetry.metric(tokens=x.numel())
         manager.zero_grad()
@@ -102,8 +108,10 @@ def _rank_main(args) -> dict:
         if done % args.every == 0 or done == args.steps or done == args.warmup:
             rss = _rss_bytes()
             samples.append((done, rss))
-            line = (f"[rank {ctx.rank}] step {done:6d}  rss {rss / MiB:7.1f} MiB  "
-                    f"{(time.perf_counter() - started) / done * 1e3:5.1f} ms/step")
+            line = (
+                f"[rank {ctx.rank}] step {done:6d}  rss {rss / MiB:7.1f} MiB  "
+                f"{(time.perf_counter() - started) / done * 1e3:5.1f} ms/step"
+            )
             if args.diagnose:
                 sizes = containers()
                 lengths.append((done, sizes))
@@ -124,14 +132,19 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=20000)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--every", type=int, default=1000, help="steps between RSS lines")
-    p.add_argument("--warmup", type=int, default=2000,
-                   help="growth is measured from this step (default 2000)")
+    p.add_argument(
+        "--warmup", type=int, default=2000, help="growth is measured from this step (default 2000)"
+    )
     p.add_argument("--batch-per-rank", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=32)
-    p.add_argument("--diagnose", action="store_true",
-                   help="print the lengths of nbtrain's per-step containers")
-    p.add_argument("--tracemalloc", action="store_true",
-                   help="print the allocation sites that grew most after warm-up")
+    p.add_argument(
+        "--diagnose", action="store_true", help="print the lengths of nbtrain's per-step containers"
+    )
+    p.add_argument(
+        "--tracemalloc",
+        action="store_true",
+        help="print the allocation sites that grew most after warm-up",
+    )
     args = p.parse_args(argv)
     args.warmup = min(args.warmup, args.steps)
 
@@ -143,15 +156,19 @@ def main(argv=None) -> int:
         results = run_ranks(_rank_main, args.ranks, args, timeout_s=24 * 3600)
         elapsed = time.perf_counter() - start
 
-    print(f"\n{args.steps} steps on {args.ranks} CPU rank(s) in {elapsed:.0f} s; "
-          f"growth from step {args.warmup} to step {args.steps}:")
+    print(
+        f"\n{args.steps} steps on {args.ranks} CPU rank(s) in {elapsed:.0f} s; "
+        f"growth from step {args.warmup} to step {args.steps}:"
+    )
     worst = 0.0
     for res in sorted(results, key=lambda r: r["rank"]):
         by_step = dict(res["samples"])
         first, last = by_step[args.warmup], by_step[args.steps]
         worst = max(worst, (last - first) / MiB)
-        print(f"  rank {res['rank']}: {first / MiB:7.1f} -> {last / MiB:7.1f} MiB "
-              f"(growth {(last - first) / MiB:+.1f} MiB)")
+        print(
+            f"  rank {res['rank']}: {first / MiB:7.1f} -> {last / MiB:7.1f} MiB "
+            f"(growth {(last - first) / MiB:+.1f} MiB)"
+        )
         for line in res["tracemalloc"]:
             print(f"    {line}")
     print(f"largest growth after warm-up: {worst:+.1f} MiB per rank")

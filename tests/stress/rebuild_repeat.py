@@ -13,6 +13,7 @@ rebuild and close the new group while its peer was still finishing gloo's mesh, 
 init then failed with "Connection closed by peer" (7 of 380 runs before the barrier at
 the end of `rebuild`, 0 of 300 after, on 2 cores with one busy process).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ def main(argv=None) -> int:
             except Exception as err:  # a rank's traceback
                 failed += 1
                 print(f"run {run} failed:\n{err}", flush=True)
-    print(f"{failed} of {args.runs} failed in {time.monotonic() - began:.0f} s "
-          f"({args.load} busy process(es) beside)")
+    print(
+        f"{failed} of {args.runs} failed in {time.monotonic() - began:.0f} s "
+        f"({args.load} busy process(es) beside)"
+    )
     return 1 if failed else 0
 
 

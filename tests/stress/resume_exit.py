@@ -20,6 +20,7 @@ Not a pytest test: a teardown race shows up in a few runs out of tens, which is
 too slow and too flaky for the suite (tests/multirank/test_clean_exit.py is the
 quick, deterministic part). One run takes ~10 s on a 2-core machine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -96,12 +97,33 @@ def launch(mode: str, ranks: int, ckpt: str, log_dir: str, steps: int, timeout: 
     """One torchrun job: (job exit code, {rank: exit code}, {rank: stderr}, torchrun output)."""
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=path)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={ranks}", "--log-dir", log_dir, "--redirects", "2",
-           HERE, "--rank-mode", mode, "--ckpt", ckpt, "--steps", str(steps)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        "--log-dir",
+        log_dir,
+        "--redirects",
+        "2",
+        HERE,
+        "--rank-mode",
+        mode,
+        "--ckpt",
+        ckpt,
+        "--steps",
+        str(steps),
+    ]
     # Its own session, so that a run past the timeout ends with all its ranks.
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=timeout)
         job_rc = proc.returncode
@@ -133,14 +155,19 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=40)
     ap.add_argument("--ranks", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--exit", dest="exit_mode", choices=("both", "destroy", "no-destroy"),
-                    default="both", help="how each run ends (both: alternate)")
-    ap.add_argument("--no-destroy", action="store_true",
-                    help="same as --exit no-destroy")
+    ap.add_argument(
+        "--exit",
+        dest="exit_mode",
+        choices=("both", "destroy", "no-destroy"),
+        default="both",
+        help="how each run ends (both: alternate)",
+    )
+    ap.add_argument("--no-destroy", action="store_true", help="same as --exit no-destroy")
     ap.add_argument("--timeout", type=float, default=180.0, help="per run, seconds")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
-    ap.add_argument("-v", "--verbose", action="store_true",
-                    help="print the stderr of aborted ranks")
+    ap.add_argument(
+        "-v", "--verbose", action="store_true", help="print the stderr of aborted ranks"
+    )
     # Set when torchrun runs this file as the per-rank script.
     ap.add_argument("--rank-mode", choices=("write", "destroy", "no-destroy"))
     ap.add_argument("--ckpt")
@@ -155,8 +182,9 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="nbtrain-resume-exit-")
     ckpt = os.path.join(work, "ckpt")
     try:
-        rc, codes, errs, out = launch("write", args.ranks, ckpt, os.path.join(work, "logs-write"),
-                                      args.steps, args.timeout)
+        rc, codes, errs, out = launch(
+            "write", args.ranks, ckpt, os.path.join(work, "logs-write"), args.steps, args.timeout
+        )
         if rc != 0:
             print(out[-4000:])
             for r in sorted(errs):
@@ -175,8 +203,7 @@ def main(argv=None) -> int:
                 mode = "destroy" if i % 2 == 0 else "no-destroy"
             log_dir = os.path.join(work, f"logs-{i}")
             start = time.monotonic()
-            rc, codes, errs, out = launch(mode, args.ranks, ckpt, log_dir, args.steps,
-                                          args.timeout)
+            rc, codes, errs, out = launch(mode, args.ranks, ckpt, log_dir, args.steps, args.timeout)
             bad = []
             for r in range(args.ranks):
                 code, err = codes.get(r, "?"), errs.get(r, "")
@@ -189,8 +216,11 @@ def main(argv=None) -> int:
             line = " ".join(f"r{r}={codes.get(r, '?')}" for r in range(args.ranks))
             failed_runs += bool(bad)
             flag = f"  ABORTED ranks {bad}" if bad else ""
-            print(f"run {i + 1:3d}/{args.runs} {mode:10s} job={rc} {line} "
-                  f"({time.monotonic() - start:.1f} s){flag}", flush=True)
+            print(
+                f"run {i + 1:3d}/{args.runs} {mode:10s} job={rc} {line} "
+                f"({time.monotonic() - start:.1f} s){flag}",
+                flush=True,
+            )
             if bad and args.verbose:
                 for r in bad:
                     print(f"--- run {i + 1} rank {r} stderr (tail) ---\n{errs.get(r, '')[-2000:]}")

@@ -28,6 +28,7 @@ How they are found, with no sys.path line in any test file:
   PYTHONPATH: `script_env()` below. By hand, from the checkout:
   `PYTHONPATH=.:tests python -m torch.distributed.run ... tests/multirank/torchrun_train.py`.
 """
+
 from __future__ import annotations
 
 import os

@@ -1,4 +1,5 @@
 """Shared training cases: one GPT, built plain or sharded, trained with AdamW."""
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,10 @@ def batches(world_size: int, steps: int, cfg: GPTConfig = CFG):
     """(x, y) of shape (steps, world_size * BATCH_PER_RANK, seq_len), seeded."""
     g = torch.Generator().manual_seed(1234)
     shape = (steps, world_size * BATCH_PER_RANK, cfg.seq_len)
-    return (torch.randint(0, cfg.vocab_size, shape, generator=g),
-            torch.randint(0, cfg.vocab_size, shape, generator=g))
+    return (
+        torch.randint(0, cfg.vocab_size, shape, generator=g),
+        torch.randint(0, cfg.vocab_size, shape, generator=g),
+    )
 
 
 def plain_model(cfg: GPTConfig = CFG) -> GPT:
@@ -25,16 +28,15 @@ def plain_model(cfg: GPTConfig = CFG) -> GPT:
     return GPT(cfg)
 
 
-def sharded_model(mode: str, zero_level: int, use_checkpoint: bool,
-                  cfg: GPTConfig = CFG) -> GPT:
+def sharded_model(mode: str, zero_level: int, use_checkpoint: bool, cfg: GPTConfig = CFG) -> GPT:
     """mode: "blocks" (explicit Blocks, no links), "blocklist" or "wrap"."""
     model = plain_model(cfg)
     if mode == "blocks":
-        model.layers = nn.ModuleList(nbt.Block(m, zero_level, use_checkpoint)
-                                     for m in model.layers)
+        model.layers = nn.ModuleList(nbt.Block(m, zero_level, use_checkpoint) for m in model.layers)
     elif mode == "blocklist":
-        model.layers = nbt.TransformerBlockList([nbt.Block(m, zero_level, use_checkpoint)
-                                                 for m in model.layers])
+        model.layers = nbt.TransformerBlockList(
+            [nbt.Block(m, zero_level, use_checkpoint) for m in model.layers]
+        )
     elif mode != "wrap":
         raise ValueError(mode)
     return nbt.wrap(model, zero_level=zero_level, use_checkpoint=use_checkpoint)

@@ -1,11 +1,17 @@
 """A private IPython/Jupyter home for a test folder, set before IPython is imported."""
+
 from __future__ import annotations
 
 import os
 import tempfile
 
-HOME_VARIABLES = ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR",
-                  "JUPYTER_CONFIG_DIR", "MPLCONFIGDIR")
+HOME_VARIABLES = (
+    "IPYTHONDIR",
+    "JUPYTER_RUNTIME_DIR",
+    "JUPYTER_DATA_DIR",
+    "JUPYTER_CONFIG_DIR",
+    "MPLCONFIGDIR",
+)
 
 
 def use_private_homes(prefix: str) -> str:

@@ -1,5 +1,6 @@
 """A real Jupyter kernel driven by nbclient, for the notebook tests: a client on a new
 notebook, cells run one by one, a cell's text, the pids a started cluster prints."""
+
 from __future__ import annotations
 
 import re
@@ -10,8 +11,11 @@ from nbformat.v4 import new_code_cell, new_notebook
 from support import REPO_DIR
 
 # Cells that load the extension, start 2 ranks and print the cluster's pids (pids_from).
-START = ["%load_ext nbtrain", "%nbtrain start -n 2",
-         "import nbtrain.notebook.magics as _m\nprint('PIDS', *_m.current_cluster().pids())"]
+START = [
+    "%load_ext nbtrain",
+    "%nbtrain start -n 2",
+    "import nbtrain.notebook.magics as _m\nprint('PIDS', *_m.current_cluster().pids())",
+]
 
 
 def text_of(cell) -> str:
@@ -40,8 +44,13 @@ def new_client(timeout_s: int = 180):
     """(notebook, client): an empty notebook and a python3 kernel client for it, run from
     the checkout's root; errors are kept as outputs. Start it with client.setup_kernel()."""
     nb = new_notebook()
-    client = NotebookClient(nb, timeout=timeout_s, allow_errors=True, kernel_name="python3",
-                            resources={"metadata": {"path": str(REPO_DIR)}})
+    client = NotebookClient(
+        nb,
+        timeout=timeout_s,
+        allow_errors=True,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(REPO_DIR)}},
+    )
     return nb, client
 
 

@@ -1,5 +1,6 @@
 """The listening TCP sockets of a process, read from /proc (Linux), for the tests that
 check nbtrain opens no listener on a wildcard address."""
+
 from __future__ import annotations
 
 import os
@@ -12,7 +13,7 @@ WILDCARDS = {"0.0.0.0", "::"}
 def _address(hex_addr: str) -> str:
     if len(hex_addr) == 8:  # IPv4, little-endian
         return socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(hex_addr, 16)))
-    words = [struct.pack("<I", int(hex_addr[i:i + 8], 16)) for i in range(0, 32, 8)]
+    words = [struct.pack("<I", int(hex_addr[i : i + 8], 16)) for i in range(0, 32, 8)]
     return socket.inet_ntop(socket.AF_INET6, b"".join(words))
 
 

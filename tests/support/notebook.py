@@ -1,5 +1,6 @@
 """The magics run from a test's IPython shell (the `ipython` fixture of
 tests/notebook/conftest.py): a %%distributed cell, a %nbtrain line, any magic captured."""
+
 from __future__ import annotations
 
 from IPython.utils.capture import CapturedIO, capture_output

@@ -1,4 +1,5 @@
 """Rank functions for test_runtime.py: nbtrain.runtime's layouts against its reference."""
+
 import torch
 
 VOCAB, SEQ = 64, 16
@@ -27,14 +28,19 @@ def configs(optimizer="adamw", untied=False, moe=None, **parallel):
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig
 
     model = {**MODEL, "tie_embeddings": False} if untied else MODEL
-    nb = dict(model_config=model, optimizer=OPTIMIZERS[optimizer], clip_grad_norm=1.0,
-              lr_schedule={"name": "warmup", "warmup_steps": 4})
+    nb = dict(
+        model_config=model,
+        optimizer=OPTIMIZERS[optimizer],
+        clip_grad_norm=1.0,
+        lr_schedule={"name": "warmup", "warmup_steps": 4},
+    )
     if moe:
-        nb.update(model_name="gpt_moe",
-                  model_config={**model, "num_experts": 4, "top_k": 2, "balance": moe})
+        nb.update(
+            model_name="gpt_moe",
+            model_config={**model, "num_experts": 4, "top_k": 2, "balance": moe},
+        )
     ref = RuntimeConfig("reference", backend_cfg=NBConfig(**nb))
-    mine = RuntimeConfig("nbtrain", backend_cfg=NBConfig(
-        **nb, parallel=ParallelConfig(**parallel)))
+    mine = RuntimeConfig("nbtrain", backend_cfg=NBConfig(**nb, parallel=ParallelConfig(**parallel)))
     return ref, mine
 
 
@@ -51,7 +57,7 @@ def parity(cases, steps):
         scaled = par.pop("scaled", False)
         cfgs = configs(opt, **par)
         for cfg in cfgs if scaled else ():
-            cfg.backend_cfg.loss_scale = 2.0 ** 12  # a power of two: exact in fp32
+            cfg.backend_cfg.loss_scale = 2.0**12  # a power of two: exact in fp32
         COUNTERS.reset()
         out[i] = compare(*cfgs, steps=steps, data=data, verbose=False)
         out[f"bytes {i}"] = dict(COUNTERS.snapshot()["bytes"])  # which exchanges ran
@@ -68,8 +74,9 @@ def packed_vs_alone(layouts):
     docs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (5, 7, 3, 9, 6, 4, 2, 8)]
     packed = PackedBatch.from_documents(docs, SEQ, rows=4)
     rows = [PackedBatch.from_documents([d], SEQ, rows=1) for d in docs]  # one per row
-    alone = PackedBatch(*(torch.cat([getattr(r, k) for r in rows])
-                          for k in ("input_ids", "position_ids", "labels")))
+    alone = PackedBatch(
+        *(torch.cat([getattr(r, k) for r in rows]) for k in ("input_ids", "position_ids", "labels"))
+    )
     out = {}
     for i, parallel in enumerate(layouts):
         ref, mine = configs("sgd", **parallel)
@@ -79,8 +86,7 @@ def packed_vs_alone(layouts):
             handle = rt.build_model()
             rt.zero_grad(handle)
             result = rt.forward_backward(handle, batch)
-            results.append((_by_document(result.token_losses, batch),
-                            rt.optimizer_step(handle)[1]))
+            results.append((_by_document(result.token_losses, batch), rt.optimizer_step(handle)[1]))
         out[i] = results
     return out
 
@@ -89,7 +95,7 @@ def _by_document(token_losses, batch):
     """Each labelled document's token losses, in packing order."""
     flat, cu = token_losses.reshape(-1), batch.cu_seqlens.tolist()
     labelled = (batch.labels != -100).reshape(-1)
-    return [flat[a:b - 1] for a, b in zip(cu, cu[1:]) if bool(labelled[a:b].any())]
+    return [flat[a : b - 1] for a, b in zip(cu, cu[1:]) if bool(labelled[a:b].any())]
 
 
 def weighted(data):
@@ -135,8 +141,11 @@ def resume(backend, parallel, path, steps=6):
     rt = create_runtime(cfg)
     fresh = rt.build_model()
     rt.load(fresh, path)
-    return {"whole": whole, "resumed": half + run(fresh, rt, steps // 2, steps - steps // 2),
-            "steps": fresh.steps}
+    return {
+        "whole": whole,
+        "resumed": half + run(fresh, rt, steps // 2, steps - steps // 2),
+        "steps": fresh.steps,
+    }
 
 
 def contract_example():
@@ -145,9 +154,13 @@ def contract_example():
     from nbtrain.runtime.contracts import ForwardResult
 
     data = batches(count=1)[0]
-    cfg = RuntimeConfig(backend="nbtrain", hf_path=None,
-                        backend_cfg=NBConfig(model_name="gpt", model_config=MODEL,
-                                             parallel=ParallelConfig(tp_size=2)))
+    cfg = RuntimeConfig(
+        backend="nbtrain",
+        hf_path=None,
+        backend_cfg=NBConfig(
+            model_name="gpt", model_config=MODEL, parallel=ParallelConfig(tp_size=2)
+        ),
+    )
     rt = create_runtime(cfg)
     handle = rt.build_model()
     with rt.train_mode(handle):
@@ -163,8 +176,17 @@ def contract_example():
     rt.zero_grad(handle)
     doubled = rt.forward_backward(handle, data, loss_fn=doubled_cross_entropy).metrics["loss"]
     assert isinstance(result, ForwardResult)
-    return {"loss": result.metrics["loss"], "tokens": result.metrics["tokens"],
-            "expected_tokens": int((data.labels != -100).sum()),
-            "token_losses": result.token_losses, "labelled": data.labels != -100, "ok": ok, "grad_norm": grad_norm,
-            "num_zeros": num_zeros, "lr": lr, "modes": modes,
-            "plain": plain, "doubled": doubled}
+    return {
+        "loss": result.metrics["loss"],
+        "tokens": result.metrics["tokens"],
+        "expected_tokens": int((data.labels != -100).sum()),
+        "token_losses": result.token_losses,
+        "labelled": data.labels != -100,
+        "ok": ok,
+        "grad_norm": grad_norm,
+        "num_zeros": num_zeros,
+        "lr": lr,
+        "modes": modes,
+        "plain": plain,
+        "doubled": doubled,
+    }

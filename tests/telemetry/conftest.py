@@ -1,6 +1,6 @@
 """Telemetry tests: a private IPython/Jupyter home; the dashboard notebook, run once."""
-import pytest
 
+import pytest
 from support.homes import use_private_homes
 
 use_private_homes("nbtrain-telemetry-tests-")

@@ -1,5 +1,6 @@
 """A notebook that trains a small GPT on 2 ranks with the live dashboard, executed
 by nbclient in a real kernel; the client records widget updates as they arrive."""
+
 import os
 import time
 
@@ -65,9 +66,13 @@ def run(path: str, timeout_s: int = 240) -> RecordingClient:
     """Write the notebook to `path`, execute it in place (widget state stored)."""
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src) for src in CELLS]
-    client = RecordingClient(nb, timeout=timeout_s, kernel_name="python3",
-                             store_widget_state=True,
-                             resources={"metadata": {"path": os.path.dirname(path)}})
+    client = RecordingClient(
+        nb,
+        timeout=timeout_s,
+        kernel_name="python3",
+        store_widget_state=True,
+        resources={"metadata": {"path": os.path.dirname(path)}},
+    )
     client.execute()
     nbformat.write(nb, path)
     return client

@@ -3,6 +3,7 @@
 python -m torch.distributed.run --standalone --nproc-per-node 2 tests/telemetry/measure_overhead.py
 Alternates blocks of steps on and off so that drift hits both modes alike.
 """
+
 import statistics
 import sys
 import tempfile
@@ -39,15 +40,19 @@ def main(rounds: int = 6, steps_per_block: int = 5) -> None:
     for _ in range(3):
         step(True)  # warm-up
     for r in range(rounds):
-        for record in ((True, False) if r % 2 == 0 else (False, True)):
+        for record in (True, False) if r % 2 == 0 else (False, True):
             telemetry.set_enabled(record)
             times[record] += [step(record) for _ in range(steps_per_block)]
     telemetry.set_enabled(True)
     telemetry.stop()
     on, off = statistics.median(times[True]), statistics.median(times[False])
-    events = len([e for e in telemetry.RECORDER.snapshot() if e["step"] == telemetry.RECORDER.step - 1])
-    nbt.print_rank(f"step time on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
-                   f"overhead {100 * (on / off - 1):+.2f}% ({events} events per step)")
+    events = len(
+        [e for e in telemetry.RECORDER.snapshot() if e["step"] == telemetry.RECORDER.step - 1]
+    )
+    nbt.print_rank(
+        f"step time on {on * 1e3:.2f} ms, off {off * 1e3:.2f} ms, "
+        f"overhead {100 * (on / off - 1):+.2f}% ({events} events per step)"
+    )
     nbt.comm.shutdown()
 
 

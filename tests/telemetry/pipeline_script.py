@@ -3,6 +3,7 @@
 Usage: python -m torch.distributed.run --standalone --nproc-per-node 2 pipeline_script.py \
     RUN_DIR [STEPS] [SCHEDULE]
 """
+
 import sys
 
 import torch
@@ -42,5 +43,8 @@ def main(run_dir: str, steps: int, schedule: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 3,
-         sys.argv[3] if len(sys.argv) > 3 else "1f1b")
+    main(
+        sys.argv[1],
+        int(sys.argv[2]) if len(sys.argv) > 2 else 3,
+        sys.argv[3] if len(sys.argv) > 3 else "1f1b",
+    )

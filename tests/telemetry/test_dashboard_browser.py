@@ -6,6 +6,7 @@ export uses may be unreachable. The page holds the notebook up to its training c
 tests/artifacts/ and is the README's picture (notebooks/img/dashboard.png). Each
 panel is found by the colours only it draws.
 """
+
 import os
 import shutil
 import subprocess
@@ -18,10 +19,13 @@ ARTIFACTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 PACKAGES = {"@jupyter-widgets/html-manager@1.0.15": "embed-amd.js", "requirejs@2.3.8": "require.js"}
 COMPUTE_RGB = (0x4C, 0x72, 0xB0)  # nbtrain.telemetry.panels_base.COMPUTE_COLOR
-COMM_RGB = (0xDD, 0x84, 0x52)     # COMM_COLOR (in the timeline at alpha 0.7 over white)
-SKEW_RGB = (0xC4, 0x4E, 0x52)     # SKEW_COLOR: the slowest/fastest line and its axis label
-SPLIT_RGB = {"parameters": (0x2A, 0x9D, 0x8F), "gradients": (0xE9, 0xC4, 0x6A),
-             "optimizer state": (0x81, 0x72, 0xB3)}  # panels_system.SPLIT, at alpha 0.85
+COMM_RGB = (0xDD, 0x84, 0x52)  # COMM_COLOR (in the timeline at alpha 0.7 over white)
+SKEW_RGB = (0xC4, 0x4E, 0x52)  # SKEW_COLOR: the slowest/fastest line and its axis label
+SPLIT_RGB = {
+    "parameters": (0x2A, 0x9D, 0x8F),
+    "gradients": (0xE9, 0xC4, 0x6A),
+    "optimizer state": (0x81, 0x72, 0xB3),
+}  # panels_system.SPLIT, at alpha 0.85
 RANK_RGB = ((0x1F, 0x77, 0xB4), (0xFF, 0x7F, 0x0E))  # matplotlib's C0, C1: rank 0, rank 1
 VAL_LOSS_RGB = (0xD6, 0x27, 0x28)  # C3: the first user metric
 
@@ -29,8 +33,11 @@ VAL_LOSS_RGB = (0xD6, 0x27, 0x28)  # C3: the first user metric
 def _browser() -> str:
     found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium-headless-shell"],
-                       capture_output=True, timeout=300)
+        subprocess.run(
+            ["apt-get", "install", "-y", "-qq", "chromium-headless-shell"],
+            capture_output=True,
+            timeout=300,
+        )
         found = next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
     if found is None:
         pytest.skip("no chromium and it could not be installed with apt-get (needs root)")
@@ -47,8 +54,9 @@ def _widget_js() -> dict:
         pytest.skip("npm is not installed: cannot fetch the widget JavaScript")
     os.makedirs(folder, exist_ok=True)
     for package, name in PACKAGES.items():
-        proc = subprocess.run(["npm", "pack", package], cwd=folder, capture_output=True,
-                              text=True, timeout=180)
+        proc = subprocess.run(
+            ["npm", "pack", package], cwd=folder, capture_output=True, text=True, timeout=180
+        )
         if proc.returncode != 0:
             pytest.skip(f"npm pack {package} failed (offline?): {proc.stderr.strip()[-300:]}")
         tgz = os.path.join(folder, proc.stdout.strip().splitlines()[-1])
@@ -91,7 +99,7 @@ def _check_panels(pixels):
     # The comm-by-kind panel: the model-state panel's row, right of that panel.
     state = _mask(pixels, SPLIT_RGB["parameters"], alpha=0.85)
     rows, cols = np.nonzero(state)
-    band = pixels[rows.min():rows.max() + 1, cols.max() + 1:]
+    band = pixels[rows.min() : rows.max() + 1, cols.max() + 1 :]
     assert _near(band, COMM_RGB) > 300, "no bytes-per-step bars in the comm-by-kind panel"
     assert _near(band, COMPUTE_RGB) > 300, "no bandwidth bars in the comm-by-kind panel"
     # Step time with its skew line; lines of two ranks over several panels; val_loss.
@@ -116,20 +124,31 @@ def test_dashboard_renders_in_chromium(dashboard_run, tmp_path):
     config.HTMLExporter.mathjax_url = ""
     config.HTMLExporter.exclude_input = True
     import nbformat
-
     from dashboard_notebook import TRAIN_CELL
 
     nb = nbformat.read(str(dashboard_run[0]), as_version=4)
-    nb.cells = nb.cells[:TRAIN_CELL + 1]
+    nb.cells = nb.cells[: TRAIN_CELL + 1]
     body, _ = HTMLExporter(config=config).from_notebook_node(nb)
     page = tmp_path / "dashboard.html"
     page.write_text(body)
     shot = tmp_path / "dashboard.png"
-    proc = subprocess.run([browser, "--headless", "--no-sandbox", "--disable-gpu",
-                           "--hide-scrollbars", "--allow-file-access-from-files",
-                           "--virtual-time-budget=8000", f"--screenshot={shot}",
-                           "--window-size=1000,1010", f"file://{page}"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            browser,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--hide-scrollbars",
+            "--allow-file-access-from-files",
+            "--virtual-time-budget=8000",
+            f"--screenshot={shot}",
+            "--window-size=1000,1010",
+            f"file://{page}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shot.exists(), proc.stderr[-2000:]
     os.makedirs(ARTIFACTS, exist_ok=True)
     shutil.copy(shot, os.path.join(ARTIFACTS, "dashboard.png"))

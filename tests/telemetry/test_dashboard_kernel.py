@@ -1,11 +1,12 @@
 """The dashboard in a real kernel (nbclient): its widgets change while the cell runs."""
+
 import re
 
 import pytest
 
 # The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
 # running only `pytest -m gpu`: skip this module there rather than fail collection.
-for _needed in ('nbformat', 'nbclient', 'ipywidgets'):
+for _needed in ("nbformat", "nbclient", "ipywidgets"):
     pytest.importorskip(_needed)
 
 import dashboard_notebook
@@ -36,8 +37,11 @@ def test_dashboard_updates_while_the_cell_runs(executed):
     assert steps == sorted(steps) and steps[-1] == dashboard_notebook.STEPS
     early = [t for t, _, data in during if "value" in data.get("state", {})]
     assert min(early) < client.cell_done[cell] - 1.0  # not all at the end
-    header = [d["state"]["value"] for _, _, d in during
-              if "<th>step time</th>" in str(d.get("state", {}).get("value"))]
+    header = [
+        d["state"]["value"]
+        for _, _, d in during
+        if "<th>step time</th>" in str(d.get("state", {}).get("value"))
+    ]
     assert header and " ms</td>" in header[-1]
 
 
@@ -54,8 +58,9 @@ def test_widget_state_is_stored_with_the_figure(executed):
     # Each dashboard is its table and its figure: progress is rank 0's bar in the cell's
     # output only (a progress widget in the dashboard showed it a second time).
     boards = [m["state"]["children"] for m in state.values() if m["model_name"] == "VBoxModel"]
-    kinds = [[state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in children]
-             for children in boards]
+    kinds = [
+        [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in children] for children in boards
+    ]
     assert kinds == [["HTMLModel", "ImageModel"]] * 2, kinds
     later = nb.cells[dashboard_notebook.DASHBOARD_CELL].outputs
     assert [o["output_type"] for o in later] == ["display_data"]

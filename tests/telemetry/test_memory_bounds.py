@@ -6,6 +6,7 @@ shrunk so that they fill early: from then on the containers must stop growing, a
 so must the process. `tests/stress/memory_growth.py` measures the real defaults
 over 20000 steps.
 """
+
 import os
 from collections import deque
 
@@ -28,12 +29,20 @@ def _lengths() -> dict:
     from nbtrain.comm import collectives, events
 
     rec, log = telemetry.RECORDER, telemetry.RECORDER.log
-    return {"events": len(rec.events), "metrics": len(log.metrics), "steps": len(log.steps),
-            "overlap": len(log.overlap), "memory_history": len(log.memory_history),
-            "spans": len(log._spans), "sinks": len(rec.sinks),
-            "counter_kinds": len(collectives.COUNTERS.bytes),
-            "in_flight": len(collectives.IN_FLIGHT), "step_end_hooks": len(events._STEP_END),
-            "subscribers": len(events.HUB.subscribers), "phases": len(recovery._S.phases)}
+    return {
+        "events": len(rec.events),
+        "metrics": len(log.metrics),
+        "steps": len(log.steps),
+        "overlap": len(log.overlap),
+        "memory_history": len(log.memory_history),
+        "spans": len(log._spans),
+        "sinks": len(rec.sinks),
+        "counter_kinds": len(collectives.COUNTERS.bytes),
+        "in_flight": len(collectives.IN_FLIGHT),
+        "step_end_hooks": len(events._STEP_END),
+        "subscribers": len(events.HUB.subscribers),
+        "phases": len(recovery._S.phases),
+    }
 
 
 def _train(run_dir: str) -> dict:
@@ -53,8 +62,9 @@ def _train(run_dir: str) -> dict:
     model = nbt.wrap(GPT(cfg), zero_level=3)
     optimizer = nbt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
     manager = nbt.optim.OptimManager()
-    manager.add_optimizer(optimizer, nbt.lr_scheduler.Cosine(optimizer, start_lr=1e-3,
-                                                             warmup_iter=10, end_iter=STEPS))
+    manager.add_optimizer(
+        optimizer, nbt.lr_scheduler.Cosine(optimizer, start_lr=1e-3, warmup_iter=10, end_iter=STEPS)
+    )
     telemetry.watch(model, optimizer)
     sampler = BatchSampler(stdlib_corpus(), cfg.seq_len, 2 * nbt.world_size(), seed=0)
     seen = {}

@@ -1,5 +1,6 @@
 """The panels, drawn from synthetic StepLog summaries of 2 and 64 ranks: every panel
 draws its data (lines, bands, labels), and every step axis has integer ticks."""
+
 import pytest
 import synthetic
 
@@ -7,9 +8,18 @@ from nbtrain.telemetry import panels
 from nbtrain.telemetry.panels_base import MAX_RANKS_SHOWN
 
 STEPS = 12
-TITLES = {"step time per rank", "tokens/s per rank", "loss and metrics", "gradient norm",
-          "learning rate", "communication hidden behind compute", "memory per rank",
-          "model state per rank", "communication by kind", "last step: communication vs compute"}
+TITLES = {
+    "step time per rank",
+    "tokens/s per rank",
+    "loss and metrics",
+    "gradient norm",
+    "learning rate",
+    "communication hidden behind compute",
+    "memory per rank",
+    "model state per rank",
+    "communication by kind",
+    "last step: communication vs compute",
+}
 
 
 def _drawn(summaries):
@@ -57,8 +67,13 @@ def test_two_ranks_every_panel_draws_its_data(two):
     fig, ax = two
     assert set(ax) == TITLES
     _integer_step_ticks(fig)
-    for title in ("step time per rank", "tokens/s per rank", "gradient norm",
-                  "communication hidden behind compute", "memory per rank"):
+    for title in (
+        "step time per rank",
+        "tokens/s per rank",
+        "gradient norm",
+        "communication hidden behind compute",
+        "memory per rank",
+    ):
         assert _labels(ax[title]) == ["rank 0", "rank 1"], title
         assert all(len(line.get_xdata()) == STEPS for line in ax[title].lines), title
     # Skew: its own labelled axis, rank 1 slower than rank 0 on every step.
@@ -86,7 +101,10 @@ def test_two_ranks_memory_split_and_comm_by_kind(two):
     fig, ax = two
     state = ax["model state per rank"]
     assert [c.get_label() for c in state.collections] == [
-        "rank 0: parameters", "rank 0: gradients", "rank 0: optimizer state"]
+        "rank 0: parameters",
+        "rank 0: gradients",
+        "rank 0: optimizer state",
+    ]
     assert _labels(state) == ["rank 1 total", "whole model's parameters"]
     assert max(state.lines[0].get_ydata()) == pytest.approx(12.0)  # MiB: 3 + 3 + 6
     assert list(state.lines[1].get_ydata()) == [6.0, 6.0]  # two shards of 3 MiB
@@ -98,8 +116,7 @@ def test_two_ranks_memory_split_and_comm_by_kind(two):
     bandwidth = _twin(fig, comm)
     assert bandwidth.get_ylabel().endswith("/s achieved") and len(bandwidth.patches) == 2
     timeline = ax["last step: communication vs compute"]
-    assert [t.get_text().split("\n")[0] for t in timeline.get_yticklabels()] == ["rank 0",
-                                                                               "rank 1"]
+    assert [t.get_text().split("\n")[0] for t in timeline.get_yticklabels()] == ["rank 0", "rank 1"]
 
 
 def test_64_ranks_draw_bands_not_64_lines(many):
@@ -108,20 +125,29 @@ def test_64_ranks_draw_bands_not_64_lines(many):
     _integer_step_ticks(fig)
     for a in fig.axes:
         assert len(a.lines) <= MAX_RANKS_SHOWN, (a.get_title(), len(a.lines))
-    for title in ("step time per rank", "tokens/s per rank", "loss and metrics",
-                  "gradient norm", "communication hidden behind compute"):
+    for title in (
+        "step time per rank",
+        "tokens/s per rank",
+        "loss and metrics",
+        "gradient norm",
+        "communication hidden behind compute",
+    ):
         bands = [c.get_label() for c in ax[title].collections]
         assert "min-max of 64 ranks" in bands, title
         assert "median of the ranks" in _labels(ax[title]), title
     memory = ax["memory per rank"]
     assert {"allocated: median of the ranks", "reserved: median of the ranks"} <= set(
-        _labels(memory))
+        _labels(memory)
+    )
     assert "CUDA allocated" in memory.get_ylabel()
     state = ax["model state per rank"]
     assert state.collections[0].get_label() == "rank 31: parameters"  # the median rank
     timeline = ax["last step: communication vs compute"]
     assert [t.get_text().split(" ")[0] for t in timeline.get_yticklabels()] == [
-        "min", "median", "max"]
+        "min",
+        "median",
+        "max",
+    ]
     skew = _twin(fig, ax["step time per rank"]).lines[0].get_ydata()
     assert all(1.5 < r < 2.0 for r in skew)  # rank 63 takes nearly twice rank 0's time
 
@@ -141,7 +167,7 @@ def test_dashboard_at_64_ranks_aggregates_its_table():
 
     board = Dashboard(redraw_s=0.0)
     summaries = synthetic.summaries(64, 6)
-    for rank, s in summaries.items():
+    for s in summaries.values():
         s.update(seq=1, step=6)
     board.update(summaries, final=True)
     board.wait_drawn(60)  # the picture is drawn in a thread
@@ -163,12 +189,12 @@ def test_dashboard_merges_tail_publications_into_full_history():
         log.feed(event)
         if event["type"] == "step_end":  # engines publish the newest steps only
             seq += 1
-            board.update({0: {**log.summary(PUBLISH_TAIL_POINTS if seq > 1 else 300),
-                              "seq": seq}})
+            board.update({0: {**log.summary(PUBLISH_TAIL_POINTS if seq > 1 else 300), "seq": seq}})
     merged = board.summaries[0]
     for key in ("metrics", "overlap", "steps", "memory_history"):
         assert [m["step"] if isinstance(m, dict) else m[0] for m in merged[key]] == list(
-            range(40)), key
+            range(40)
+        ), key
 
 
 def test_one_rank_comm_panel_says_nothing_moved():

@@ -1,5 +1,6 @@
 """The pipeline's timeline and bubble: from made-up spans of a perfect schedule (the
 bubble is the theory's), and from a real torchrun pipeline through `nbtrain report`."""
+
 import os
 import re
 import subprocess
@@ -42,9 +43,16 @@ def perfect_1f1b(stages: int, micro: int, fwd: float = 1.0, bwd: float = 2.0) ->
         for (stage, kind, i), end in sorted(done.items(), key=lambda kv: kv[1]):
             if stage == s:
                 length = fwd if kind == "f" else bwd
-                log.feed({"type": "compute", "label": f"stage{s}.mb{i}", "start": end - length,
-                          "end": end, "phase": "forward" if kind == "f" else "backward",
-                          "step": 0})
+                log.feed(
+                    {
+                        "type": "compute",
+                        "label": f"stage{s}.mb{i}",
+                        "start": end - length,
+                        "end": end,
+                        "phase": "forward" if kind == "f" else "backward",
+                        "step": 0,
+                    }
+                )
         log.feed({"type": "step_end", "t": max(clock), "step": 0})
         summaries[s] = log.summary()
     return summaries
@@ -73,10 +81,24 @@ def test_a_run_without_a_pipeline_keeps_the_compute_and_comm_timeline():
 def pipeline_run(tmp_path_factory):
     run = tmp_path_factory.mktemp("pp") / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", os.path.join(HERE, "pipeline_script.py"),
-                           str(run), "3", "1f1b"], env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(HERE, "pipeline_script.py"),
+            str(run),
+            "3",
+            "1f1b",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run
 
@@ -87,11 +109,15 @@ def test_report_draws_the_stages_and_prints_the_bubble_beside_the_theory(pipelin
     from nbtrain.telemetry.report import load_run
 
     out = tmp_path / "report.png"
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "report", str(pipeline_run),
-                           "-o", str(out)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtrain.cli", "report", str(pipeline_run), "-o", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 0, proc.stderr
-    line = next(l for l in proc.stdout.splitlines() if l.startswith("pipeline:"))
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("pipeline:"))
     assert line.startswith("pipeline: 2 stages, 4 micro-batches; bubble ")
     assert "20.0% in theory (P-1)/(M+P-1)" in line
     measured = float(re.search(r"bubble ([\d.]+)% measured", line).group(1))
@@ -104,11 +130,14 @@ def test_report_draws_the_stages_and_prints_the_bubble_beside_the_theory(pipelin
     # Each stage ran every micro-batch forward and backward in the last step.
     for rank in info["ranks"].values():
         assert sorted((mb, phase) for _, _, mb, _, phase in rank["spans"]) == sorted(
-            (mb, phase) for mb in range(4) for phase in ("backward", "forward"))
+            (mb, phase) for mb in range(4) for phase in ("backward", "forward")
+        )
         assert rank["p2p"], "the transfers between the stages are drawn too"
     fig = panels.figure(summaries)
     FigureCanvasAgg(fig).draw()
     bottom = next(a for a in fig.axes if a.get_title().startswith("last step: pipeline"))
-    assert [t.get_text() for t in bottom.get_yticklabels()] == ["rank 0\nstage 0",
-                                                               "rank 1\nstage 1"]
+    assert [t.get_text() for t in bottom.get_yticklabels()] == [
+        "rank 0\nstage 0",
+        "rank 1\nstage 1",
+    ]
     assert "in theory" in bottom.get_xlabel()

@@ -1,4 +1,5 @@
 """rank 0's text progress bar on an engine prints its final count once."""
+
 import contextlib
 import io
 

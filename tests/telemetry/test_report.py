@@ -1,4 +1,5 @@
 """`nbtrain report` renders a PNG and an HTML page from a real torchrun run."""
+
 import json
 import os
 import subprocess
@@ -14,10 +15,23 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 def run_dir(tmp_path_factory):
     run = tmp_path_factory.mktemp("torchrun") / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", os.path.join(HERE, "train_script.py"),
-                           str(run), "4"], env=env, capture_output=True, text=True,
-                          timeout=180)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            os.path.join(HERE, "train_script.py"),
+            str(run),
+            "4",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return run
 
@@ -30,8 +44,9 @@ def test_each_rank_writes_jsonl(run_dir):
         assert {"compute", "comm", "metric", "memory", "step_end"} <= kinds
         assert [e["step"] for e in events if e["type"] == "step_end"] == [0, 1, 2, 3]
         memory = [e for e in events if e["type"] == "memory"]
-        assert len(memory) == 4 and all(e["param_bytes"] > 0 and e["optimizer_bytes"] > 0
-                                        for e in memory)
+        assert len(memory) == 4 and all(
+            e["param_bytes"] > 0 and e["optimizer_bytes"] > 0 for e in memory
+        )
         metrics = {k for e in events if e["type"] == "metric" for k in e}
         assert {"loss", "lr", "grad_norm", "step_time_s", "tokens", "val_loss"} <= metrics
 
@@ -72,9 +87,13 @@ def test_report_renders_png_and_html(run_dir, tmp_path):
     from matplotlib.image import imread
 
     png = tmp_path / "report.png"
-    proc = subprocess.run([sys.executable, "-m", "nbtrain.cli", "report", str(run_dir),
-                           "-o", str(png)], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "PYTHONPATH": ROOT})
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtrain.cli", "report", str(run_dir), "-o", str(png)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
     assert proc.returncode == 0, proc.stderr
     assert "hidden comm" in proc.stdout and len(proc.stdout.splitlines()) == 5
     assert "peak: process resident memory (CPU rank)" in proc.stdout  # what "peak MiB" means

@@ -1,6 +1,7 @@
 """The expert-routing panel: the MoE layers' "moe.<i>.balance" / "moe.<i>.dropped" metrics
 get a panel of their own (balance per layer, dropped share on a twin axis) and leave
 the loss panel's user metrics; without them the figure is the usual 3 x 3 grid."""
+
 import pytest
 import synthetic
 
@@ -23,7 +24,7 @@ def _with_routing(world: int, layers: int, steps: int = STEPS) -> dict:
                 step = event["step"]
                 routing = {}
                 for i in range(layers):
-                    routing[f"moe.{i}.balance"] = 1.1 + (0.9 + i / 4) * 0.7 ** step
+                    routing[f"moe.{i}.balance"] = 1.1 + (0.9 + i / 4) * 0.7**step
                     routing[f"moe.{i}.dropped"] = 0.05 if i == 1 else 0.0
                 log.feed({"type": "metric", "t": event["t"], "step": step, **routing})
             log.feed(event)
@@ -67,8 +68,12 @@ def test_routing_metrics_get_their_own_panel():
     loss = ax["loss and metrics"]
     assert [line.get_label() for line in loss.lines] == ["rank 0", "rank 1", "val_loss"]
     assert _twin(fig, loss).get_ylabel() == "accuracy"
-    assert not any("moe." in line.get_label() for a in fig.axes for line in a.lines
-                   if a is not routing and a is not twin)
+    assert not any(
+        "moe." in line.get_label()
+        for a in fig.axes
+        for line in a.lines
+        if a is not routing and a is not twin
+    )
     # The other panels keep their places, the timeline still at the bottom.
     assert "learning rate" in ax and "last step: communication vs compute" in ax
     plain = panels.figure(synthetic.summaries(2, STEPS))
@@ -80,16 +85,31 @@ def test_many_layers_draw_a_band_and_the_worst_drop():
     fig, ax = _drawn(_with_routing(2, layers=MAX_LAYERS_SHOWN + 4))
     routing = ax["expert routing"]
     assert [line.get_label() for line in routing.lines] == [
-        "even load", "balance: median of the layers"]
+        "even load",
+        "balance: median of the layers",
+    ]
     assert routing.collections, "no min-max band"
     assert [line.get_label() for line in _twin(fig, routing).lines] == ["dropped: worst layer"]
 
 
 def test_lone_moe_label_counts_and_look_alikes_do_not():
-    summaries = {0: {"metrics": [{"step": 0, "loss": 3.0, "moe.balance": 1.3, "moe.dropped": 0.0,
-                                  "data.balance": 0.5, "moe.x.balance": 2.0}],
-                     "steps": [], "overlap": [], "memory_history": []}}
+    summaries = {
+        0: {
+            "metrics": [
+                {
+                    "step": 0,
+                    "loss": 3.0,
+                    "moe.balance": 1.3,
+                    "moe.dropped": 0.0,
+                    "data.balance": 0.5,
+                    "moe.x.balance": 2.0,
+                }
+            ],
+            "steps": [],
+            "overlap": [],
+            "memory_history": [],
+        }
+    }
     assert user_metrics(summaries) == ["data.balance", "moe.x.balance"]
     _, ax = _drawn(summaries)
-    assert [line.get_label() for line in ax["expert routing"].lines] == [
-        "even load", "moe balance"]
+    assert [line.get_label() for line in ax["expert routing"].lines] == ["even load", "moe balance"]

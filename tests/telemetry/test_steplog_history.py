@@ -1,4 +1,5 @@
 """StepLog's per-step history: metric rows, step time, comm by kind, memory over time."""
+
 import pytest
 
 from nbtrain.telemetry.steplog import StepLog
@@ -7,14 +8,36 @@ from nbtrain.telemetry.steplog import StepLog
 def _step(log, step, t0, gap_s=0.0, **metrics):
     """A step of 1 s starting `gap_s` after t0: two gathers that overlap, one reduce."""
     t = t0 + gap_s
-    for kind, start, end, nbytes in (("all_gather", 0.0, 0.4, 100), ("all_gather", 0.2, 0.6, 100),
-                                     ("reduce_scatter", 0.7, 0.9, 50)):
-        log.feed({"type": "comm", "kind": kind, "label": "b", "start": t + start,
-                  "end": t + end, "bytes": nbytes, "t": t + end, "step": step})
+    for kind, start, end, nbytes in (
+        ("all_gather", 0.0, 0.4, 100),
+        ("all_gather", 0.2, 0.6, 100),
+        ("reduce_scatter", 0.7, 0.9, 50),
+    ):
+        log.feed(
+            {
+                "type": "comm",
+                "kind": kind,
+                "label": "b",
+                "start": t + start,
+                "end": t + end,
+                "bytes": nbytes,
+                "t": t + end,
+                "step": step,
+            }
+        )
     log.feed({"type": "metric", "loss": 2.0, "t": t + 1, "step": step, **metrics})
-    log.feed({"type": "memory", "t": t + 1, "step": step, "rss_bytes": 10 + step,
-              "param_bytes": 3, "grad_bytes": 2, "optimizer_bytes": 6,
-              "model_state_bytes": 11})
+    log.feed(
+        {
+            "type": "memory",
+            "t": t + 1,
+            "step": step,
+            "rss_bytes": 10 + step,
+            "param_bytes": 3,
+            "grad_bytes": 2,
+            "optimizer_bytes": 6,
+            "model_state_bytes": 11,
+        }
+    )
     log.feed({"type": "step_end", "t": t + 1, "step": step})
     return t + 1
 
@@ -25,9 +48,10 @@ def test_rows_per_step_with_user_metrics_comm_and_memory():
     log.feed({"type": "metric", "val_loss": 2.5, "note": "text is dropped", "t": t, "step": 1})
     _step(log, 1, t, tokens=64, accuracy=0.5)
     s = log.summary()
-    assert s["metrics"] == [{"step": 0, "loss": 2.0, "tokens": 64},
-                            {"step": 1, "val_loss": 2.5, "loss": 2.0, "tokens": 64,
-                             "accuracy": 0.5}]
+    assert s["metrics"] == [
+        {"step": 0, "loss": 2.0, "tokens": 64},
+        {"step": 1, "val_loss": 2.5, "loss": 2.0, "tokens": 64, "accuracy": 0.5},
+    ]
     assert [r["duration_s"] for r in s["steps"]] == [pytest.approx(1.0), pytest.approx(1.0)]
     comm = s["steps"][1]["comm"]
     # Bytes add up; busy time is the union of a kind's spans (0.0-0.6, not 0.8).
@@ -59,10 +83,16 @@ def test_history_is_bounded():
 def test_routing_metrics_of_a_deep_moe_are_kept_and_user_metrics_stay_bounded():
     log = StepLog()
     for i in range(40):  # 40 MoE layers: 80 routing names, more than the user-metric cap
-        log.feed({"type": "metric", f"moe.{i}.balance": 1.5, f"moe.{i}.dropped": 0.0,
-                  "t": 0.0, "step": 0})
-    log.feed({"type": "metric", "t": 0.0, "step": 0,
-              **{f"user{j}": float(j) for j in range(100)}})
+        log.feed(
+            {
+                "type": "metric",
+                f"moe.{i}.balance": 1.5,
+                f"moe.{i}.dropped": 0.0,
+                "t": 0.0,
+                "step": 0,
+            }
+        )
+    log.feed({"type": "metric", "t": 0.0, "step": 0, **{f"user{j}": float(j) for j in range(100)}})
     row = log.summary()["metrics"][0]
     assert sum(k.startswith("moe.") for k in row) == 80
     assert 30 <= sum(k.startswith("user") for k in row) <= 33  # the cap still holds

@@ -1,8 +1,10 @@
 """Events of a real 2-rank TransformerBlockList step: order, nesting, step summary."""
+
 from support import cases
+from support.ranks import run_ranks
+
 import nbtrain as nbt
 from nbtrain import telemetry
-from support.ranks import run_ranks
 
 
 def _recorded_step():

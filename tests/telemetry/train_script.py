@@ -6,6 +6,7 @@ It records what the panels draw: OptimManager's step metrics (loss, lr from a
 warmup schedule, grad norm, step time), tokens per step, and a user metric
 (`val_loss`) every other step.
 """
+
 import sys
 
 import torch

@@ -1,4 +1,5 @@
 """Unit tests that need a context get a world of one (no port, an in-memory store)."""
+
 import pytest
 
 import nbtrain as nbt

@@ -1,4 +1,5 @@
 """AdamOptimizer in one process: equals torch.optim.AdamW; fp32 master for bf16."""
+
 import pytest
 import torch
 
@@ -33,8 +34,10 @@ def test_matches_torch_adamw(cls):
 
 
 def test_bf16_parameters_keep_fp32_master_and_read_main_grad():
-    ours, ref = _params(torch.bfloat16), [torch.nn.Parameter(p.detach().float())
-                                          for p in _params(torch.bfloat16)]
+    ours, ref = (
+        _params(torch.bfloat16),
+        [torch.nn.Parameter(p.detach().float()) for p in _params(torch.bfloat16)],
+    )
     opt, ref_opt = AdamOptimizer(ours, **HYPER), torch.optim.AdamW(ref, **HYPER)
     for step in range(12):
         for p, q, g in zip(ours, ref, _grads(step)):

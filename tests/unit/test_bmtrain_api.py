@@ -4,6 +4,7 @@ behaviour: `import nbtrain as bmt` and nothing else changed.
 The list below is BMTrain's public API by import path (bmtrain/__init__.py and the
 `__init__` of each of its packages, plus the modules a script imports by path).
 """
+
 import importlib
 import inspect as pyinspect
 import io
@@ -19,15 +20,48 @@ from torch import nn
 import nbtrain as bmt
 
 BMTRAIN_NAMES = {
-    "": ["print_block", "print_dict", "print_rank", "see_memory", "load_nccl_pypi", "config",
-         "world_size", "rank", "init_distributed", "DistributedParameter",
-         "ParameterInitializer", "DistributedModule", "init_parameters",
-         "grouped_parameters", "synchronize", "sum_loss", "wait_loader", "gather_result",
-         "Block", "TransformerBlockList", "BMTrainModelWrapper",
-         "PipelineTransformerBlockList", "debug", "save", "load", "loss", "distributed", "nn",
-         "optim", "inspect", "lr_scheduler", "CheckpointBlock"],
-    "nn": ["Linear", "OpLinear", "ColumnParallelLinear", "RowParallelLinear", "VPEmbedding",
-           "OpParallelLinear"],
+    "": [
+        "print_block",
+        "print_dict",
+        "print_rank",
+        "see_memory",
+        "load_nccl_pypi",
+        "config",
+        "world_size",
+        "rank",
+        "init_distributed",
+        "DistributedParameter",
+        "ParameterInitializer",
+        "DistributedModule",
+        "init_parameters",
+        "grouped_parameters",
+        "synchronize",
+        "sum_loss",
+        "wait_loader",
+        "gather_result",
+        "Block",
+        "TransformerBlockList",
+        "BMTrainModelWrapper",
+        "PipelineTransformerBlockList",
+        "debug",
+        "save",
+        "load",
+        "loss",
+        "distributed",
+        "nn",
+        "optim",
+        "inspect",
+        "lr_scheduler",
+        "CheckpointBlock",
+    ],
+    "nn": [
+        "Linear",
+        "OpLinear",
+        "ColumnParallelLinear",
+        "RowParallelLinear",
+        "VPEmbedding",
+        "OpParallelLinear",
+    ],
     "optim": ["AdamOptimizer", "AdamOffloadOptimizer", "OptimManager"],
     "optim.optim_manager": ["OptimManager"],
     "optim.adam": ["AdamOptimizer"],
@@ -35,12 +69,33 @@ BMTRAIN_NAMES = {
     "lr_scheduler": ["WarmupLRScheduler", "NoDecay", "Noam", "Linear", "Cosine", "Exponential"],
     "loss": ["FusedCrossEntropy"],
     "inspect": ["format_summary", "inspect_model", "inspect_tensor", "record_tensor"],
-    "distributed": ["all_gather", "all_reduce", "broadcast", "reduce_scatter",
-                    "send_activations", "recv_activations"],
-    "distributed.ops": ["all_gather", "all_reduce", "broadcast", "reduce_scatter",
-                        "send_activations", "recv_activations"],
-    "utils": ["AverageRecorder", "check_torch_version", "load_nccl_pypi", "print_block",
-              "print_dict", "print_rank", "round_up", "see_memory", "tp_split_tensor"],
+    "distributed": [
+        "all_gather",
+        "all_reduce",
+        "broadcast",
+        "reduce_scatter",
+        "send_activations",
+        "recv_activations",
+    ],
+    "distributed.ops": [
+        "all_gather",
+        "all_reduce",
+        "broadcast",
+        "reduce_scatter",
+        "send_activations",
+        "recv_activations",
+    ],
+    "utils": [
+        "AverageRecorder",
+        "check_torch_version",
+        "load_nccl_pypi",
+        "print_block",
+        "print_dict",
+        "print_rank",
+        "round_up",
+        "see_memory",
+        "tp_split_tensor",
+    ],
     "debug": ["set", "get", "append", "extend", "clear"],
     "global_var": ["config", "rank", "world_size"],
 }
@@ -77,34 +132,50 @@ def test_the_paths_give_the_same_objects():
 
 
 def test_import_nbtrain_stays_light():
-    code = ("import sys, nbtrain; heavy = ('ipyparallel', 'triton', 'ipywidgets', "
-            "'nbtrain.distributed', 'nbtrain.zero.bmtrain_wrapper'); "
-            "print([m for m in heavy if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=240)
+    code = (
+        "import sys, nbtrain; heavy = ('ipyparallel', 'triton', 'ipywidgets', "
+        "'nbtrain.distributed', 'nbtrain.zero.bmtrain_wrapper'); "
+        "print([m for m in heavy if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=240
+    )
     assert out.stdout.strip() == "[]"
 
 
 # -- printing -----------------------------------------------------------------------------
 
+
 def test_print_block_centres_the_title_in_60_columns():
     out = io.StringIO()
     bmt.print_block("abc", "body", file=out)
     bmt.print_block("four", file=out)
-    assert out.getvalue() == ("=" * 27 + " abc " + "=" * 28 + "\nbody\n"
-                              + "=" * 27 + " four " + "=" * 27 + "\n")
+    assert out.getvalue() == (
+        "=" * 27 + " abc " + "=" * 28 + "\nbody\n" + "=" * 27 + " four " + "=" * 27 + "\n"
+    )
 
 
 def test_print_dict_aligns_values_and_wraps_them():
     out = io.StringIO()
     bmt.print_dict("cfg", {"lr": 0.1, "name": "y" * 60, "empty": ""}, file=out)
     # Keys padded to round_up(5 + 3, 4) = 8 columns, values wrapped at 60 - 8 = 52.
-    assert out.getvalue() == ("=" * 27 + " cfg " + "=" * 28 + "\n"
-                              + "lr :    0.1\n"
-                              + "name :  " + "y" * 52 + "\n"
-                              + " " * 8 + "y" * 8 + "\n"
-                              + "empty : " + " " + "\n"
-                              + "\n")
+    assert out.getvalue() == (
+        "=" * 27
+        + " cfg "
+        + "=" * 28
+        + "\n"
+        + "lr :    0.1\n"
+        + "name :  "
+        + "y" * 52
+        + "\n"
+        + " " * 8
+        + "y" * 8
+        + "\n"
+        + "empty : "
+        + " "
+        + "\n"
+        + "\n"
+    )
     assert bmt.utils.round_up(5, 4) == 8 and bmt.utils.round_up(8, 4) == 8
 
 
@@ -166,8 +237,7 @@ def test_scheduler_signature_current_lr_and_state_dict_round_trip(name):
     for _ in range(7):
         sched.step()
     assert sched.current_lr == opt.param_groups[0]["lr"]
-    assert sched.get_lr_warmup(2) == pytest.approx(
-        0.5 / (2.0 if name == "Noam" else 1.0))
+    assert sched.get_lr_warmup(2) == pytest.approx(0.5 / (2.0 if name == "Noam" else 1.0))
     assert sched.get_lr_decay(7) == pytest.approx(sched.current_lr)
     state = sched.state_dict()
     assert {"start_lr", "warmup_iter", "end_iter", "num_iter"} <= set(state)
@@ -216,6 +286,7 @@ def test_op_linear_is_f_linear():
 
 # -- in a world of one --------------------------------------------------------------------
 
+
 def test_see_memory_and_wait_loader(world_of_one, capsys):
     bmt.see_memory("after forward")
     bmt.see_memory("detailed", detail=True)
@@ -248,8 +319,12 @@ def test_distributed_ops_at_world_one(world_of_one):
         assert torch.equal(D.all_reduce(x, op), x.detach()), op
     assert torch.equal(D.reduce_scatter(x, "sum"), x.detach())
     assert torch.equal(D.broadcast(x, 0), x.detach())
-    (D.all_gather(x).sum() + D.all_reduce(x, "avg").sum() + D.reduce_scatter(x).sum()
-     + D.broadcast(x, 0).sum()).backward()
+    (
+        D.all_gather(x).sum()
+        + D.all_reduce(x, "avg").sum()
+        + D.reduce_scatter(x).sum()
+        + D.broadcast(x, 0).sum()
+    ).backward()
     assert torch.equal(x.grad, torch.full((2, 2), 4.0))
     with pytest.raises(ValueError, match="op='mean'"):
         D.all_reduce(x, "mean")
@@ -262,12 +337,16 @@ def test_op_parallel_linear_at_tp_one_is_f_linear(world_of_one):
     x = torch.randn(4, 3, dtype=torch.float64, generator=g, requires_grad=True)
     w = torch.randn(5, 3, dtype=torch.float64, generator=g, requires_grad=True)
     b = torch.randn(5, dtype=torch.float64, generator=g, requires_grad=True)
-    for flags in [(False, False, False, None), (True, True, False, None),
-                  (False, False, True, bmt.nn.ReduceType.ALL_REDUCE), (True, False, False, 2)]:
+    for flags in [
+        (False, False, False, None),
+        (True, True, False, None),
+        (False, False, True, bmt.nn.ReduceType.ALL_REDUCE),
+        (True, False, False, 2),
+    ]:
         assert torch.equal(bmt.nn.OpParallelLinear.apply(x, w, b, *flags), F.linear(x, w, b))
         assert torch.autograd.gradcheck(
-            lambda x, w, b, flags=flags: bmt.nn.OpParallelLinear.apply(x, w, b, *flags),
-            (x, w, b)), flags
+            lambda x, w, b, flags=flags: bmt.nn.OpParallelLinear.apply(x, w, b, *flags), (x, w, b)
+        ), flags
 
 
 def test_inspect_has_bmtrain_arguments_and_columns(world_of_one):
@@ -285,8 +364,18 @@ def test_inspect_has_bmtrain_arguments_and_columns(world_of_one):
     assert torch.equal(inspector.get_tensor("h", group="g", index=1), (h * 2).detach())
     assert inspector.get_tensor("h") is None
     header = bmt.inspect.format_summary(summary).splitlines()[0].split()
-    assert header == ["name", "shape", "max", "min", "std", "mean", "grad_std", "grad_mean",
-                      "grad_max", "grad_min"]
+    assert header == [
+        "name",
+        "shape",
+        "max",
+        "min",
+        "std",
+        "mean",
+        "grad_std",
+        "grad_mean",
+        "grad_max",
+        "grad_min",
+    ]
     with pytest.raises(TypeError, match="Parameter"):
         bmt.inspect.record_tensor(model[0].weight, "w")
 

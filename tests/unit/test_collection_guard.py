@@ -6,6 +6,7 @@ tests/conftest.py installs the same guard the real tests/conftest.py installs. T
 project has its own pytest.ini, so pytest's default norecursedirs (which skip `dist`)
 apply there, as they did to the old tests/dist/.
 """
+
 import os
 import subprocess
 import sys
@@ -30,8 +31,11 @@ def pytest_configure(config):
 
 def make_project(root: Path, files: dict, ini: str = "[pytest]\n") -> Path:
     (root / "pytest.ini").write_text(ini)
-    for rel, text in {"tests/conftest.py": CONFTEST,
-                      "tests/test_a.py": "def test_a():\n    pass\n", **files}.items():
+    for rel, text in {
+        "tests/conftest.py": CONFTEST,
+        "tests/test_a.py": "def test_a():\n    pass\n",
+        **files,
+    }.items():
         path = root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
@@ -41,9 +45,14 @@ def make_project(root: Path, files: dict, ini: str = "[pytest]\n") -> Path:
 def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # no nbval/timeout/...: fast and isolated
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *args], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 HIDDEN = {"tests/dist/test_hidden.py": "def test_hidden():\n    pass\n"}
@@ -71,10 +80,16 @@ def test_no_arguments_uses_the_invocation_folder(tmp_path):
     assert "dist/test_hidden.py" in result.stderr
 
 
-@pytest.mark.parametrize("args", [["tests/test_a.py"], ["tests/test_a.py::test_a"],
-                                  ["tests", "--ignore=tests/dist"],
-                                  ["tests", "--ignore-glob=*/dist/*"]],
-                         ids=["file", "node-id", "ignore", "ignore-glob"])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["tests/test_a.py"],
+        ["tests/test_a.py::test_a"],
+        ["tests", "--ignore=tests/dist"],
+        ["tests", "--ignore-glob=*/dist/*"],
+    ],
+    ids=["file", "node-id", "ignore", "ignore-glob"],
+)
 def test_runs_not_covering_the_folder_are_not_checked(tmp_path, args):
     result = run_pytest(make_project(tmp_path, HIDDEN), *args)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -83,10 +98,8 @@ def test_runs_not_covering_the_folder_are_not_checked(tmp_path, args):
 def test_deselected_and_skipped_files_count_as_collected(tmp_path):
     files = {
         "tests/test_gpu.py": "import pytest\n\n@pytest.mark.gpu\ndef test_g():\n    pass\n",
-        "tests/sub/test_skipped_module.py":
-            "import pytest\npytest.skip('not here', allow_module_level=True)\n",
-        "tests/sub/test_skipped_at_runtime.py":
-            "import pytest\n\ndef test_s():\n    pytest.skip('later')\n",
+        "tests/sub/test_skipped_module.py": "import pytest\npytest.skip('not here', allow_module_level=True)\n",
+        "tests/sub/test_skipped_at_runtime.py": "import pytest\n\ndef test_s():\n    pytest.skip('later')\n",
     }
     root = make_project(tmp_path, files, ini="[pytest]\nmarkers = gpu: gpu\n")
     for args in (["-m", "gpu"], ["-m", "not gpu"], ["-k", "nothing_matches"]):
@@ -101,15 +114,28 @@ def test_deselecting_does_not_hide_a_missing_file(tmp_path):
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("files,ini,named", [
-    ({"tests/x_test.py": "def test_x():\n    pass\n"}, "[pytest]\npython_files = test_*.py\n",
-     "tests/x_test.py"),
-    ({"tests/.cache/test_dot.py": "def test_d():\n    pass\n"}, "[pytest]\n",
-     "tests/.cache/test_dot.py"),
-    ({"tests/build/test_built.py": "def test_b():\n    pass\n"}, "[pytest]\n",
-     "tests/build/test_built.py"),
-    ({"tests/test_empty.py": "def helper():\n    pass\n"}, "[pytest]\n", "tests/test_empty.py"),
-], ids=["python_files", "dot-folder", "build-folder", "no-tests"])
+@pytest.mark.parametrize(
+    "files,ini,named",
+    [
+        (
+            {"tests/x_test.py": "def test_x():\n    pass\n"},
+            "[pytest]\npython_files = test_*.py\n",
+            "tests/x_test.py",
+        ),
+        (
+            {"tests/.cache/test_dot.py": "def test_d():\n    pass\n"},
+            "[pytest]\n",
+            "tests/.cache/test_dot.py",
+        ),
+        (
+            {"tests/build/test_built.py": "def test_b():\n    pass\n"},
+            "[pytest]\n",
+            "tests/build/test_built.py",
+        ),
+        ({"tests/test_empty.py": "def helper():\n    pass\n"}, "[pytest]\n", "tests/test_empty.py"),
+    ],
+    ids=["python_files", "dot-folder", "build-folder", "no-tests"],
+)
 def test_other_silent_cases_are_named(tmp_path, files, ini, named):
     result = run_pytest(make_project(tmp_path, files, ini), "tests")
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr

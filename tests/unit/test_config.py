@@ -1,8 +1,8 @@
 """`nbtrain.config`: BMTrain's `config[...]` keys, read from the context, read-only."""
+
 import pytest
 
 import nbtrain as nbt
-
 
 SEED = 5
 pytestmark = pytest.mark.usefixtures("world_of_one")  # tests/unit/conftest.py
@@ -30,7 +30,9 @@ def test_bmtrains_extra_keys_name_the_groups():
     assert nbt.config["initialized"] is True
     topo = nbt.get_context().topology
     assert nbt.config["comm"] is None  # every rank
-    assert nbt.config["tp_comm"] is topo.group("tp") and nbt.config["zero_comm"] is topo.group("zero")
+    assert nbt.config["tp_comm"] is topo.group("tp") and nbt.config["zero_comm"] is topo.group(
+        "zero"
+    )
 
 
 def test_print_rank_takes_prints_keywords(capsys):

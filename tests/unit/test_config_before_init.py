@@ -1,4 +1,5 @@
 """Before init_distributed, `config` answers as BMTrain's does for one process."""
+
 import nbtrain as nbt
 
 

@@ -2,6 +2,7 @@
 docstrings) builds with Sphinx, every warning an error: a docstring that reStructuredText
 cannot read, a link to a page or section that is gone, a module the reference names that
 no longer imports."""
+
 import os
 import subprocess
 import sys
@@ -11,8 +12,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
-PAGES = ["parallelisms", "runtime", "larger-than-device", "notebook", "benchmarks",
-         "multi-node", "bmtrain", "architecture", "testing", "security"]
+PAGES = [
+    "parallelisms",
+    "runtime",
+    "larger-than-device",
+    "notebook",
+    "benchmarks",
+    "multi-node",
+    "bmtrain",
+    "architecture",
+    "testing",
+    "security",
+]
 
 # Absent on a bare GPU machine running only `pytest -m gpu`; the test extra brings them.
 pytest.importorskip("sphinx")
@@ -22,9 +33,27 @@ pytest.importorskip("myst_parser")
 def _build(tmp_path, source, **env):
     env = {**os.environ, "OMP_NUM_THREADS": "1", **env}
     return subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-         "-d", str(tmp_path / "doctrees"), str(source), str(tmp_path / "html")],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False)
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-d",
+            str(tmp_path / "doctrees"),
+            str(source),
+            str(tmp_path / "html"),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
 
 
 @pytest.mark.timeout(320)
@@ -45,8 +74,9 @@ def test_a_broken_docstring_fails_the_build(tmp_path):
     bad = tmp_path / "src"
     (bad / "api").mkdir(parents=True)
     (bad / "conf.py").write_text((DOCS / "conf.py").read_text())
-    (tmp_path / "badmod.py").write_text('"""A module."""\n\n\ndef f():\n'
-                                        '    """Returns ``x, never closed."""\n')
+    (tmp_path / "badmod.py").write_text(
+        '"""A module."""\n\n\ndef f():\n    """Returns ``x, never closed."""\n'
+    )
     (bad / "index.md").write_text("# t\n\n```{eval-rst}\n.. automodule:: badmod\n```\n")
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     run = _build(tmp_path, bad, PYTHONPATH=path)

@@ -6,6 +6,7 @@ CLI's own argparse parser (`nbtrain.cli.build_parser`), and a `%nbtrain ...` or
 `gloo|nccl`, an upper-case placeholder such as `RUN_DIR`) cannot be parsed whole:
 each flag it names must exist. A failure names the file, the line and the bad flag.
 """
+
 import argparse
 import contextlib
 import io
@@ -36,9 +37,11 @@ def _magic_parsers() -> dict:
     pytest.importorskip("IPython")
     from nbtrain.notebook.magics import NbtrainMagics
 
-    return {"%nbtrain": NbtrainMagics.nbtrain.parser,
-            "%%distributed": NbtrainMagics.distributed.parser,
-            "%autodistributed": None}  # takes on, off or nothing, no flags
+    return {
+        "%nbtrain": NbtrainMagics.nbtrain.parser,
+        "%%distributed": NbtrainMagics.distributed.parser,
+        "%autodistributed": None,
+    }  # takes on, off or nothing, no flags
 
 
 def commands(text: str):
@@ -64,7 +67,7 @@ def commands(text: str):
         for part in re.split(r"&&|;", shell):
             part = part.strip()
             if re.match(r"nbtrain(\s|$)", part):
-                found.append((number, "cli", part[len("nbtrain"):].strip(), False))
+                found.append((number, "cli", part[len("nbtrain") :].strip(), False))
     # Inline code may wrap over lines of a paragraph.
     offsets, joined = [], ""
     for number, line in prose:
@@ -77,13 +80,15 @@ def commands(text: str):
         if magic:
             found.append((number, magic.group(1), magic.group(2).strip(), True))
         elif re.match(r"nbtrain(\s|$)", code):
-            found.append((number, "cli", code[len("nbtrain"):].strip(), True))
+            found.append((number, "cli", code[len("nbtrain") :].strip(), True))
     return sorted(found)
 
 
 def _is_synopsis(words: list[str]) -> bool:
-    return any(set(w) & set("[]|") or "..." in w or PLACEHOLDER.match(w) or
-               re.match(r"-\w/--", w) for w in words)
+    return any(
+        set(w) & set("[]|") or "..." in w or PLACEHOLDER.match(w) or re.match(r"-\w/--", w)
+        for w in words
+    )
 
 
 def _flags(words: list[str]) -> list[str]:
@@ -107,8 +112,11 @@ def _parse(parser, words: list[str]) -> str | None:
     """The parser's complaint about `words`, or None when it accepts them."""
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), \
-                warnings.catch_warnings():
+        with (
+            contextlib.redirect_stderr(err),
+            contextlib.redirect_stdout(io.StringIO()),
+            warnings.catch_warnings(),
+        ):
             warnings.simplefilter("ignore", FutureWarning)  # a renamed flag still parses
             parser.parse_args(words)
     except SystemExit as exit_:
@@ -126,8 +134,9 @@ def problems(path: Path, text: str | None = None) -> list[str]:
     for number, kind, rest, inline in commands(text):
         where = f"{path.name}:{number}: `{'nbtrain' if kind == 'cli' else kind} {rest}`"
         if kind != "cli" and re.search(r"(^|\s)#", rest):
-            out.append(f"{where}: the magic takes the comment for arguments: put it on a "
-                       "line of its own")
+            out.append(
+                f"{where}: the magic takes the comment for arguments: put it on a line of its own"
+            )
             continue
         try:
             words = shlex.split(rest)
@@ -139,7 +148,7 @@ def problems(path: Path, text: str | None = None) -> list[str]:
             if name not in cli:
                 out.append(f"{where}: no command {name!r} (choose from {sorted(cli)[1:]})")
                 continue
-            parser, full = cli[name], ([name] if name else []) + words[1 if name else 0:]
+            parser, full = cli[name], ([name] if name else []) + words[1 if name else 0 :]
             if name == "":
                 full = words
             words = words[1:] if name else words
@@ -156,13 +165,20 @@ def problems(path: Path, text: str | None = None) -> list[str]:
                 action = parser._option_string_actions.get(flag)
                 if isinstance(action, RenamedFlag):
                     out.append(f"{where}: {flag} is renamed: show {action.new}")
-        if (inline and _is_synopsis(words)) or "-h" in words or "--help" in words or \
-                re.search(r"[\[\]|]", rest):
+        if (
+            (inline and _is_synopsis(words))
+            or "-h" in words
+            or "--help" in words
+            or re.search(r"[\[\]|]", rest)
+        ):
             known = set(parser._option_string_actions)
             out += [f"{where}: no flag {flag}" for flag in _flags(words) if flag not in known]
             continue
-        complaint = _parse(cli[""] if kind == "cli" else parser, full) if kind == "cli" \
+        complaint = (
+            _parse(cli[""] if kind == "cli" else parser, full)
+            if kind == "cli"
             else _parse(parser, words)
+        )
         if complaint and inline and re.search(r"required|expected one argument", complaint):
             # Prose names a command or a flag without all it needs (`nbtrain report`,
             # `--ip`): what it names must exist.
@@ -172,8 +188,11 @@ def problems(path: Path, text: str | None = None) -> list[str]:
             out.append(f"{where}: {complaint}")
         else:  # argparse takes `--rank` for `--ranks`: the docs spell each flag out
             known = set(parser._option_string_actions)
-            out += [f"{where}: no flag {flag} (abbreviated?)" for flag in _flags(words)
-                    if flag not in known]
+            out += [
+                f"{where}: no flag {flag} (abbreviated?)"
+                for flag in _flags(words)
+                if flag not in known
+            ]
     return out
 
 
@@ -194,30 +213,38 @@ def test_the_docs_show_commands_and_magics_to_check():
 
 
 def test_a_flag_that_does_not_exist_is_named_with_its_file_and_line():
-    text = "\n".join([
-        "# A page",
-        "",
-        "```bash",
-        "nbtrain bench --ranks 2 --no-such-flag",        # line 4
-        "nbtrain demo --rank 2 && nbtrain bench --tp 2",  # line 5: argparse takes both
-        "```",
-        "",
-        "Run `nbtrain validate --tp-size 2",             # line 8: inline, wrapped
-        "--bogus 3` to check.",
-        "",
-        "```python",
-        "%nbtrain start -n 2  # a comment the magic reads",  # line 12
-        "%%distributed --no-such",                        # line 13
-        "```",
-        "",
-        "Synopsis: `%nbtrain start [-n N] [--frobnicate S]`, `nbtrain frob`.",  # line 16
-        "Fine: `nbtrain demo --ranks 2`, `%nbtrain stop`, `nbtrain report RUN_DIR -o x.png`.",
-    ])
+    text = "\n".join(
+        [
+            "# A page",
+            "",
+            "```bash",
+            "nbtrain bench --ranks 2 --no-such-flag",  # line 4
+            "nbtrain demo --rank 2 && nbtrain bench --tp 2",  # line 5: argparse takes both
+            "```",
+            "",
+            "Run `nbtrain validate --tp-size 2",  # line 8: inline, wrapped
+            "--bogus 3` to check.",
+            "",
+            "```python",
+            "%nbtrain start -n 2  # a comment the magic reads",  # line 12
+            "%%distributed --no-such",  # line 13
+            "```",
+            "",
+            "Synopsis: `%nbtrain start [-n N] [--frobnicate S]`, `nbtrain frob`.",  # line 16
+            "Fine: `nbtrain demo --ranks 2`, `%nbtrain stop`, `nbtrain report RUN_DIR -o x.png`.",
+        ]
+    )
     found = problems(Path("page.md"), text)
     assert len(found) == 8, found
-    expected = [("page.md:4:", "--no-such-flag"), ("page.md:5:", "--tp is renamed: show --tp-size"),
-                ("page.md:5:", "no flag --rank "), ("page.md:8:", "--bogus"),
-                ("page.md:12:", "comment"), ("page.md:13:", "--no-such"),
-                ("page.md:16:", "no flag --frobnicate"), ("page.md:16:", "no command 'frob'")]
+    expected = [
+        ("page.md:4:", "--no-such-flag"),
+        ("page.md:5:", "--tp is renamed: show --tp-size"),
+        ("page.md:5:", "no flag --rank "),
+        ("page.md:8:", "--bogus"),
+        ("page.md:12:", "comment"),
+        ("page.md:13:", "--no-such"),
+        ("page.md:16:", "no flag --frobnicate"),
+        ("page.md:16:", "no command 'frob'"),
+    ]
     for (where, what), message in zip(expected, found):
         assert message.startswith(where) and what in message, (where, what, message)

@@ -3,6 +3,7 @@ and agree with environment.yml, the kernel registration command gives a kernel t
 loads nbtrain, every tutorial and notebook is in the README's index and is saved
 with the outputs of a run (small, no errors, no widget state), and CI's notebook mode
 (`--nbval-lax`) still fails on a cell that raises when outputs are saved."""
+
 import json
 import os
 import re
@@ -42,8 +43,9 @@ def _requirement_names(reqs):
 
 def test_the_notebook_extra_brings_jupyterlab_and_the_widget_frontend():
     extras = PYPROJECT["project"]["optional-dependencies"]
-    assert {"jupyterlab", "ipywidgets", "jupyterlab-widgets", "ipykernel"} <= \
-        _requirement_names(extras["notebook"])
+    assert {"jupyterlab", "ipywidgets", "jupyterlab-widgets", "ipykernel"} <= _requirement_names(
+        extras["notebook"]
+    )
     # CI installs the test extra only: JupyterLab stays out of it.
     assert "jupyterlab" not in _requirement_names(extras["test"])
 
@@ -55,24 +57,42 @@ def test_every_extra_the_docs_name_exists_and_environment_yml_matches_pyproject(
         for group in re.findall(r"\.\[([\w,\- ]+)\]", text):
             named.update(e.strip() for e in group.split(","))
     assert named and named <= extras, named - extras
-    assert re.search(r"-e \.\[[\w,]*notebook[\w,]*\]", ENV_YML), \
+    assert re.search(r"-e \.\[[\w,]*notebook[\w,]*\]", ENV_YML), (
         "environment.yml lacks the notebook extra"
+    )
     torch_spec = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("torch"))
     assert re.search(rf"^\s*- {re.escape(torch_spec)}\b", ENV_YML, re.M), (torch_spec, ENV_YML)
     install = _section("Install")
-    for needle in ("pip install torch==2.13.0", '".[notebook]"', '".[gpu,notebook]"', "--index-url",
-                   "conda env create -f environment.yml",
-                   "python3 -m ipykernel install --user --name nbtrain"):
+    for needle in (
+        "pip install torch==2.13.0",
+        '".[notebook]"',
+        '".[gpu,notebook]"',
+        "--index-url",
+        "conda env create -f environment.yml",
+        "python3 -m ipykernel install --user --name nbtrain",
+    ):
         assert needle in install, needle
     assert "ipykernel install --user --name nbtrain" in ENV_YML
 
 
 def test_the_registered_kernel_runs_this_python_and_loads_nbtrain(tmp_path):
-    env = {**os.environ, "JUPYTER_DATA_DIR": str(tmp_path / "data"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
-           "IPYTHONDIR": str(tmp_path / "ipython")}
-    cmd = [sys.executable, "-m", "ipykernel", "install", "--user", "--name", "nbtrain",
-           "--display-name", "Python (nbtrain)"]
+    env = {
+        **os.environ,
+        "JUPYTER_DATA_DIR": str(tmp_path / "data"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+        "IPYTHONDIR": str(tmp_path / "ipython"),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "ipykernel",
+        "install",
+        "--user",
+        "--name",
+        "nbtrain",
+        "--display-name",
+        "Python (nbtrain)",
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     spec = json.loads((tmp_path / "data" / "kernels" / "nbtrain" / "kernel.json").read_text())
@@ -93,8 +113,9 @@ def test_the_registered_kernel_runs_this_python_and_loads_nbtrain(tmp_path):
             kc.stop_channels()
             km.shutdown_kernel(now=True)
     """)
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert f"{sys.executable} " in run.stdout, run.stdout
 
@@ -103,7 +124,7 @@ def test_the_readme_indexes_every_tutorial_and_notebook():
     index = _section("Tutorials")
     for path in NOTEBOOKS:
         rel = str(path.relative_to(ROOT))
-        line = next((l for l in index.splitlines() if f"`{rel}`" in l), None)
+        line = next((ln for ln in index.splitlines() if f"`{rel}`" in ln), None)
         assert line, f"{rel} is missing from the README's tutorial index"
         assert len(line.split(":", 1)[-1].split()) >= 5, f"say what {rel} teaches: {line}"
 
@@ -115,9 +136,10 @@ def test_saved_with_the_outputs_of_a_run(path):
     assert "widgets" not in nb.metadata  # the live dashboard's state: most of the bytes
     code = [c for c in nb.cells if c.cell_type == "code"]
     counts = [c.execution_count for c in code]
-    assert counts == list(range(1, len(code) + 1)), \
-        f"{path.name}: cells not saved from one top-to-bottom run: {counts}; " \
+    assert counts == list(range(1, len(code) + 1)), (
+        f"{path.name}: cells not saved from one top-to-bottom run: {counts}; "
         f"run `python tutorials/save_outputs.py {path.relative_to(ROOT)}`"
+    )
     assert any(c.outputs for c in code), path.name
     for cell in code:
         for out in cell.outputs:
@@ -127,18 +149,39 @@ def test_saved_with_the_outputs_of_a_run(path):
 
 def test_nbval_lax_fails_on_a_raising_cell_though_outputs_are_saved(tmp_path):
     def notebook(name, source, saved_text):
-        cell = nbformat.v4.new_code_cell(source, execution_count=1, outputs=[
-            nbformat.v4.new_output("stream", name="stdout", text=saved_text)])
+        cell = nbformat.v4.new_code_cell(
+            source,
+            execution_count=1,
+            outputs=[nbformat.v4.new_output("stream", name="stdout", text=saved_text)],
+        )
         nbformat.write(nbformat.v4.new_notebook(cells=[cell]), tmp_path / name)
 
     notebook("raises.ipynb", "raise ValueError('a tutorial cell failed')", "fine\n")
     notebook("differs.ipynb", "print(1)", "2\n")  # volatile output: not compared
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
-    env = {**os.environ, "IPYTHONDIR": str(tmp_path / "ipython"),
-           "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime")}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "--nbval-lax", "raises.ipynb", "differs.ipynb"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "IPYTHONDIR": str(tmp_path / "ipython"),
+        "JUPYTER_RUNTIME_DIR": str(tmp_path / "runtime"),
+    }
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--nbval-lax",
+            "raises.ipynb",
+            "differs.ipynb",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 1, run.stdout + run.stderr
     assert "a tutorial cell failed" in run.stdout
     assert re.search(r"\b1 failed, 1 passed\b", run.stdout), run.stdout
@@ -150,12 +193,14 @@ def test_saving_outputs_drops_widget_state_and_keeps_images_small():
     import io
 
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    spec = importlib.util.spec_from_file_location("save_outputs",
-                                                  ROOT / "tutorials" / "save_outputs.py")
+    spec = importlib.util.spec_from_file_location(
+        "save_outputs", ROOT / "tutorials" / "save_outputs.py"
+    )
     save = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(save)
 
@@ -170,12 +215,19 @@ def test_saving_outputs_drops_widget_state_and_keeps_images_small():
 
     out = nbformat.v4.new_output
     view = {"model_id": "ab", "version_major": 2}
-    cell = nbformat.v4.new_code_cell("x", execution_count=1, outputs=[
-        out("display_data", data={WIDGET: view, "text/plain": "VBox()"}),
-        out("display_data", data={WIDGET: {**view, "model_id": "cd"}, "text/plain": "VBox()"}),
-        out("stream", name="stdout", text="train:  10%|#\rtrain: 100%|##########|\nnext line\n"),
-        out("display_data", data={"image/png": png, "text/plain": "<Figure>"}),
-    ], metadata={"execution": {"iopub.status.busy": "2026-01-01"}})
+    cell = nbformat.v4.new_code_cell(
+        "x",
+        execution_count=1,
+        outputs=[
+            out("display_data", data={WIDGET: view, "text/plain": "VBox()"}),
+            out("display_data", data={WIDGET: {**view, "model_id": "cd"}, "text/plain": "VBox()"}),
+            out(
+                "stream", name="stdout", text="train:  10%|#\rtrain: 100%|##########|\nnext line\n"
+            ),
+            out("display_data", data={"image/png": png, "text/plain": "<Figure>"}),
+        ],
+        metadata={"execution": {"iopub.status.busy": "2026-01-01"}},
+    )
     nb = nbformat.v4.new_notebook(cells=[cell], metadata={"widgets": {"state": {"ab": {}}}})
     save.sanitize(nb)
     assert "widgets" not in nb.metadata and "execution" not in cell.metadata

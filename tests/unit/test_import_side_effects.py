@@ -1,5 +1,6 @@
 """`import nbtrain` only defines names: no import finder, no event subscriber, and
 `nbtrain.kernels` still imports (the top-level kernels/ folder, from a checkout too)."""
+
 import json
 import subprocess
 import sys
@@ -22,8 +23,13 @@ print(json.dumps({**after_import, "kernels_meta_path": after_kernels,
 
 
 def _probe() -> dict:
-    out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
-                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"},
+    )
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 

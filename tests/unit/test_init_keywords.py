@@ -1,5 +1,6 @@
 """init_distributed takes its own keywords and BMTrain's, and refuses anything else
 by name (a misspelt `pipe_sise=2` once ran without a pipeline and without an error)."""
+
 import pytest
 
 import nbtrain as nbt
@@ -21,18 +22,28 @@ def test_an_unrelated_keyword_is_refused_without_a_guess():
 
 
 def test_bmtrains_keywords_are_accepted():
-    ctx = nbt.init_distributed(init_method="env://", seed=3, zero_level=2, loss_scale_factor=2,
-                               loss_scale_steps=1024, pipe_size=-1, num_micro_batches=1)
+    ctx = nbt.init_distributed(
+        init_method="env://",
+        seed=3,
+        zero_level=2,
+        loss_scale_factor=2,
+        loss_scale_steps=1024,
+        pipe_size=-1,
+        num_micro_batches=1,
+    )
     try:
         assert ctx.topology.pipe_size == 1 and ctx.seed == 3 and ctx.world_size == 1
     finally:
         nbt.comm.shutdown()
 
 
-@pytest.mark.parametrize("keyword, value, fix", [
-    ("init_method", "tcp://10.0.0.1:23456", "set MASTER_ADDR and MASTER_PORT"),
-    ("zero_level", 1, "each Block takes its own zero_level"),
-])
+@pytest.mark.parametrize(
+    "keyword, value, fix",
+    [
+        ("init_method", "tcp://10.0.0.1:23456", "set MASTER_ADDR and MASTER_PORT"),
+        ("zero_level", 1, "each Block takes its own zero_level"),
+    ],
+)
 def test_a_bmtrain_keyword_nbtrain_cannot_honour_says_so(keyword, value, fix):
     with pytest.raises(ValueError, match=fix):
         nbt.init_distributed(**{keyword: value})

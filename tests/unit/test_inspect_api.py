@@ -3,6 +3,7 @@ gathered now), the most blocks gathered at once, and the last step's record. The
 tutorials use these instead of the engine's and the recorder's internals; the
 world-size test (tests/multirank/test_tutorials_world_sizes.py) checks the resident
 share at 2 and 3 ranks through tutorial 02."""
+
 import pytest
 import torch
 from torch import nn
@@ -50,7 +51,8 @@ def test_a_world_of_one_gathers_nothing(level):
     assert parameter_bytes(model) == {"full": full, "resident": full, "gathered": 0}
     seen = []
     model.layers[1].mlp.register_forward_hook(
-        lambda *_: seen.append(parameter_bytes(model)["gathered"]))
+        lambda *_: seen.append(parameter_bytes(model)["gathered"])
+    )
     with track_gathered(model) as gathered:
         model.loss(*_batch()).backward()
     assert seen == [0]

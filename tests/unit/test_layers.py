@@ -3,6 +3,7 @@
 Read from the source (every import, including those inside functions), so a lazy
 import that hides a cycle or an upward dependency is caught too.
 """
+
 import ast
 import pathlib
 
@@ -12,9 +13,21 @@ import nbtrain
 
 ROOT = pathlib.Path(nbtrain.__file__).parent
 KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
-LAYERS = ["comm", "zero", "context_parallel", "nn", "moe", "pipeline", "optim", "checkpoint",
-          "models", "telemetry", "notebook", "launch",
-          "runtime"]  # runtime drives the models; validate launches ranks
+LAYERS = [
+    "comm",
+    "zero",
+    "context_parallel",
+    "nn",
+    "moe",
+    "pipeline",
+    "optim",
+    "checkpoint",
+    "models",
+    "telemetry",
+    "notebook",
+    "launch",
+    "runtime",
+]  # runtime drives the models; validate launches ranks
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -35,12 +48,15 @@ def _imports(name: str) -> set[str]:
             out.update(a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            subs = [f"{target}.{a.name}" for a in node.names
-                    if f"{target}.{a.name}" in MODULES or f"{target}.{a.name}" == KERNELS]
+            subs = [
+                f"{target}.{a.name}"
+                for a in node.names
+                if f"{target}.{a.name}" in MODULES or f"{target}.{a.name}" == KERNELS
+            ]
             out.update(subs or [target])
     return {m for m in out if (m in MODULES or m.startswith(KERNELS)) and m != name}
 
@@ -65,8 +81,10 @@ def test_no_upward_imports(name):
 def test_no_import_cycles():
     # Engines hand users the facade (`nbt`), and the facade loads the magics lazily;
     # that one loop through the top package is by design, every other is a defect.
-    graph = {m: _imports(m) - ({"nbtrain"} if _layer(m) == LAYERS.index("notebook") else set())
-             for m in MODULES}
+    graph = {
+        m: _imports(m) - ({"nbtrain"} if _layer(m) == LAYERS.index("notebook") else set())
+        for m in MODULES
+    }
     state: dict[str, int] = {}
 
     def visit(m, path):
@@ -93,11 +111,13 @@ def test_every_subpackage_is_installed():
     editable install) but is left out of a wheel."""
     import tomllib
 
-    listed = set(tomllib.loads((ROOT.parent / "pyproject.toml").read_text())
-                 ["tool"]["setuptools"]["packages"])
+    listed = set(
+        tomllib.loads((ROOT.parent / "pyproject.toml").read_text())["tool"]["setuptools"][
+            "packages"
+        ]
+    )
     found = {_module_name(p) for p in ROOT.rglob("__init__.py")}
     assert found - listed == set(), sorted(found - listed)
-
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -109,15 +129,35 @@ def test_every_relative_import_exists(name):
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.level:
-            base = package.split(".")[:len(package.split(".")) - node.level + 1]
+            base = package.split(".")[: len(package.split(".")) - node.level + 1]
             target = ".".join(base + ([node.module] if node.module else []))
-            assert target in MODULES or target.startswith(KERNELS), \
+            assert target in MODULES or target.startswith(KERNELS), (
                 f"{name}: line {node.lineno} imports {target}, which does not exist"
+            )
 
-COLLECTIVES = {"send", "recv", "isend", "irecv", "batch_isend_irecv", "P2POp", "all_gather",
-               "all_gather_into_tensor", "all_gather_object", "all_reduce", "all_to_all",
-               "all_to_all_single", "broadcast", "broadcast_object_list", "reduce_scatter",
-               "reduce_scatter_tensor", "barrier", "gather", "scatter", "reduce"}
+
+COLLECTIVES = {
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "P2POp",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "broadcast_object_list",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "barrier",
+    "gather",
+    "scatter",
+    "reduce",
+}
 # comm owns them; bench times torch's own calls; launch's barrier brings the group up.
 OWN_CALLS = ("nbtrain.comm", "nbtrain.bench", "nbtrain.launch")
 
@@ -128,12 +168,23 @@ def test_collectives_go_through_comm(name):
     and events the benchmarks and telemetry read: no torch.distributed call elsewhere."""
     tree = ast.parse(MODULES[name].read_text())
     aliases = {"torch.distributed"} | {
-        a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.Import)
-        for a in node.names if a.name == "torch.distributed"}
-    direct = {a.asname or a.name for node in ast.walk(tree)
-              if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed"
-              for a in node.names}
-    calls = [f"{ast.unparse(node.value)}.{node.attr}" for node in ast.walk(tree)
-             if isinstance(node, ast.Attribute) and node.attr in COLLECTIVES
-             and ast.unparse(node.value) in aliases]
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for a in node.names
+        if a.name == "torch.distributed"
+    }
+    direct = {
+        a.asname or a.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed"
+        for a in node.names
+    }
+    calls = [
+        f"{ast.unparse(node.value)}.{node.attr}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute)
+        and node.attr in COLLECTIVES
+        and ast.unparse(node.value) in aliases
+    ]
     assert not calls and not direct & COLLECTIVES, (calls, direct & COLLECTIVES)

@@ -3,6 +3,7 @@ state_dict loads (strict) into `Llama(LlamaConfig.from_hf(...))` and gives the s
 logits (within 1e-5); a row of packed documents gives each document's logits alone;
 the model builds on the meta device without buffers; its pipeline layers compute
 what it does; from_hf refuses what the model does not compute."""
+
 import pytest
 import torch
 import transformers
@@ -13,23 +14,36 @@ from nbtrain.models.llama import Llama, LlamaConfig, llama_layers
 
 VOCAB, SEQ = 96, 12
 LENGTHS = (5, 7)  # two packed documents fill a row of SEQ tokens
-SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2)
-CASES = [("llama", False, False), ("llama", True, False), ("llama", False, True),
-         ("qwen2", False, False), ("qwen2", True, False)]
+SIZES = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+CASES = [
+    ("llama", False, False),
+    ("llama", True, False),
+    ("llama", False, True),
+    ("qwen2", False, False),
+    ("qwen2", True, False),
+]
 
 
 def _hf(model_type, tied, attention_bias, attn="eager"):
     """A random HF model; every parameter perturbed, so zero biases and unit norms
     (the init) cannot hide a weight that is loaded into the wrong place."""
     if model_type == "llama":
-        cfg = transformers.LlamaConfig(**SIZES, tie_word_embeddings=tied, rope_theta=1000.0,
-                                       attention_bias=attention_bias)
+        cfg = transformers.LlamaConfig(
+            **SIZES, tie_word_embeddings=tied, rope_theta=1000.0, attention_bias=attention_bias
+        )
     else:
         cfg = transformers.Qwen2Config(**SIZES, tie_word_embeddings=tied, rope_theta=1000.0)
     torch.manual_seed(0)
-    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn,
-                                                       dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_config(
+        cfg, attn_implementation=attn, dtype=torch.float32
+    ).eval()
     with torch.no_grad():
         for p in hf.parameters():
             p.add_(0.05 * torch.randn_like(p))
@@ -61,8 +75,9 @@ def test_logits_match_hugging_face(model_type, tied, attention_bias):
     assert (cfg.model_type, cfg.tie_word_embeddings, cfg.rope_theta) == (model_type, tied, 1000.0)
     assert cfg.qkv_bias == (model_type == "qwen2") and cfg.attention_bias == attention_bias
     assert (model.lm_head.weight is model.model.embed_tokens.weight) == tied
-    assert sorted(n for n, _ in model.named_parameters(remove_duplicate=False)) == \
-        sorted(n for n, _ in hf.named_parameters(remove_duplicate=False))
+    assert sorted(n for n, _ in model.named_parameters(remove_duplicate=False)) == sorted(
+        n for n, _ in hf.named_parameters(remove_duplicate=False)
+    )
     ids = torch.randint(0, VOCAB, (3, 17), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         assert _max_diff(model(ids), hf(ids).logits) <= 1e-5
@@ -77,12 +92,12 @@ def test_packed_documents_match_documents_alone(model_type, tied, attention_bias
         packed = model(ids, position_ids)
         start = 0
         for n in LENGTHS:
-            doc = ids[:, start:start + n]
-            assert _max_diff(packed[:, start:start + n], model(doc)) <= 1e-5
-            assert _max_diff(packed[:, start:start + n], hf(doc).logits) <= 1e-5
+            doc = ids[:, start : start + n]
+            assert _max_diff(packed[:, start : start + n], model(doc)) <= 1e-5
+            assert _max_diff(packed[:, start : start + n], hf(doc).logits) <= 1e-5
             start += n
         # Without position_ids the row is one sequence: the second document sees the first.
-        assert _max_diff(model(ids)[:, LENGTHS[0]:], packed[:, LENGTHS[0]:]) > 1e-3
+        assert _max_diff(model(ids)[:, LENGTHS[0] :], packed[:, LENGTHS[0] :]) > 1e-3
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -150,19 +165,28 @@ def test_from_hf_reads_old_and_new_rope_fields():
     assert LlamaConfig.from_hf({**old, "rope_theta": 2e5, "rope_scaling": None}).rope_theta == 2e5
     assert LlamaConfig.from_hf(old).rope_theta == 10000.0
     qwen = LlamaConfig.from_hf(_hf_dict("qwen2"))
-    assert (qwen.qkv_bias, qwen.attention_bias, qwen.head_dim, qwen.num_key_value_heads) == \
-        (True, False, 16, 2)
+    assert (qwen.qkv_bias, qwen.attention_bias, qwen.head_dim, qwen.num_key_value_heads) == (
+        True,
+        False,
+        16,
+        2,
+    )
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(model_type="mistral"), "'mistral'"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3'"),
-    (dict(rope_scaling={"type": "linear", "factor": 2.0}), "'linear'"),
-    (transformers.LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0}).to_dict(),
-     "'yarn'"),
-    (dict(hidden_act="gelu"), "'gelu'"),
-    (dict(mlp_bias=True), "mlp_bias"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(model_type="mistral"), "'mistral'"),
+        (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "'llama3'"),
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "'linear'"),
+        (
+            transformers.LlamaConfig(rope_scaling={"rope_type": "yarn", "factor": 2.0}).to_dict(),
+            "'yarn'",
+        ),
+        (dict(hidden_act="gelu"), "'gelu'"),
+        (dict(mlp_bias=True), "mlp_bias"),
+    ],
+)
 def test_from_hf_refuses_what_the_model_does_not_compute(overrides, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig.from_hf(_hf_dict(**overrides))
@@ -173,12 +197,15 @@ def test_from_hf_refuses_qwen2_sliding_window():
         LlamaConfig.from_hf(_hf_dict("qwen2", use_sliding_window=True))
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (dict(num_key_value_heads=3), "num_key_value_heads = 3"),
-    (dict(hidden_size=66), "hidden_size = 66"),
-    (dict(head_dim=15), "head_dim = 15"),
-    (dict(model_type="gpt2"), "'gpt2'"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (dict(num_key_value_heads=3), "num_key_value_heads = 3"),
+        (dict(hidden_size=66), "hidden_size = 66"),
+        (dict(head_dim=15), "head_dim = 15"),
+        (dict(model_type="gpt2"), "'gpt2'"),
+    ],
+)
 def test_config_validation_names_the_bad_value(overrides, match):
     with pytest.raises(ValueError, match=match):
         LlamaConfig(**{**SIZES, **overrides})

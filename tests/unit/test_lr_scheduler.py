@@ -1,4 +1,5 @@
 """Learning-rate schedules: warmup, each decay, stepping, state_dict round trips."""
+
 import math
 
 import pytest
@@ -31,7 +32,7 @@ def test_decays():
     assert _lrs(lrs.Linear, 14)[4:] == pytest.approx([1 - i / 8 for i in range(9)] + [0.0] * 2)
     cos = _lrs(lrs.Cosine, 14)
     assert cos[8] == pytest.approx(0.5) and cos[12] == pytest.approx(0.0) and cos[14] == 0.0
-    assert _lrs(lrs.Exponential, 8, gamma=0.5)[4:] == pytest.approx([0.5 ** i for i in range(5)])
+    assert _lrs(lrs.Exponential, 8, gamma=0.5)[4:] == pytest.approx([0.5**i for i in range(5)])
     noam = _lrs(lrs.Noam, 12)
     assert noam[4] == pytest.approx(1 / math.sqrt(4)) and noam[2] == pytest.approx(0.25)
     assert noam[9] == pytest.approx(1 / 3)

@@ -1,4 +1,5 @@
 """nbtrain.assign_inits and the initialiser rules, on one process."""
+
 import math
 
 import pytest

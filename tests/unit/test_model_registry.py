@@ -1,5 +1,6 @@
 """nbtrain.models.register_model: what a package must provide, reported by name, and the
 built-ins found by name and by Hugging Face model type."""
+
 import types
 
 import pytest
@@ -22,8 +23,11 @@ PROTOCOL = ("build_model", "load_hf_weights", "make_forward_step", "tp_plan", "p
 def test_missing_protocol_functions_are_named():
     pkg = _module("halfdone", *PACKAGE)
     protocol = _module("halfdone.protocol", "build_model", "tp_plan")
-    with pytest.raises(TypeError, match=r"halfdone.protocol lacks load_hf_weights, "
-                                        r"make_forward_step, pp_stages"):
+    with pytest.raises(
+        TypeError,
+        match=r"halfdone.protocol lacks load_hf_weights, "
+        r"make_forward_step, pp_stages",
+    ):
         register_model("halfdone", package=pkg, impls={"default": protocol})
     assert "halfdone" not in registered()
 
@@ -74,7 +78,8 @@ def test_gpt2_configs_nbtrain_cannot_compute_are_refused():
         gpt2.make_config({"activation_function": "relu"})
     with pytest.raises(ValueError, match=r"reorder_and_upcast_attn=True"):
         gpt2.make_config({"reorder_and_upcast_attn": True})
-    cfg = gpt2.make_config({"n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 16,
-                            "vocab_size": 50})
+    cfg = gpt2.make_config(
+        {"n_embd": 32, "n_head": 4, "n_layer": 2, "n_positions": 16, "vocab_size": 50}
+    )
     assert (cfg.hidden, cfg.heads, cfg.layers, cfg.seq_len, cfg.mlp_ratio) == (32, 4, 2, 16, 4)
     assert cfg.qkv_bias and cfg.activation == "gelu_tanh" and cfg.tie_embeddings

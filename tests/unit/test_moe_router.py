@@ -1,5 +1,6 @@
 """nbtrain.moe in one process: routing, capacity, the layer against the plain loop,
 and the errors its arguments raise."""
+
 import pytest
 import torch
 
@@ -41,8 +42,9 @@ def test_the_layer_alone_equals_the_plain_loop(top_k):
     out.square().sum().backward()
     assert moe.w_in.grad is not None and moe.router.weight.grad is not None
     assert sum(moe.stats["tokens_per_expert"]) == 15 * top_k
-    assert getattr(moe.w_in, "_nbtrain_expert", False) and not hasattr(moe.router.weight,
-                                                                       "_nbtrain_expert")
+    assert getattr(moe.w_in, "_nbtrain_expert", False) and not hasattr(
+        moe.router.weight, "_nbtrain_expert"
+    )
 
 
 def test_an_expert_without_tokens_gets_a_zero_gradient():
@@ -57,11 +59,14 @@ def test_an_expert_without_tokens_gets_a_zero_gradient():
     assert float(moe.w_in.grad[2].abs().max()) == 0.0
 
 
-@pytest.mark.parametrize("kwargs, words", [
-    ({"top_k": 5}, "top_k=5"),
-    ({"balance": "loss"}, "balance='loss'"),
-    ({"capacity_factor": 0}, "capacity_factor=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"top_k": 5}, "top_k=5"),
+        ({"balance": "loss"}, "balance='loss'"),
+        ({"capacity_factor": 0}, "capacity_factor=0"),
+    ],
+)
 def test_bad_arguments_name_the_value(kwargs, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(")):
         MoE(4, 8, 4, **kwargs)

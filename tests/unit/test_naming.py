@@ -1,6 +1,7 @@
 """One name per concept (docs/naming.md): each canonical spelling runs without a warning,
 each old one still works and gives a FutureWarning naming the new one, and BMTrain's
 names give none."""
+
 import contextlib
 import warnings
 
@@ -21,31 +22,44 @@ def no_future_warning():
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         yield
-    assert not [w for w in seen if issubclass(w.category, FutureWarning)], \
-        [str(w.message) for w in seen]
+    assert not [w for w in seen if issubclass(w.category, FutureWarning)], [
+        str(w.message) for w in seen
+    ]
 
 
 # -- the runtime's ParallelConfig --------------------------------------------------------
 
-OLD_FIELDS = [("tp", "tp_size", 2), ("pp", "pipe_size", 2), ("ep", "ep_size", 2),
-              ("cp", "cp_size", 2), ("num_microbatches", "num_micro_batches", 4)]
+OLD_FIELDS = [
+    ("tp", "tp_size", 2),
+    ("pp", "pipe_size", 2),
+    ("ep", "ep_size", 2),
+    ("cp", "cp_size", 2),
+    ("num_microbatches", "num_micro_batches", 4),
+]
 
 
 @pytest.mark.parametrize("old, new, value", OLD_FIELDS, ids=[o for o, _, _ in OLD_FIELDS])
 def test_parallel_config_old_field_works_and_warns(old, new, value):
-    with pytest.warns(FutureWarning, match=rf"ParallelConfig\({old}=\.\.\.\) is deprecated.*"
-                                           rf"use {new}="):
+    with pytest.warns(
+        FutureWarning,
+        match=rf"ParallelConfig\({old}=\.\.\.\) is deprecated.*"
+        rf"use {new}=",
+    ):
         config = ParallelConfig(**{old: value})
     assert getattr(config, new) == value
-    with pytest.warns(FutureWarning, match=rf"ParallelConfig\.{old} is deprecated.*"
-                                           rf"ParallelConfig\.{new}"):
+    with pytest.warns(
+        FutureWarning,
+        match=rf"ParallelConfig\.{old} is deprecated.*"
+        rf"ParallelConfig\.{new}",
+    ):
         assert getattr(config, old) == value
 
 
 def test_parallel_config_canonical_fields_do_not_warn():
     with no_future_warning():
-        config = ParallelConfig(tp_size=2, pipe_size=2, ep_size=1, cp_size=1, zero_level=2,
-                                num_micro_batches=4)
+        config = ParallelConfig(
+            tp_size=2, pipe_size=2, ep_size=1, cp_size=1, zero_level=2, num_micro_batches=4
+        )
         assert (config.tp_size, config.pipe_size, config.num_micro_batches) == (2, 2, 4)
         config.check_world(8)
 
@@ -57,15 +71,17 @@ def test_parallel_config_refuses_both_spellings():
 
 def test_parallel_config_unknown_attribute_is_still_an_attribute_error():
     with pytest.raises(AttributeError, match="'tpsize'"):
-        ParallelConfig().tpsize
+        ParallelConfig().tpsize  # noqa: B018 (reading it is what raises)
 
 
 # -- forward_backward(num_micro_batches=) ------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["reference", "nbtrain"])
 def test_forward_backward_micro_batches(world_of_one, backend):
-    rt = create_runtime(RuntimeConfig(backend, backend_cfg=NBConfig(
-        model_config={"preset": "tiny", "seq_len": 16})))
+    rt = create_runtime(
+        RuntimeConfig(backend, backend_cfg=NBConfig(model_config={"preset": "tiny", "seq_len": 16}))
+    )
     handle = rt.build_model()
     vocab = rt.cfg.backend_cfg.make_config().vocab_size
     data = synthetic_batches(1, rows=4, seq_len=16, vocab=vocab, seed=0)[0]
@@ -79,6 +95,7 @@ def test_forward_backward_micro_batches(world_of_one, backend):
 
 # -- init_distributed --------------------------------------------------------------------
 
+
 def test_init_distributed_timeout_is_pg_timeout_s(world_of_one):
     with no_future_warning():
         assert nbt.init_distributed(pg_timeout_s=30) is world_of_one
@@ -88,12 +105,14 @@ def test_init_distributed_timeout_is_pg_timeout_s(world_of_one):
 
 def test_bmtrains_init_keywords_do_not_warn(world_of_one):
     with no_future_warning():
-        ctx = nbt.init_distributed(init_method="env://", seed=0, pipe_size=-1,
-                                   num_micro_batches=1, tp_size=1, zero_level=3)
+        ctx = nbt.init_distributed(
+            init_method="env://", seed=0, pipe_size=-1, num_micro_batches=1, tp_size=1, zero_level=3
+        )
     assert ctx.topology.pipe_size == 1 and ctx.num_micro_batches == 1
 
 
 # -- checkpoints: (model, path), BMTrain's order -------------------------------------------
+
 
 def _model():
     torch.manual_seed(0)
@@ -112,8 +131,11 @@ def test_save_checkpoint_and_load_checkpoint_take_the_model_first(world_of_one, 
 def test_the_old_path_first_order_works_and_warns(world_of_one, tmp_path):
     model, other = _model(), _model()
     torch.nn.init.zeros_(other.weight)
-    with pytest.warns(FutureWarning, match=r"save_checkpoint\(path, model\) is deprecated.*"
-                                           r"save_checkpoint\(model, path\)"):
+    with pytest.warns(
+        FutureWarning,
+        match=r"save_checkpoint\(path, model\) is deprecated.*"
+        r"save_checkpoint\(model, path\)",
+    ):
         nbt.save_checkpoint(str(tmp_path / "old"), model, step=4)
     with pytest.warns(FutureWarning, match=r"load_checkpoint\(path, model\) is deprecated"):
         meta = nbt.load_checkpoint(tmp_path / "old", other)
@@ -142,8 +164,11 @@ COMMAND_FLAGS = [
 ]
 
 
-@pytest.mark.parametrize("parser, old, new, dest", COMMAND_FLAGS,
-                         ids=[f"{p.__module__.split('.')[1]}{o}" for p, o, _, _ in COMMAND_FLAGS])
+@pytest.mark.parametrize(
+    "parser, old, new, dest",
+    COMMAND_FLAGS,
+    ids=[f"{p.__module__.split('.')[1]}{o}" for p, o, _, _ in COMMAND_FLAGS],
+)
 def test_command_flags(parser, old, new, dest):
     defaults = parser().parse_args([])
     with no_future_warning():
@@ -155,17 +180,22 @@ def test_command_flags(parser, old, new, dest):
     assert old not in parser().format_help().replace(new, "")  # hidden from --help
 
 
-MAGIC_FLAGS = [("--tp", "--tp-size", "tp_size", "2", 2),
-               ("--pg-timeout", "--pg-timeout-s", "pg_timeout_s", "30", 30.0),
-               ("--ip", "--controller-ip", "controller_ip", "10.1.0.1", "10.1.0.1")]
+MAGIC_FLAGS = [
+    ("--tp", "--tp-size", "tp_size", "2", 2),
+    ("--pg-timeout", "--pg-timeout-s", "pg_timeout_s", "30", 30.0),
+    ("--ip", "--controller-ip", "controller_ip", "10.1.0.1", "10.1.0.1"),
+]
 
 
-@pytest.mark.parametrize("old, new, dest, text, value", MAGIC_FLAGS,
-                         ids=[o for o, *_ in MAGIC_FLAGS])
+@pytest.mark.parametrize(
+    "old, new, dest, text, value", MAGIC_FLAGS, ids=[o for o, *_ in MAGIC_FLAGS]
+)
 def test_magic_flags(old, new, dest, text, value):
     with no_future_warning():
-        assert getattr(parse_argstring(magics.NbtrainMagics.nbtrain, f"start {new} {text}"),
-                       dest) == value
+        assert (
+            getattr(parse_argstring(magics.NbtrainMagics.nbtrain, f"start {new} {text}"), dest)
+            == value
+        )
     with pytest.warns(FutureWarning, match=rf"the flag {old} is deprecated.*use {new}"):
         args = parse_argstring(magics.NbtrainMagics.nbtrain, f"start {old} {text}")
     assert getattr(args, dest) == value
@@ -192,8 +222,7 @@ def started(monkeypatch):
 def test_start_timeout_flag(started):
     shell = magics.NbtrainMagics(shell=None)
     with no_future_warning(), pytest.raises(_Started):
-        shell.nbtrain("start -n 1 --start-timeout-s 7 --controller-ip 127.0.0.2 "
-                      "--pg-timeout-s 9")
+        shell.nbtrain("start -n 1 --start-timeout-s 7 --controller-ip 127.0.0.2 --pg-timeout-s 9")
     with pytest.warns(FutureWarning) as record, pytest.raises(_Started):
         shell.nbtrain("start -n 1 --timeout 8 --ip 127.0.0.3 --pg-timeout 10")
     messages = sorted(str(w.message).split(" is deprecated")[0] for w in record)

@@ -1,4 +1,5 @@
 """The overlap metric on hand-built spans (HTA's comm/comp overlap)."""
+
 import pytest
 
 from nbtrain.telemetry.overlap import comm_overlap, intersection, merge, total
@@ -35,12 +36,31 @@ def test_steplog_reports_the_metric_per_step():
     log = StepLog()
     spans = [("comm", 0.0, 2.0), ("compute", 1.0, 3.0)]  # step 0: 50 %
     for kind, s, e in spans:
-        log.feed({"type": kind, "label": "b0", "phase": "forward", "kind": "all_gather",
-                  "bytes": 8, "start": s, "end": e, "step": 0})
+        log.feed(
+            {
+                "type": kind,
+                "label": "b0",
+                "phase": "forward",
+                "kind": "all_gather",
+                "bytes": 8,
+                "start": s,
+                "end": e,
+                "step": 0,
+            }
+        )
     log.feed({"type": "metric", "loss": 2.5, "lr": 0.1, "step": 0})
     log.feed({"type": "step_end", "t": 3.0, "step": 0})
-    log.feed({"type": "comm", "kind": "reduce_scatter", "label": "b0", "bytes": 8,
-              "start": 4.0, "end": 5.0, "step": 1})
+    log.feed(
+        {
+            "type": "comm",
+            "kind": "reduce_scatter",
+            "label": "b0",
+            "bytes": 8,
+            "start": 4.0,
+            "end": 5.0,
+            "step": 1,
+        }
+    )
     log.feed({"type": "step_end", "t": 6.0, "step": 1})  # step 1: no compute, 0 %
     summary = log.summary()
     assert [o for _, o in summary["overlap"]] == [pytest.approx(0.5), 0.0]

@@ -3,6 +3,7 @@ gives each document's per-token losses and the parameter gradients of the docume
 run one by one through the plain GPT (within 1e-5); without, the GPT computes exactly
 (bitwise) what the causal-only GPT did. The tensor-parallel attention and the pipeline
 layers (fed their micro-batch's position ids) agree with the GPT."""
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,8 +18,7 @@ LENGTHS = (5, 7, 3)
 
 def _gpt(seed=0, **overrides):
     torch.manual_seed(seed)
-    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=24, heads=3, layers=2,
-                    **overrides)
+    cfg = GPTConfig(vocab_size=VOCAB, seq_len=SEQ, hidden=24, heads=3, layers=2, **overrides)
     return GPT(cfg)
 
 
@@ -39,8 +39,9 @@ def test_packed_row_matches_documents_one_by_one(tied):
 
     packed = _gpt(tie_embeddings=tied)
     logits = packed(batch.input_ids, batch.position_ids)
-    token_losses = F.cross_entropy(logits.reshape(-1, VOCAB), batch.labels.reshape(-1),
-                                   reduction="none").view(batch.labels.shape)
+    token_losses = F.cross_entropy(
+        logits.reshape(-1, VOCAB), batch.labels.reshape(-1), reduction="none"
+    ).view(batch.labels.shape)
     token_losses.sum().backward()
 
     alone = _gpt(tie_embeddings=tied)  # same seed: the same weights
@@ -49,8 +50,9 @@ def test_packed_row_matches_documents_one_by_one(tied):
         n = doc.numel()
         losses = F.cross_entropy(alone(doc[None])[0, :-1], doc[1:], reduction="none")
         losses.sum().backward()
-        torch.testing.assert_close(token_losses[0, start:start + n - 1], losses,
-                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(
+            token_losses[0, start : start + n - 1], losses, rtol=0, atol=1e-5
+        )
         assert token_losses[0, start + n - 1] == 0  # a document's last token: no label
         start += n
 
@@ -110,8 +112,9 @@ def test_tensor_parallel_attention_masks_documents(world_of_one):
     batch = PackedBatch.from_documents(_docs(lengths=(4, 6, 5, 3, 8)), seq_len=SEQ, rows=2)
     x = torch.randn(2, SEQ, 24, generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        torch.testing.assert_close(tp(x, batch.position_ids), attn(x, batch.position_ids),
-                                   rtol=0, atol=1e-6)
+        torch.testing.assert_close(
+            tp(x, batch.position_ids), attn(x, batch.position_ids), rtol=0, atol=1e-6
+        )
         assert not torch.allclose(tp(x, batch.position_ids), tp(x), atol=1e-4)
         assert torch.equal(tp(x), attn(x))
 
@@ -120,8 +123,10 @@ def test_pipeline_layers_read_each_micro_batch_positions():
     model = _gpt()
     positions = StagePositions()
     stage = torch.nn.Sequential(*gpt_layers(model, positions))
-    micro = [PackedBatch.from_documents(_docs(seed=s, lengths=lengths), seq_len=SEQ, rows=1)
-             for s, lengths in ((4, (9, 6)), (5, (3, 3, 10)))]
+    micro = [
+        PackedBatch.from_documents(_docs(seed=s, lengths=lengths), seq_len=SEQ, rows=1)
+        for s, lengths in ((4, (9, 6)), (5, (3, 3, 10)))
+    ]
     with torch.no_grad():
         with positions.feeding(stage, [m.position_ids for m in micro]):
             outs = [stage(m.input_ids) for m in micro]

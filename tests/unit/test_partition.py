@@ -1,4 +1,5 @@
 """Partition maths: offsets, padding, shard ranges (one process, no torch.distributed)."""
+
 import math
 
 import pytest

@@ -2,6 +2,7 @@
 docs/, and agrees with what it points at; the docs' reading order is the layer order
 `tests/unit/test_layers.py` enforces; the tutorials ask for the kernel the README names;
 a measured figure shown twice is the same figure."""
+
 import ast
 import json
 import re
@@ -14,8 +15,7 @@ MAX_LINES = 250
 
 
 def _section(text: str, title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text,
-                      re.MULTILINE | re.DOTALL)
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
     assert match, f"no '## {title}' section"
     return match.group(1)
 
@@ -80,8 +80,9 @@ def test_the_tutorials_ask_for_the_kernel_the_readme_names():
 
 def test_the_memory_figures_agree_with_the_benchmark_notes():
     notes = (ROOT / "nbtrain" / "bench" / "NOTES.md").read_text()
-    row = re.search(r"^\| meta\s+\| train \|\s+([\d.]+) \| [\d.]+\s+\| ([\d.]+)", notes,
-                    re.MULTILINE)
+    row = re.search(
+        r"^\| meta\s+\| train \|\s+([\d.]+) \| [\d.]+\s+\| ([\d.]+)", notes, re.MULTILINE
+    )
     peak, ratio = row.groups()
     table = (DOCS / "larger-than-device.md").read_text()
     assert re.search(rf"\| train 2 steps \(AdamW\) \| {re.escape(peak)} \| .*\| {ratio} \|", table)

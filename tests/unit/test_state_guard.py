@@ -5,6 +5,7 @@ module order option (tests/module_order.py) reorders whole modules.
 Each case runs pytest in a subprocess on a small project in tmp_path whose conftest
 installs the same plugins the real tests/conftest.py installs.
 """
+
 import os
 import re
 import subprocess
@@ -96,16 +97,26 @@ def make_project(root: Path, files: dict) -> Path:
 
 
 def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PYTEST_") and k != "NBTRAIN_TEST_ORDER"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("PYTEST_") and k != "NBTRAIN_TEST_ORDER"
+    }
     env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=180)
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
 
 
 def test_a_leaking_module_fails_naming_each_leftover_and_the_next_starts_clean(tmp_path):
-    root = make_project(tmp_path, {"tests/test_a_leaky.py": LEAKY,
-                                   "tests/test_b_after.py": CLEAN_AFTER})
+    root = make_project(
+        tmp_path, {"tests/test_a_leaky.py": LEAKY, "tests/test_b_after.py": CLEAN_AFTER}
+    )
     result = run_pytest(root, "-q", "tests")
     out = result.stdout + result.stderr
     assert result.returncode == pytest.ExitCode.TESTS_FAILED, out
@@ -113,12 +124,15 @@ def test_a_leaking_module_fails_naming_each_leftover_and_the_next_starts_clean(t
     assert re.search(r"\b2 passed, 1 error\b", out), out
     assert "ERROR at teardown of test_leaks_everything" in out, out
     assert "tests/test_a_leaky.py left process-wide state behind" in out
-    for leftover in ("the SIGINT handler is <Handlers.SIG_IGN",
-                     "environment variable NBTRAIN_LEAKED='yes' was set",
-                     "thread 'leaky-thread' still running",
-                     "child process", "time.sleep(600)",
-                     "torch.distributed's default group is still initialised (backend gloo",
-                     "nbtrain's context is still set"):
+    for leftover in (
+        "the SIGINT handler is <Handlers.SIG_IGN",
+        "environment variable NBTRAIN_LEAKED='yes' was set",
+        "thread 'leaky-thread' still running",
+        "child process",
+        "time.sleep(600)",
+        "torch.distributed's default group is still initialised (backend gloo",
+        "nbtrain's context is still set",
+    ):
         assert leftover in out, (leftover, out)
 
 
@@ -128,13 +142,18 @@ def test_a_module_that_cleans_up_passes(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("order, expected", [
-    ("written", ["a", "b", "c"]),
-    ("reverse", ["c", "b", "a"]),
-])
+@pytest.mark.parametrize(
+    "order, expected",
+    [
+        ("written", ["a", "b", "c"]),
+        ("reverse", ["c", "b", "a"]),
+    ],
+)
 def test_module_order_moves_whole_modules(tmp_path, order, expected):
-    files = {f"tests/test_{m}.py": f"def test_{m}1():\n    pass\n\n\ndef test_{m}2():\n    pass\n"
-             for m in "abc"}
+    files = {
+        f"tests/test_{m}.py": f"def test_{m}1():\n    pass\n\n\ndef test_{m}2():\n    pass\n"
+        for m in "abc"
+    }
     result = run_pytest(make_project(tmp_path, files), "-v", f"--module-order={order}", "tests")
     ran = re.findall(r"test_([abc])\.py::test_\w(\d)", result.stdout)
     assert ran == [(m, i) for m in expected for i in "12"], result.stdout
@@ -152,7 +171,8 @@ def test_a_random_order_is_seeded_and_printed(tmp_path):
     seed = re.search(r"module order: random \(again: --module-order=random:(\d+)\)", out).group(1)
     quiet = run_pytest(root, "-q", f"--module-order=random:{seed}", "tests").stdout
     assert quiet.strip().splitlines()[-2] == (  # -q hides the header: it ends the run too
-        f"module order: random (again: --module-order=random:{seed})"), quiet
+        f"module order: random (again: --module-order=random:{seed})"
+    ), quiet
     _, again = order(f"--module-order=random:{seed}")
     assert again == first and sorted(first) == list("abcdefgh")
     shuffled = {tuple(order(f"--module-order=random:{s}")[1]) for s in (1, 2, 3)}
@@ -160,7 +180,10 @@ def test_a_random_order_is_seeded_and_printed(tmp_path):
 
 
 def test_a_bad_module_order_is_a_usage_error(tmp_path):
-    result = run_pytest(make_project(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"}),
-                        "--module-order=backwards", "tests")
+    result = run_pytest(
+        make_project(tmp_path, {"tests/test_a.py": "def test_a():\n    pass\n"}),
+        "--module-order=backwards",
+        "tests",
+    )
     assert result.returncode == pytest.ExitCode.USAGE_ERROR
     assert "--module-order 'backwards': use written, reverse, random" in result.stderr

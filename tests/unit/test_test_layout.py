@@ -10,6 +10,7 @@
   folder is on the search path in a run over tests/, and the second name would silently
   import the first.
 """
+
 import ast
 import re
 from collections import defaultdict
@@ -22,19 +23,21 @@ TESTS = THIS.parents[1]
 PATH_EDITS = {
     "conftest.py": "--import-mode=importlib leaves tests/ off the path; the guards need it",
     "unit/test_collection_guard.py": "the conftest it writes for a project in tmp_path, "
-                                     "outside tests/, imports tests/collection_guard.py",
+    "outside tests/, imports tests/collection_guard.py",
     "unit/test_state_guard.py": "the conftest it writes for a project in tmp_path, "
-                                "outside tests/, imports tests/state_guard.py",
+    "outside tests/, imports tests/state_guard.py",
     "multirank/test_bmtrain_example.py": "imports the tutorial example's modules as its "
-                                         "script does, from the example's own folder",
+    "script does, from the example's own folder",
     "stress/memory_growth.py": "a command run by path, outside pytest: this checkout's nbtrain",
     "stress/rebuild_repeat.py": "a command run by path, outside pytest: this checkout's "
-                                "nbtrain, tests/ and the test module it borrows from",
+    "nbtrain, tests/ and the test module it borrows from",
 }
 # sys.path.insert(...), .append(...), .extend(...), sys.path[...] = ..., sys.path += ...,
 # in code or in a script written by a test.
-PATH_EDIT = re.compile(r"\bsys\.path\s*"
-                       r"(?:\.\s*(?:insert|append|extend)\s*\(|\[[^\]]*\]\s*=(?!=)|\+=)")
+PATH_EDIT = re.compile(
+    r"\bsys\.path\s*"
+    r"(?:\.\s*(?:insert|append|extend)\s*\(|\[[^\]]*\]\s*=(?!=)|\+=)"
+)
 
 
 def _python_files():
@@ -46,12 +49,22 @@ def _python_files():
 
 
 def test_the_pattern_finds_each_way_of_editing_the_path():
-    for line in ("sys.path.insert(0, here)", "sys.path.append(here)", "sys.path.extend([a])",
-                 "sys.path[:0] = [a, b]", "sys.path[0:0]=[a]", "sys.path += [a]",
-                 "    sys.path .insert (0, x)"):
+    for line in (
+        "sys.path.insert(0, here)",
+        "sys.path.append(here)",
+        "sys.path.extend([a])",
+        "sys.path[:0] = [a, b]",
+        "sys.path[0:0]=[a]",
+        "sys.path += [a]",
+        "    sys.path .insert (0, x)",
+    ):
         assert PATH_EDIT.search(line), line
-    for line in ("print(sys.path)", "if here not in sys.path:", "sys.path[0] == here",
-                 "paths = list(sys.path)"):
+    for line in (
+        "print(sys.path)",
+        "if here not in sys.path:",
+        "sys.path[0] == here",
+        "paths = list(sys.path)",
+    ):
         assert not PATH_EDIT.search(line), line
 
 
@@ -61,7 +74,8 @@ def test_no_file_under_tests_edits_the_search_path_outside_the_list():
     assert not unexpected, (
         f"{unexpected} edit sys.path: import shared helpers from tests/support/ "
         "(`from support import ...`), give a script tests/ with support.script_env(), "
-        "or add the file to PATH_EDITS with the reason it must")
+        "or add the file to PATH_EDITS with the reason it must"
+    )
     stale = sorted(set(PATH_EDITS) - found)
     assert not stale, f"{stale} no longer edit sys.path: take them out of PATH_EDITS"
 
@@ -77,8 +91,9 @@ def _fixtures(tree: ast.Module):
     bodies = [tree.body] + [n.body for n in tree.body if isinstance(n, ast.ClassDef)]
     for body in bodies:
         for node in body:
-            if (isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                    and any(_is_fixture(d) for d in node.decorator_list)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and any(
+                _is_fixture(d) for d in node.decorator_list
+            ):
                 yield node.name
 
 
@@ -96,18 +111,28 @@ def duplicate_fixtures(sources: dict) -> dict:
 
 def test_the_duplicate_check_finds_a_copied_fixture():
     copied = "import pytest\n\n@pytest.fixture(scope='module')\ndef cluster(ipython):\n    pass\n"
-    bare = ("from pytest import fixture\n\nclass TestX:\n    @fixture\n"
-            "    def cluster(self):\n        pass\n")
-    found = duplicate_fixtures({"notebook/test_a.py": copied, "notebook/test_b.py": bare,
-                                "notebook/conftest.py": copied, "unit/test_c.py": copied})
+    bare = (
+        "from pytest import fixture\n\nclass TestX:\n    @fixture\n"
+        "    def cluster(self):\n        pass\n"
+    )
+    found = duplicate_fixtures(
+        {
+            "notebook/test_a.py": copied,
+            "notebook/test_b.py": bare,
+            "notebook/conftest.py": copied,
+            "unit/test_c.py": copied,
+        }
+    )
     assert found == {("notebook", "cluster"): ["test_a.py", "test_b.py"]}
     assert duplicate_fixtures({"notebook/test_a.py": copied, "unit/test_c.py": copied}) == {}
 
 
 def test_no_fixture_is_defined_in_two_test_modules_of_a_folder():
     found = duplicate_fixtures({rel: path.read_text() for rel, path in _python_files()})
-    assert not found, (f"fixtures copied between test modules: {found}; define each once, "
-                       "in the folder's conftest.py")
+    assert not found, (
+        f"fixtures copied between test modules: {found}; define each once, "
+        "in the folder's conftest.py"
+    )
 
 
 def test_no_module_name_is_used_in_two_test_folders():

@@ -6,6 +6,7 @@ Outside nbtrain/zero, code may import the names in `nbtrain.zero.__all__` from
 model's shards through `nbtrain.zero.shards` / `flat_buffers`, never through a Block's
 flat groups or the private fields zero sets on its objects.
 """
+
 import ast
 import pathlib
 
@@ -22,9 +23,21 @@ ZERO = ROOT / "zero"
 # entries) that no other package has a use for: distinctive names, so a hit is a reach
 # into zero. (Generic ones such as `layout` or `entries` name other packages' own
 # attributes too; the private names below catch those objects' other fields.)
-INTERNAL_PUBLIC = {"groups", "local_part", "param_views", "full_items", "start_gather",
-                   "wait_gather", "full_tensor", "reduce_grad", "flush_deferred", "load_full",
-                   "synced_requires_grad", "on_grad_ready", "grad_dtype"}
+INTERNAL_PUBLIC = {
+    "groups",
+    "local_part",
+    "param_views",
+    "full_items",
+    "start_gather",
+    "wait_gather",
+    "full_tensor",
+    "reduce_grad",
+    "flush_deferred",
+    "load_full",
+    "synced_requires_grad",
+    "on_grad_ready",
+    "grad_dtype",
+}
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -46,8 +59,14 @@ def _zero_private_attrs() -> set[str]:
                 found.add(node.attr)
             elif isinstance(node, ast.Constant) and isinstance(node.value, str):
                 found.add(node.value)
-    return {n for n in found if _private(n) and n.isidentifier()
-            and not hasattr(nn.Module(), n) and not hasattr(torch.Tensor, n)}
+    return {
+        n
+        for n in found
+        if _private(n)
+        and n.isidentifier()
+        and not hasattr(nn.Module(), n)
+        and not hasattr(torch.Tensor, n)
+    }
 
 
 ZERO_PRIVATE = _zero_private_attrs()
@@ -58,7 +77,7 @@ def _target(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     if not node.level:
         return node.module or ""
     package = module if is_package else module.rpartition(".")[0]
-    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    base = package.split(".")[: len(package.split(".")) - node.level + 1]
     return ".".join(base + ([node.module] if node.module else []))
 
 
@@ -74,8 +93,12 @@ def _string_attr(node: ast.Call) -> str | None:
     name = func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)
     if name in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) >= 2:
         arg = node.args[1]
-    elif name in ("get", "pop", "setdefault") and isinstance(func, ast.Attribute) and \
-            getattr(func.value, "attr", None) == "__dict__" and node.args:
+    elif (
+        name in ("get", "pop", "setdefault")
+        and isinstance(func, ast.Attribute)
+        and getattr(func.value, "attr", None) == "__dict__"
+        and node.args
+    ):
         arg = node.args[0]
     else:
         return None
@@ -83,7 +106,7 @@ def _string_attr(node: ast.Call) -> str | None:
 
 
 def zero_violations(source: str, module: str, is_package: bool = False) -> list[str]:
-    """"line: what" for each reach into nbtrain.zero's internals in `source`."""
+    """ "line: what" for each reach into nbtrain.zero's internals in `source`."""
     out = []
     for node in ast.walk(ast.parse(source)):
         where = getattr(node, "lineno", 0)
@@ -97,13 +120,19 @@ def zero_violations(source: str, module: str, is_package: bool = False) -> list[
                 sub = target.split(".")[2]
                 if sub not in zero.PUBLIC_MODULES:
                     out.append(f"{where}: imports from {target}, an internal module of zero")
-                out += [f"{where}: imports private {target}.{a.name}" for a in node.names
-                        if _private(a.name)]
+                out += [
+                    f"{where}: imports private {target}.{a.name}"
+                    for a in node.names
+                    if _private(a.name)
+                ]
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 parts = alias.name.split(".")
-                if parts[:2] == ["nbtrain", "zero"] and len(parts) > 2 and \
-                        parts[2] not in zero.PUBLIC_MODULES:
+                if (
+                    parts[:2] == ["nbtrain", "zero"]
+                    and len(parts) > 2
+                    and parts[2] not in zero.PUBLIC_MODULES
+                ):
                     out.append(f"{where}: imports {alias.name}, an internal module of zero")
         elif isinstance(node, ast.Attribute) and node.attr in INTERNAL:
             owner = node.value
@@ -115,7 +144,7 @@ def zero_violations(source: str, module: str, is_package: bool = False) -> list[
 
 
 def private_imports(source: str, module: str, is_package: bool = False) -> list[str]:
-    """"line: what" for each private name imported from another nbtrain package."""
+    """ "line: what" for each private name imported from another nbtrain package."""
     out = []
     for node in ast.walk(ast.parse(source)):
         if not isinstance(node, ast.ImportFrom):
@@ -123,10 +152,10 @@ def private_imports(source: str, module: str, is_package: bool = False) -> list[
         target = _target(node, module, is_package)
         if not target.startswith("nbtrain") or _top(target) == _top(module) != "":
             continue
-        if any(_private(n) for n in target.split(".")) or any(_private(a.name)
-                                                            for a in node.names):
-            out.append(f"{node.lineno}: from {target} import "
-                       + ", ".join(a.name for a in node.names))
+        if any(_private(n) for n in target.split(".")) or any(_private(a.name) for a in node.names):
+            out.append(
+                f"{node.lineno}: from {target} import " + ", ".join(a.name for a in node.names)
+            )
     return out
 
 
@@ -137,17 +166,20 @@ def _outside_zero():
 
 
 def test_nothing_outside_zero_touches_its_internals():
-    found = [f"{path.relative_to(ROOT.parent)}:{v}"
-             for path, module, is_package in _outside_zero()
-             for v in zero_violations(path.read_text(), module, is_package)]
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{v}"
+        for path, module, is_package in _outside_zero()
+        for v in zero_violations(path.read_text(), module, is_package)
+    ]
     assert found == [], "\n".join(found)
 
 
 def test_no_package_imports_another_packages_private_names():
-    found = [f"{path.relative_to(ROOT.parent)}:{v}"
-             for path in sorted(ROOT.rglob("*.py"))
-             for v in private_imports(path.read_text(), _module_name(path),
-                                      path.name == "__init__.py")]
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{v}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for v in private_imports(path.read_text(), _module_name(path), path.name == "__init__.py")
+    ]
     assert found == [], "\n".join(found)
 
 
@@ -167,8 +199,13 @@ def test_the_checks_catch_each_kind_of_reach():
     for source, expected in cases.items():
         found = zero_violations(source, "nbtrain.checkpoint.stream")
         assert len(found) == 1 and expected in found[0], (source, found)
-    for fine in ("from ..zero import Block, shards", "from ..zero.partition import shard_range",
-                 "self._groups = []", "n = buffer.numel", "import nbtrain.zero"):
+    for fine in (
+        "from ..zero import Block, shards",
+        "from ..zero.partition import shard_range",
+        "self._groups = []",
+        "n = buffer.numel",
+        "import nbtrain.zero",
+    ):
         assert zero_violations(fine, "nbtrain.checkpoint.stream") == [], fine
     assert private_imports("from .comm.context import _pick_backend", "nbtrain.launch")
     assert private_imports("from .parallel import _slice_param", "nbtrain.models.gpt_tp") == []

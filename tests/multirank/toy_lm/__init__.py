@@ -5,6 +5,7 @@
 The package gives the configuration and the checkpoint mapping; `toy_lm.protocol` is
 its implementation (build, load, forward step, tensor-parallel plan, pipeline layers).
 """
+
 from dataclasses import dataclass
 
 from nbtrain.models.hf_load import HFWeight

@@ -1,4 +1,5 @@
 """toy_lm's implementation of nbtrain's model protocol."""
+
 import torch
 from torch import nn
 
@@ -61,9 +62,14 @@ def make_forward_step(model: ToyLM):
 
 
 def tp_plan(config: ToyConfig) -> dict:
-    return {"embed": "vocab", "blocks.*.norm": "replicated", "blocks.*.up": "colwise",
-            "blocks.*.down": "rowwise", "head.norm": "replicated",
-            "head.out": "tied_head" if config.tie else "head"}
+    return {
+        "embed": "vocab",
+        "blocks.*.norm": "replicated",
+        "blocks.*.up": "colwise",
+        "blocks.*.down": "rowwise",
+        "head.norm": "replicated",
+        "head.out": "tied_head" if config.tie else "head",
+    }
 
 
 def pp_stages(model: ToyLM, pipe_size: int, positions=None) -> list:
