@@ -210,6 +210,7 @@ class Cluster:
             ipp_cluster.stop_cluster_sync()
         except Exception:  # a launcher already gone; the pids below still get checked
             pass
+        _end_loop_thread(ipp_cluster)
         if self.job is not None:
             self.job.cancel()  # by id (ipyparallel's scancel may not have run)
         watchdog, self._watchdog = self._watchdog, None
@@ -536,6 +537,25 @@ class Cluster:
         if self.job is not None:
             state += f", job {self.job.job_id}"
         return f"<nbtrain.Cluster {self.cluster_id or ''} ({state})>"
+
+
+def _end_loop_thread(ipp_cluster) -> None:
+    """End the thread in which ipyparallel ran this cluster's `*_sync` calls.
+
+    Inside a running event loop (every Jupyter kernel) ipyparallel runs them in a
+    thread of the cluster's own, with a Tornado loop that it never stops: each start
+    or restart left a thread, its loop's file descriptors and the whole
+    ipyparallel Cluster behind.
+    """
+    loop = getattr(ipp_cluster, "_thread_loop", None)
+    thread = getattr(ipp_cluster, "_async_thread", None)
+    if loop is None or thread is None:
+        return
+    loop.add_callback(loop.stop)
+    thread.join(_STOP_GRACE_S)
+    if not thread.is_alive():
+        loop.close()
+        ipp_cluster._async_thread = None  # a later `*_sync` call starts a fresh one
 
 
 def _default_n() -> int:
