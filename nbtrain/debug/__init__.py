@@ -6,6 +6,11 @@
 
 Each process (rank) has its own; nothing is communicated. nbtrain.inspect's
 `inspect_tensor` does not use it.
+
+The debugging instruments live beside it, loaded on first use:
+`locate_divergence` (locate.py: where a parallel layout first leaves its plain twin)
+and `detect_nonfinite` (nonfinite.py: the first module, rank, step and direction
+where a NaN or Inf appears).
 """
 
 from __future__ import annotations
@@ -14,7 +19,35 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEBUG_VARS", "append", "clear", "extend", "get", "set"]
+__all__ = [
+    "DEBUG_VARS",
+    "append",
+    "clear",
+    "detect_nonfinite",
+    "extend",
+    "get",
+    "locate_divergence",
+    "set",
+]
+
+_LAZY = {
+    "locate_divergence": "locate",
+    "DivergenceReport": "locate",
+    "Finding": "locate",
+    "detect_nonfinite": "nonfinite",
+    "NonFiniteDetector": "nonfinite",
+    "NonFiniteOrigin": "nonfinite",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nbtrain.debug' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)
+
 
 DEBUG_VARS: dict[str, Any] = {}
 

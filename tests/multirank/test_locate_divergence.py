@@ -1,0 +1,70 @@
+"""nbtrain.debug.locate_divergence: correct ZeRO-3, tp 2 and pipeline layouts agree with
+the plain model over 3 SGD-momentum steps, and three injected bugs are named by module,
+step, direction and rank (a tp layer whose backward forgets its all-reduce, a wrong
+scale on rank 1's shard, a pipeline stage that drops a micro-batch)."""
+
+import pytest
+from locate_cases import STEPS, pipeline_cases, tp_cases, zero_cases
+from support.ranks import run_ranks
+
+
+@pytest.fixture(scope="module")
+def zero_runs():
+    return run_ranks(zero_cases, 2, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def tp_runs():
+    return run_ranks(tp_cases, 2, timeout_s=240)
+
+
+@pytest.fixture(scope="module")
+def pipeline_runs():
+    return run_ranks(pipeline_cases, 2, timeout_s=240)
+
+
+def _agrees(found):
+    assert not found["diverged"] and found["first"] is None, found["table"]
+    assert found["steps"] == [[None, None, None]] * STEPS, found["table"]
+
+
+def test_correct_layouts_do_not_diverge(zero_runs, tp_runs, pipeline_runs):
+    for runs in (zero_runs, tp_runs, pipeline_runs):
+        assert runs[0]["correct"] == runs[1]["correct"]  # every rank holds one report
+    _agrees(zero_runs[0]["correct"])
+    _agrees(tp_runs[0]["correct"])
+    _agrees(pipeline_runs[0]["correct"])
+    # Under ZeRO-3 every module that runs is compared (24: all but the root and the
+    # layer list, which is never called); under tp 2 the layers whose outputs are
+    # slices are listed as skipped.
+    zero = zero_runs[0]["correct"]
+    assert zero["skipped"] == [] and zero["compared"]["forward"] == 24, zero
+    assert zero["compared"]["params"] == 26, zero
+    tp = tp_runs[0]["correct"]
+    assert "layers.1.mlp.0" in tp["skipped"] and tp["compared"]["forward"] >= 10, tp
+
+
+def test_wrong_scale_on_one_shard_is_named_by_parameter_rank_and_step(zero_runs):
+    found = zero_runs[0]["scaled"]
+    assert found == zero_runs[1]["scaled"]
+    assert found["first"] == (1, "params", "layers.1.mlp.0", 1, "layers.1.mlp.0.weight"), found
+    # Step 0 agrees; step 2's forward first meets the scaled weight in that layer.
+    assert found["steps"][0] == [None, None, None], found["table"]
+    assert found["steps"][2][0][:3] == (2, "forward", "layers.1.mlp.0"), found["table"]
+
+
+def test_tp_layer_without_its_backward_all_reduce_is_named(tp_runs):
+    found = tp_runs[0]["no_all_reduce"]
+    assert found == tp_runs[1]["no_all_reduce"]
+    # The forward is right; the first input gradient off is the broken layer's.
+    assert found["steps"][0][0] is None, found["table"]
+    assert found["first"] == (0, "backward", "layers.1.mlp.0", 0, "input grad"), found["table"]
+
+
+def test_pipeline_stage_dropping_a_micro_batch_is_named(pipeline_runs):
+    found = pipeline_runs[0]["dropped"]
+    assert found == pipeline_runs[1]["dropped"]
+    # Stage 1 (rank 1) holds layers 2 and 3; its last layer's input gradient is the
+    # first off, at step 0, and the forward agrees until the parameters moved.
+    assert found["first"] == (0, "backward", "3", 1, "input grad"), found["table"]
+    assert found["steps"][0][0] is None and found["steps"][0][2] is not None, found["table"]
