@@ -81,6 +81,9 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float, tp_size:
     nbtrain.telemetry.publish_to_notebook()  # feeds the dashboard while cells run
     shell = get_ipython()
     shell.user_ns.update({"torch": torch, "nbt": nbtrain})
+    from . import engine_post_mortem
+
+    engine_post_mortem.watch(shell)  # keeps a failing cell's frames for `%nbtrain debug`
     from nbtrain.comm import recovery
 
     if recovery.arm(pg_timeout_s):

@@ -22,6 +22,7 @@ from ..comm.renamed import RenamedFlag, warn_renamed
 from .cluster import Cluster, _default_n
 from .errors import NoClusterError
 from .launchers import LAUNCHERS
+from .post_mortem import clear_failures, post_mortem, split_expression
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
 
@@ -146,14 +147,25 @@ def _start_differences(cluster, args) -> list[str]:
     return asked
 
 
-ACTIONS = ("start", "stop", "restart", "status", "pull", "push", "wait", "result", "dashboard")
+ACTIONS = (
+    "start",
+    "stop",
+    "restart",
+    "status",
+    "pull",
+    "push",
+    "wait",
+    "result",
+    "dashboard",
+    "debug",
+)
 _START_TIMEOUT_S = 120.0
 
 
 @magics_class
 class NbtrainMagics(Magics):
-    """`%nbtrain start|stop|restart|status|pull|push|wait|result|dashboard`, `%%distributed`
-    and `%autodistributed`."""
+    """`%nbtrain start|stop|restart|status|pull|push|wait|result|dashboard|debug`,
+    `%%distributed` and `%autodistributed`."""
 
     @line_magic
     @magic_arguments()
@@ -162,7 +174,8 @@ class NbtrainMagics(Magics):
         "names",
         nargs="*",
         metavar="NAME",
-        help="pull: the variable to bring back; push: the variables to send",
+        help="pull: the variable to bring back; push: the variables to send; "
+        "debug: an expression to evaluate in the failing frame (after the flags)",
     )
     @argument(
         "-n",
@@ -269,6 +282,32 @@ class NbtrainMagics(Magics):
         help="pull/push: ranks, e.g. 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all); "
         "write --targets=-1: for a slice that starts with '-'",
     )
+    @argument(
+        "--rank",
+        type=int,
+        default=None,
+        metavar="R",
+        help="debug: the failing rank to open (default: the lowest failing rank)",
+    )
+    @argument(
+        "--frame",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="debug: the frame to open, 0 the outermost, -1 the innermost (the default)",
+    )
+    @argument(
+        "-i",
+        "--interactive",
+        action="store_true",
+        help="debug: a prompt that evaluates each line in the frame (q or empty ends)",
+    )
+    @argument(
+        "--clear",
+        action="store_true",
+        help="debug: drop the kept failure (and the locals it keeps alive) on every "
+        "rank, or on --rank R",
+    )
     def nbtrain(self, line):
         """Manage the notebook's cluster of ranks.
 
@@ -295,10 +334,19 @@ class NbtrainMagics(Magics):
           result     the same without waiting: its output and errors if it has
                      finished, else which ranks are still running it
           dashboard  show the live telemetry dashboard
+          debug [EXPR]
+                     post-mortem of the last failing %%distributed cell on one rank
+                     (--rank R, default the lowest failing): its frames and the
+                     locals of the innermost (--frame N, 0 the outermost); with
+                     EXPR (after the flags) evaluate it in that frame there; -i for
+                     a prompt; --clear frees the kept failure. The other ranks are
+                     untouched; a rank keeps its failure until its next cell
 
         Targets (-t/--targets): 0, -1 (the last rank), 0,2, 0:2, ::2, 1:.
         """
+        line, expr = split_expression(line)  # debug's EXPR, verbatim
         args = parse_argstring(self.nbtrain, line)
+        args.expr = expr
         _check_n(args.n)
         args.slurm = _slurm_options(args)
         if args.action == "start" and args.timeout is not None:
@@ -429,6 +477,21 @@ class NbtrainMagics(Magics):
         from .dashboard import Dashboard
 
         Dashboard().show().refresh(_require_cluster())  # later %%distributed cells feed it
+
+    def _debug(self, args) -> None:
+        cluster = _require_cluster()
+        try:
+            if args.clear:
+                ranks = clear_failures(cluster, args.rank)
+                print(f"cleared the failure of rank(s) {', '.join(map(str, ranks)) or 'none'}")
+                return
+            debugger = post_mortem(cluster, args.rank, args.frame)
+        except ValueError as err:
+            raise UsageError(f"%nbtrain debug: {err}") from None
+        if args.interactive:
+            debugger.interact()
+        else:
+            print(debugger.show(args.expr) if args.expr else debugger.render())
 
     def _pull(self, args):
         cluster = _require_cluster()
