@@ -77,7 +77,8 @@ def test_an_expression_is_evaluated_in_the_failing_frame_on_that_rank_only(ipyth
 
 def test_the_python_api_behind_the_magic(ipython, cluster):
     _fail_on_rank_1(ipython)
-    debugger = post_mortem(cluster)
+    debugger = cluster.post_mortem()
+    assert repr(debugger) == repr(post_mortem(cluster, 1, -1))
     assert debugger.rank == 1 and debugger.failing == [1]
     assert [f["function"] for f in debugger.frames()] == ["<module>", "step"]
     assert debugger.eval("secret") == 41
