@@ -21,7 +21,10 @@ from .panels_moe import is_routing_metric
 
 # Metric names drawn by a panel of their own; any other number is a user metric (the
 # MoE layers' "moe.<i>.balance" / "moe.<i>.dropped" go to the routing panel, panels_moe).
-OWN_PANEL = frozenset(("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s", "tokens"))
+OWN_PANEL = frozenset(
+    ("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s", "tokens", "nonfinite")
+)
+NONFINITE_COLOR = "red"
 
 
 def draw_step_time(ax, summaries: dict) -> None:
@@ -107,6 +110,9 @@ def draw_loss(ax, summaries: dict) -> None:
     if twin is not None:
         twin.set_ylabel(", ".join(n for n in extra if "loss" not in n))
         twin.legend(loc="lower left", fontsize="x-small")
+    # nbtrain.debug.detect_nonfinite's origins: the step where a NaN/Inf first appeared.
+    for x in sorted({x for v in metric_by_rank(summaries, "nonfinite").values() for x in v}):
+        ax.axvline(x, color=NONFINITE_COLOR, ls="--", lw=1.2, label=f"NaN/Inf at step {x}")
     ax.legend(loc="upper right", fontsize="x-small")
 
 
