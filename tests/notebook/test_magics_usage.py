@@ -23,8 +23,10 @@ pytestmark = pytest.mark.timeout(240)
 # ------------------------------------------------------------- help (no cluster)
 def test_help_lists_every_action_and_flag():
     doc = magics.NbtrainMagics.nbtrain.__doc__
-    for action in ("start", "stop", "restart", "status", "pull", "push", "dashboard"):
+    for action in magics.ACTIONS:
         assert f"\n  {action}" in doc, action
+    for flag in ("--rank", "--frame", "--interactive", "--clear"):  # debug's
+        assert flag in doc, flag
     cell_doc = magics.NbtrainMagics.distributed.__doc__
     for flag in ("--targets", "--timeout", "--no-stream", "--dashboard"):
         assert flag in cell_doc, flag
