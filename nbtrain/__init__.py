@@ -106,6 +106,8 @@ _LAZY = {
     "pipeline": ("nbtrain.pipeline", None),
     "PipelineTransformerBlockList": ("nbtrain.pipeline", "PipelineTransformerBlockList"),
     "stop_requested": ("nbtrain.comm.recovery", "stop_requested"),
+    "plan": ("nbtrain.planner", "plan"),
+    "plan_layouts": ("nbtrain.planner", "plan_layouts"),
     # BMTrain's modules and the rest of its top-level names.
     "distributed": ("nbtrain.distributed", None),
     "debug": ("nbtrain.debug", None),

@@ -24,10 +24,12 @@ LAYERS = [
     "checkpoint",
     "models",
     "telemetry",
+    "debug",
     "notebook",
     "launch",
     "runtime",
-]  # runtime drives the models; validate launches ranks
+    "planner",
+]  # runtime drives the models; validate launches ranks; the planner reads runtime configs
 
 
 def _module_name(path: pathlib.Path) -> str:
