@@ -1,4 +1,4 @@
-"""`nbtrain demo | bench | report | validate`: the command-line entry point.
+"""`nbtrain demo | bench | report | plan | validate`: the command-line entry point.
 
 Each subcommand lives in its own module; this file only dispatches, so
 `nbtrain --help` stays fast (no torch import until a subcommand runs).
@@ -21,6 +21,12 @@ COMMANDS = {
         "--ring, --mfu, --compile, --dtype bf16",
     ),
     "report": ("nbtrain.telemetry.report", "render a telemetry run folder to PNG or HTML"),
+    "plan": (
+        "nbtrain.planner.cli",
+        "predict each rank's peak memory for a layout (--tp-size, --pipe-size, "
+        "--cp-size, --ep-size, --zero-level, --offload); --device-memory: which "
+        "layouts over --ranks fit",
+    ),
     "validate": (
         "nbtrain.runtime.validate",
         "train a layout (--tp-size, --pipe-size, "

@@ -171,7 +171,13 @@ def _divisors(n: int) -> list[int]:
 
 
 def plan_layouts(
-    source, world_size: int, batch: int = 1, seq: int | None = None, device_memory=None, **fixed
+    source,
+    world_size: int,
+    batch: int = 1,
+    seq: int | None = None,
+    device_memory=None,
+    param_bytes: int = 4,
+    **fixed,
 ) -> list[Plan]:
     """Plans of every candidate layout over `world_size` ranks (see candidate_layouts;
     `fixed` fields such as num_micro_batches=4 or offload=True apply to all), smallest
@@ -187,7 +193,7 @@ def plan_layouts(
         if batch % (dp * lay.get("num_micro_batches", 1)):
             continue
         try:
-            plans.append(plan(source, lay, batch, seq, device_memory, world_size))
+            plans.append(plan(source, lay, batch, seq, device_memory, world_size, param_bytes))
         except ValueError:
             continue  # the model cannot split this way (more stages than layers)
     return sorted(plans, key=lambda p: p.peak)
