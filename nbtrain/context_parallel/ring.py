@@ -5,10 +5,11 @@ Each cp rank holds q, k, v of its shard of the sequence (layout.py says which to
 sends to i+1), merging each step's partial result by its log-sum-exp (online softmax),
 in float32. The next block's send/receive is posted before the current block is computed
 and waited after it. The backward recomputes each block's probabilities from the saved
-output and log-sum-exp and passes K/V around again; a block's dK/dV travel with it and
-reach their owner after the last step (cp sends; the last one, home, has no compute left
-to hide behind). Packed documents' ids travel with K/V. Each block runs a kernel of
-kernels.py.
+output and log-sum-exp, starting with the block the forward received first (kept) and
+ending with its own: K/V travel cp - 2 hops, and each block's dK/dV partial sums travel
+towards its owner one hop a step, every hop hidden behind the next step's compute (the
+owner adds its own share last, so nothing is left to send home). Packed documents' ids
+travel with K/V. Each block runs a kernel of kernels.py.
 
 Point-to-point traffic goes through `nbtrain.comm.collectives.send_recv` (one
 `batch_isend_irecv` per exchange: a paired send and receive with the same neighbour must
@@ -172,13 +173,22 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:  # needed now: the next step computes on it
                 _wait(works, f"cp ring kv step {step + 1}")
                 kv, doc = nxt[0], (None if doc is None else nxt[1])
-        ctx.save_for_backward(q, k, v, out, lse, doc_ids)
+                if step == 0:  # the previous rank's K/V: the backward starts with it
+                    first_kv, first_doc = kv, doc
+        if ring.size == 1:
+            first_kv, first_doc = None, None
+        ctx.save_for_backward(q, k, v, out, lse, doc_ids, first_kv, first_doc)
         ctx.ring, ctx.kernel = ring, kernel
         return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, doc_ids = ctx.saved_tensors
+        """Visits the K/V blocks in the order previous rank's, the one before, ..., its
+        own last. Block b's dK/dV partial sums then travel b+1 -> b+2 -> ... -> b, each hop
+        posted after a step and waited a step later, so the owner adds its own share last
+        and no hop is left without compute to hide behind. The first block is the one the
+        forward received first (saved), the last this rank's own: cp - 2 K/V receives."""
+        q, k, v, out, lse, doc_ids, first_kv, first_doc = ctx.saved_tensors
         ring, kernel = ctx.ring, ctx.kernel
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[3])
         do = dout.to(kernel.acc)
@@ -186,10 +196,12 @@ class _RingAttention(torch.autograd.Function):
         safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         qk, dok, outk = q.to(kernel.dtype), do.to(kernel.dtype), out.to(kernel.dtype)
         dq = torch.zeros(q.shape, dtype=kernel.acc, device=q.device)
-        kv, doc = torch.stack([k, v]), doc_ids
-        acc_works, acc_in = None, None
+        last = ring.size - 1
+        kv, doc = (first_kv, first_doc) if last else (torch.stack([k, v]), doc_ids)
+        acc_works = acc_in = None
         for step in range(ring.size):
-            if step + 1 < ring.size:
+            held = (step + 1) % ring.size  # how many ranks back the held block comes from
+            if step + 1 < last:  # the next block from the previous rank (not our own)
                 nxt = [torch.empty_like(kv)] + ([] if doc is None else [torch.empty_like(doc)])
                 works = ring.exchange(
                     [kv] + ([] if doc is None else [doc]),
@@ -200,7 +212,7 @@ class _RingAttention(torch.autograd.Function):
             dkv = torch.zeros(2, *k.shape, dtype=kernel.acc, device=q.device)
             with events.compute_span(f"cp ring attention step {step}", "backward"):
                 kvk = kv.to(kernel.dtype)
-                for block in ring.blocks(step, n, kernel.fused is not None):
+                for block in ring.blocks(held, n, kernel.fused is not None):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
                     dq_rows, dk_rows, dv_rows = kernel.backward(
@@ -218,13 +230,17 @@ class _RingAttention(torch.autograd.Function):
                     dq[..., rows, :] += dq_rows
                     dkv[0, ..., :keys, :] += dk_rows
                     dkv[1, ..., :keys, :] += dv_rows
-            if acc_works is not None:  # the block's dK/dV so far, from the ranks before
+            if acc_works is not None:  # this block's dK/dV from the ranks before
                 _wait(acc_works, f"cp ring dkv step {step}")
                 dkv += acc_in
-            acc_in = torch.empty_like(dkv)
-            acc_works = ring.exchange([dkv], [acc_in], [_TAG_GRAD], f"cp ring dkv step {step + 1}")
-            if step + 1 < ring.size:
+            if step < last:  # on to the next rank, waited there a step later
+                acc_in = torch.empty_like(dkv)
+                acc_works = ring.exchange(
+                    [dkv], [acc_in], [_TAG_GRAD], f"cp ring dkv step {step + 1}"
+                )
+            if step + 1 < last:
                 _wait(works, f"cp ring kv grad step {step + 1}")
                 kv, doc = nxt[0], (None if doc is None else nxt[1])
-        _wait(acc_works, "cp ring dkv home")  # after the last step, our own block's
-        return dq.to(q.dtype), acc_in[0].to(k.dtype), acc_in[1].to(v.dtype), None, None
+            elif step + 1 == last:  # our own block last
+                kv, doc = torch.stack([k, v]), doc_ids
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None

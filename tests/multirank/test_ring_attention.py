@@ -107,23 +107,41 @@ def test_p2p_bytes_follow_the_ring(ring_runs, world):
         for (_, packed, _, _), got in rank_result["cases"].items():
             block = kv + (docs if packed else 0)
             assert got["fwd_bytes"] == (world - 1) * block
-            # K/V (and ids) go round again; each block's dK/dV (float32) travel home
-            assert got["bwd_bytes"] == (world - 1) * block + world * kv
+            # Backward: the forward's first received block is kept and the own block
+            # comes last, so K/V (and ids) travel world - 2 hops; each block's dK/dV
+            # (float32) partial sums travel world - 1 hops, the last one to its owner.
+            assert got["bwd_bytes"] == max(world - 2, 0) * block + (world - 1) * kv
 
 
 @pytest.mark.parametrize("world", WORLDS)
 def test_next_block_is_posted_before_the_current_one_is_computed(ring_runs, world):
     for rank_result in ring_runs[world]:
         order = rank_result["events"]
-        for phase, kv_label in (
-            ("forward", "cp ring kv step"),
-            ("backward", "cp ring kv grad step"),
+        for phase, kv_label, hops in (
+            ("forward", "cp ring kv step", world - 1),
+            ("backward", "cp ring kv grad step", max(world - 2, 0)),
         ):
-            for step in range(world - 1):
+            for step in range(hops):
                 compute = order.index(("compute_begin", f"cp ring attention step {step}", phase))
                 issued = order.index(("comm_issue", f"{kv_label} {step + 1}", None))
                 waited = order.index(("comm_wait", f"{kv_label} {step + 1}", None))
                 assert issued < compute < waited, (phase, step, order)
+            assert ("comm_issue", f"{kv_label} {hops + 1}", None) not in order
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_every_dkv_hop_is_hidden_behind_the_next_step(ring_runs, world):
+    """Each dK/dV hop is posted after a backward step and waited only once the next
+    step has computed: no hop is left to wait on after the last step."""
+    for rank_result in ring_runs[world]:
+        order = rank_result["events"]
+        for step in range(1, world):
+            issued = order.index(("comm_issue", f"cp ring dkv step {step}", None))
+            compute = order.index(("compute_begin", f"cp ring attention step {step}", "backward"))
+            waited = order.index(("comm_wait", f"cp ring dkv step {step}", None))
+            assert issued < compute < waited, (step, order)
+        # world - 1 hops in all: none after the last step (the owner adds its own last)
+        assert ("comm_issue", f"cp ring dkv step {world}", None) not in order
 
 
 def test_a_cp_group_inside_a_larger_world(ring_runs):
