@@ -15,6 +15,7 @@ from .panels_base import (
     STATE_COLOR,
     draw_series,
     empty,
+    metric_by_rank,
     shown_ranks,
     step_axis,
 )
@@ -62,7 +63,13 @@ def draw_memory(ax, summaries: dict) -> None:
         ax.set_ylabel("MiB (process RSS)")
         peak_key = "rss_bytes"
     peaks = [s.get("peak_memory", {}).get(peak_key) or 0 for s in summaries.values()]
-    ax.set_title(f"memory per rank (peak {max(peaks) / MIB:,.0f} MiB)")
+    title = f"memory per rank (peak {max(peaks) / MIB:,.0f} MiB"
+    by_rank = metric_by_rank(summaries, "memory_planned_bytes")
+    planned = [v for per in by_rank.values() for v in per.values()]
+    if planned:  # nbtrain.plan(...).publish(): the prediction beside the measured peak
+        ax.axhline(max(planned) / MIB, ls=":", color="k", lw=1, label="planned")
+        title += f", planned {max(planned) / MIB:,.0f} MiB"
+    ax.set_title(title + ")")
     step_axis(ax)
     ax.legend(loc="best", fontsize="x-small")
 

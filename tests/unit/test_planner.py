@@ -65,3 +65,26 @@ def test_command_line_prints_the_table_and_the_layouts(capsys):
     main(["--model", "gpt", "--preset", "tiny", "--ranks", "2", "--device-memory", "80GiB"])
     out = capsys.readouterr().out
     assert "every rank" in out and "layouts over 2 ranks" in out and "yes" in out
+
+
+def test_the_memory_panel_draws_a_published_plan():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from nbtrain.telemetry.panels_system import draw_memory
+
+    planned = nbtrain.plan(CFG, batch=8, world_size=2).peak
+    summaries = {
+        r: {
+            "memory_history": [{"step": s, "rss_bytes": (300 + s) << 20} for s in range(3)],
+            "metrics": [{"step": 0, "memory_planned_bytes": float(planned)}],
+        }
+        for r in range(2)
+    }
+    fig, ax = plt.subplots()
+    draw_memory(ax, summaries)
+    assert f"planned {planned / 2**20:,.0f} MiB" in ax.get_title()
+    assert "planned" in [line.get_label() for line in ax.get_lines()]
+    plt.close(fig)
