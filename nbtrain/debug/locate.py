@@ -122,13 +122,14 @@ class DivergenceReport:
             lines.append("not compared (other shapes): " + ", ".join(self.skipped))
         return "\n".join(lines)
 
-    def plot(self, ax=None):
+    def plot(self):
         """Max absolute error by module (x, in execution order) for each step, one panel
         per direction, log scale. Returns the matplotlib Figure."""
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 3, figsize=(15, 4), squeeze=False)
         for ax, d in zip(axes[0], DIRECTIONS):
+            names: list[str] = []
             for s in self.steps:
                 errors = s.errors.get(d, {})
                 values = [max(v, 1e-30) for v in errors.values()]
@@ -136,7 +137,7 @@ class DivergenceReport:
                 names = list(errors)
             ax.set_yscale("log")
             ax.set_title(f"{d}: max |error| by module")
-            if self.steps and names:
+            if names:
                 ax.set_xticks(range(len(names)), names, rotation=90, fontsize=6)
             ax.axhline(self.atol, color="grey", linestyle=":")
         axes[0][0].legend()

@@ -104,7 +104,13 @@ def zero_cases():
     )
     model, reference = nbtrain.wrap(_gpt(), zero_level=3), _gpt()
     bad = _ScaleShardAfter(model.parameters(), model, "layers.1.mlp.0.weight", at=1)
-    out["scaled"] = _summary(_locate(model, reference, _gpt_batches(), optimizer=bad))
+    report = _locate(model, reference, _gpt_batches(), optimizer=bad)
+    out["scaled"] = _summary(report)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    figure = report.plot()  # one line per step in each direction's panel
+    out["plot_lines"] = [len(ax.get_lines()) for ax in figure.axes]
     return out
 
 

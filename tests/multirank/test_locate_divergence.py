@@ -51,6 +51,8 @@ def test_wrong_scale_on_one_shard_is_named_by_parameter_rank_and_step(zero_runs)
     # Step 0 agrees; step 2's forward first meets the scaled weight in that layer.
     assert found["steps"][0] == [None, None, None], found["table"]
     assert found["steps"][2][0][:3] == (2, "forward", "layers.1.mlp.0"), found["table"]
+    # The plot: each direction's panel has a line per step and the tolerance line.
+    assert zero_runs[0]["plot_lines"] == [STEPS + 1] * 3, zero_runs[0]["plot_lines"]
 
 
 def test_tp_layer_without_its_backward_all_reduce_is_named(tp_runs):
