@@ -9,37 +9,41 @@ from support.ranks import run_ranks
 
 
 @pytest.fixture(scope="module")
-def runs():
+def nonfinite_runs():
     return run_ranks(origins, 2, timeout_s=180)
 
 
-def test_forward_inf_is_reported_with_module_rank_step_direction(runs):
-    for out in runs:  # the same answer on every rank
+def test_forward_inf_is_reported_with_module_rank_step_direction(nonfinite_runs):
+    for out in nonfinite_runs:  # the same answer on every rank
         assert out["forward"] == (3, "2", 1, "forward"), out
     # Rank 1 saw it first; rank 0 only once the NaN weights came back at step 4.
-    assert runs[1]["forward_local"][0] == (3, "2", 1, "forward"), runs[1]
-    assert runs[0]["forward_local"][0][0] == 4, runs[0]
+    assert nonfinite_runs[1]["forward_local"][0] == (3, "2", 1, "forward"), nonfinite_runs[1]
+    assert nonfinite_runs[0]["forward_local"][0][0] == 4, nonfinite_runs[0]
     # Two hooks per module (forward, full backward) while on, none left after the block.
-    assert all(o["forward_hooks_added"] >= 8 and o["forward_hooks_left"] == 0 for o in runs)
+    assert all(
+        o["forward_hooks_added"] >= 8 and o["forward_hooks_left"] == 0 for o in nonfinite_runs
+    )
 
 
-def test_backward_only_inf_is_reported_as_backward(runs):
-    for out in runs:
+def test_backward_only_inf_is_reported_as_backward(nonfinite_runs):
+    for out in nonfinite_runs:
         assert out["backward"] == (2, "2", 1, "backward"), out
-    assert runs[1]["backward_local"][0] == (2, "2", 1, "backward"), runs[1]
+    assert nonfinite_runs[1]["backward_local"][0] == (2, "2", 1, "backward"), nonfinite_runs[1]
 
 
-def test_off_installs_nothing_and_reports_nothing(runs):
-    for out in runs:
+def test_off_installs_nothing_and_reports_nothing(nonfinite_runs):
+    for out in nonfinite_runs:
         assert out["off_hooks_added"] == 0 and out["off_report"] is None, out
 
 
-def test_origin_is_published_for_the_dashboard(runs):
+def test_origin_is_published_for_the_dashboard(nonfinite_runs):
     # Each rank publishes its own first origin of each step: rank 1 at step 3, rank 0
     # at step 4 (the NaN weights); the dashboard marks both steps.
-    assert runs[1]["forward_events"][0] == (3, "2", "forward", 1), runs[1]
-    assert runs[1]["forward_marks"][0] == 3 and runs[0]["forward_marks"][0] == 4, runs
-    assert runs[1]["backward_events"][0] == (2, "2", "backward", 1), runs[1]
+    assert nonfinite_runs[1]["forward_events"][0] == (3, "2", "forward", 1), nonfinite_runs[1]
+    assert (
+        nonfinite_runs[1]["forward_marks"][0] == 3 and nonfinite_runs[0]["forward_marks"][0] == 4
+    ), nonfinite_runs
+    assert nonfinite_runs[1]["backward_events"][0] == (2, "2", "backward", 1), nonfinite_runs[1]
 
 
 def test_loss_panel_marks_the_step():
