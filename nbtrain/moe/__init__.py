@@ -13,7 +13,7 @@ Read in this order:
 """
 
 from .dispatch import ExpertParallel, all_to_all_rows
-from .experts import expert_ffn, moe_reference
+from .experts import expert_ffn, experts_ffn, moe_reference
 from .layer import MoE
 from .routing import BALANCE_MODES, capacity_keep, route
 
@@ -24,6 +24,7 @@ __all__ = [
     "all_to_all_rows",
     "capacity_keep",
     "expert_ffn",
+    "experts_ffn",
     "moe_reference",
     "route",
 ]

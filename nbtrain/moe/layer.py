@@ -38,7 +38,7 @@ from torch import nn
 from ..comm import collectives, events
 from ..nn.parallel import FullStateDict
 from .dispatch import _ep_group, _is_topology_ep, all_to_all_rows
-from .experts import expert_ffn
+from .experts import experts_ffn
 from .routing import BALANCE_MODES, capacity_keep, route
 
 
@@ -213,11 +213,8 @@ class MoE(nn.Module, FullStateDict):
         )
         by_expert = torch.argsort(local_of, stable=True)
         per_expert = torch.bincount(local_of, minlength=self.local_experts).tolist()
-        outs = [
-            expert_ffn(rows, self.w_in[e], self.w_out[e])
-            for e, rows in enumerate(received[by_expert].split(per_expert))
-        ]
-        computed = torch.empty_like(received).index_copy(0, by_expert, torch.cat(outs))
+        outs = experts_ffn(received[by_expert], self.w_in, self.w_out, per_expert)
+        computed = torch.empty_like(received).index_copy(0, by_expert, outs)
         returned = all_to_all_rows(computed, in_splits, out_splits, self.group, "moe combine")
         return torch.zeros_like(tokens).index_add(0, token_of, returned * weight_of.unsqueeze(1))
 
