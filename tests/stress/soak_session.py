@@ -200,7 +200,8 @@ class Soak:
         self.args, self.work = args, work
         self.ckpt = os.path.join(work, "ckpt")
         self.kernel = Kernel(os.path.join(work, "home"), work)
-        self.procs: set = set()  # (pid, created) of every process seen under the kernel
+        # (pid, created) of the kernel and of every process seen under it
+        self.procs: set = {identity(self.kernel.pid)} - {None}
         self.engines: list[int] = []
         self.controller: int | None = None
         self.recoveries: list[tuple[float, str, int]] = []  # (seconds, kind, cell)
@@ -210,6 +211,7 @@ class Soak:
         self.kept = 0
         self.injected = {"kill": 0, "interrupt": 0, "restart": 0}
         self.kernel_rss: dict[str, float] = {}
+        self.controller_warmup: float | None = None
         self.gens: list[dict] = []  # per set of engines: cells, first and last RSS sample
         self.containers: list[str] = []
 
@@ -260,8 +262,9 @@ class Soak:
             return
         for rank, total, kept, ran in rows:
             missing = set(self.gen_done) - set(json.loads(ran))
-            if missing or int(total) != self.args.ranks:
-                self.lost.append(f"rank {rank} lacks cells {sorted(missing)} (all_reduce {total})")
+            if missing or int(total) != self.args.ranks or int(kept) != 1000 + int(rank):
+                self.lost.append(f"rank {rank} lacks cells {sorted(missing)} (all_reduce "
+                                 f"{total}, kept {kept})")
 
     def sample(self, cell: int) -> None:
         engines = [rss_mib(p) for p in self.engines]
@@ -400,8 +403,6 @@ class Soak:
         pre_stop = {"controller": rss_mib(self.controller) if self.controller else None}
         self.local("%nbtrain stop")
         self.kernel.shutdown()
-        if self.kernel.pid is not None:
-            self.procs.add(identity(self.kernel.pid) or (self.kernel.pid, 0.0))
         left = survivors(self.procs)
         print(f"\nsoak: {args.cells} cells of {args.steps} steps on {args.ranks} ranks, "
               f"seed {args.seed}")
@@ -420,7 +421,7 @@ class Soak:
                   + ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in zip(longest["first"],
                                                                       longest["last"]))
                   + " MiB")
-        cw, ce = getattr(self, "controller_warmup", None), pre_stop["controller"]
+        cw, ce = self.controller_warmup, pre_stop["controller"]
         if cw and ce:
             print(f"controller RSS: {cw:.1f} MiB after warm-up, {ce:.1f} MiB at the end: "
                   f"{ce - cw:+.1f} MiB")
