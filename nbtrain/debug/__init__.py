@@ -32,6 +32,7 @@ __all__ = [
 
 _LAZY = {
     "locate_divergence": "locate",
+    "locate_steps": "locate",
     "DivergenceReport": "locate",
     "Finding": "locate",
     "detect_nonfinite": "nonfinite",

@@ -147,13 +147,15 @@ class DivergenceReport:
 
 class _Recorder:
     """Every named module's outputs and input gradients of one step, and the order in
-    which modules first ran forward and backward."""
+    which modules first ran forward and backward. With `names`, only the modules it
+    maps, recorded under the names it gives them."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, names: dict[str, str] | None = None):
         self.outputs: dict[str, list] = {}
         self.grads: dict[str, list] = {}
         self.handles = []
         for name, module in model.named_modules():
+            name = name if names is None else names.get(name, "")
             if name:  # the root is never compared: its output is its children's
                 self.handles.append(module.register_forward_hook(self._forward(name)))
                 self.handles.append(module.register_full_backward_hook(self._backward(name)))
@@ -271,12 +273,22 @@ def _compare_modules(mine, ref, order, local_rows, scale, atol, rtol, skipped):
     return rows
 
 
-def _compare_params(model, reference, atol, rtol):
-    full = dict(reference.named_parameters())
+def _plain_parameter(name: str, names: dict[str, str] | None) -> str:
+    """A model's parameter name under the reference's module names ("" if unmapped)."""
+    if names is None:
+        return name
+    module, _, param = name.rpartition(".")
+    return f"{names[module]}.{param}" if module in names else ""
+
+
+def _compare_params(model, reference, atol, rtol, names=None):
+    # Tied names kept: a pipeline's last stage holds the head's name of the embedding.
+    full = dict(reference.named_parameters(remove_duplicate=False))
     order = {n: i for i, n in enumerate(full)}
     rows = []
     for shard in shards(model):
-        name = next((n for n in shard.names if n in full), None)
+        plain = (_plain_parameter(n, names) for n in shard.names)
+        name = next((n for n in plain if n in full), None)
         if name is None or shard.values.numel() == 0:
             continue
         want = full[name].detach()
@@ -358,12 +370,66 @@ def locate_divergence(
     if not batches:
         raise ValueError("locate_divergence: batches is empty; pass at least one global batch")
     steps = len(batches) if steps is None else steps
+    local_rows = local_rows or _data_rows
+    step_fn = forward_backward or (lambda m, b: _default_step(m, b, loss_fn))
+
+    def train(step):
+        batch = batches[step % len(batches)]
+        _default_step(reference, batch, loss_fn)
+        step_fn(model, tuple(local_rows(t) for t in batch))
+
+    def update():
+        optimizer.step(), reference_optimizer.step()
+        optimizer.zero_grad(), reference_optimizer.zero_grad()
+
+    return locate_steps(
+        model,
+        reference,
+        steps,
+        train,
+        update,
+        local_rows=local_rows,
+        grad_scale=grad_scale,
+        atol=atol,
+        rtol=rtol,
+    )
+
+
+def locate_steps(
+    model: nn.Module,
+    reference: nn.Module,
+    steps: int,
+    train,
+    update,
+    *,
+    names: dict[str, str] | None = None,
+    local_rows=None,
+    grad_scale: float | None = None,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+) -> DivergenceReport:
+    """`locate_divergence`'s loop around any training step (the runtime's `compare(...,
+    per_layer=True)` drives its backends through it).
+
+    Args:
+        model, reference: as for `locate_divergence`.
+        steps: how many steps.
+        train: `train(step)` runs both models' forward and backward of step `step`.
+        update: `update()` steps both optimizers and drops both gradients.
+        names: the model's module name -> the reference's name of the same module
+            (a pipeline stage's "1.attn" -> "layers.0.attn"); modules it leaves out are
+            not compared. Default: the names are the same.
+        local_rows, grad_scale, atol, rtol: as for `locate_divergence`.
+
+    Returns a DivergenceReport, the same on every rank.
+
+    Collective: every rank of the world calls this.
+    """
     if steps < 1:
         raise ValueError(f"locate_divergence: steps={steps} must be >= 1")
     local_rows = local_rows or _data_rows
     scale = get_context().topology.data_size if grad_scale is None else grad_scale
-    step_fn = forward_backward or (lambda m, b: _default_step(m, b, loss_fn))
-    mine, theirs = _Recorder(model), _Recorder(reference)
+    mine, theirs = _Recorder(model, names), _Recorder(reference)
     skipped: set[str] = set()
     reports = []
 
@@ -375,17 +441,14 @@ def locate_divergence(
         warnings.filterwarnings("ignore", "Full backward hook is firing")
         try:
             for step in range(steps):
-                batch = batches[step % len(batches)]
                 mine.clear(), theirs.clear()
-                _default_step(reference, batch, loss_fn)
-                step_fn(model, tuple(local_rows(t) for t in batch))
+                train(step)
                 local = {
                     "forward": compare(mine.outputs, theirs.outputs, _Order(theirs, "outputs"), 1),
                     "backward": compare(mine.grads, theirs.grads, _Order(theirs, "grads"), scale),
                 }
-                optimizer.step(), reference_optimizer.step()
-                optimizer.zero_grad(), reference_optimizer.zero_grad()
-                local["params"] = _compare_params(model, reference, atol, rtol)
+                update()
+                local["params"] = _compare_params(model, reference, atol, rtol, names)
                 reports.append(_agree(step, local))
         finally:
             mine.remove(), theirs.remove()
