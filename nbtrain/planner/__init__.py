@@ -90,7 +90,7 @@ class Plan:
         dashboard's memory panel draws beside the measured one. Local."""
         from .. import telemetry
 
-        telemetry.metric("memory_planned_bytes", float(self.peak))
+        telemetry.metric(memory_planned_bytes=float(self.peak))
 
 
 def plan(

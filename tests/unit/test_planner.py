@@ -88,3 +88,17 @@ def test_the_memory_panel_draws_a_published_plan():
     assert f"planned {planned / 2**20:,.0f} MiB" in ax.get_title()
     assert "planned" in [line.get_label() for line in ax.get_lines()]
     plt.close(fig)
+
+
+def test_publish_sends_the_planned_peak_as_a_metric():
+    from nbtrain.comm import events
+
+    seen = []
+    events.subscribe(seen.append)
+    try:
+        p = nbtrain.plan(CFG, batch=8, world_size=2)
+        p.publish()
+    finally:
+        events.unsubscribe(seen.append)
+    metrics = [e for e in seen if e["type"] == "metric"]
+    assert [m["memory_planned_bytes"] for m in metrics] == [float(p.peak)]
