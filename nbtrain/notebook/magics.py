@@ -19,9 +19,11 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from ..comm.renamed import RenamedFlag, warn_renamed
+from .autodistribute import autodistributed_on, set_autodistributed
 from .cluster import Cluster, _default_n
 from .errors import NoClusterError
 from .launchers import LAUNCHERS
+from .magic_args import check_n, format_status, slurm_layout, slurm_options, start_differences
 from .post_mortem import clear_failures, post_mortem, split_expression
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
@@ -34,31 +36,6 @@ _current: Cluster | None = None
 def current_cluster() -> Cluster | None:
     """The cluster `%nbtrain start` made, if it is running."""
     return _current if _current is not None and _current.running else None
-
-
-def _format_bytes(n) -> str:
-    return "-" if n is None else f"{n / 2**20:.0f} MiB"
-
-
-def _format_loss(loss) -> str:
-    return "-" if loss is None else f"{loss:.4g}"
-
-
-def format_status(rows: list[dict]) -> str:
-    """`%nbtrain status` as a fixed-width table, one line per rank."""
-    lines = [
-        f"{'rank':>4}  {'pid':>7}  {'host':<16} {'device':<8} {'rss':>9} {'cuda':>9} "
-        f"{'step':>6} {'loss':>10}  state"
-    ]
-    for r in rows:
-        state = "dead" if not r["alive"] else ("busy" if r["busy"] else "idle")
-        step = "-" if r.get("step") is None else r["step"]
-        lines.append(
-            f"{r['rank']:>4}  {r['pid']:>7}  {r['host'][:16]:<16} {str(r['device']):<8} "
-            f"{_format_bytes(r['rss_bytes']):>9} {_format_bytes(r['cuda_bytes']):>9} "
-            f"{step:>6} {_format_loss(r.get('loss')):>10}  {state}"
-        )
-    return "\n".join(lines)
 
 
 def _targets(cluster: Cluster, targets: str | None):
@@ -81,70 +58,6 @@ def _require_cluster() -> Cluster:
     if cluster is None:
         raise NoClusterError(_NO_CLUSTER)
     return cluster
-
-
-def _check_n(n: int | None) -> None:
-    if n is not None and n < 1:
-        raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")
-
-
-_SLURM_FLAGS = {
-    "nodes": "--nodes",
-    "ntasks_per_node": "--ntasks-per-node",
-    "gpus_per_node": "--gpus-per-node",
-    "partition": "--partition",
-    "time": "--time",
-    "account": "--account",
-    "options": "--sbatch",
-}
-
-
-def _slurm_options(args) -> dict:
-    """The Slurm flags given, as `Cluster(slurm=...)` takes them.
-
-    Raises:
-        UsageError: a Slurm flag without `--launcher slurm`.
-    """
-    given = {
-        "options" if key == "sbatch" else key: getattr(args, key)
-        for key in (
-            "nodes",
-            "ntasks_per_node",
-            "gpus_per_node",
-            "partition",
-            "time",
-            "account",
-            "sbatch",
-        )
-        if getattr(args, key) is not None
-    }
-    if given and args.launcher != "slurm":
-        flags = ", ".join(_SLURM_FLAGS[k] for k in given)
-        raise UsageError(f"{flags}: Slurm options, for `%nbtrain start --launcher slurm`")
-    return given
-
-
-def _slurm_layout(args) -> tuple[int, dict]:
-    from .slurm import resolve_layout
-
-    try:
-        return resolve_layout(args.n, args.slurm)
-    except ValueError as err:
-        raise UsageError(str(err)) from None
-
-
-def _start_differences(cluster, args) -> list[str]:
-    """The flags of a `%nbtrain start` that the running cluster does not match."""
-    asked = []
-    if args.n is not None and args.n != cluster.world_size:
-        asked.append(f"-n {args.n}")
-    if args.launcher != cluster.launcher:
-        asked.append(f"--launcher {args.launcher}")
-    if args.backend is not None and cluster.backend is not None and args.backend != cluster.backend:
-        asked.append(f"--backend {args.backend}")
-    if args.tp_size != cluster.tp_size:
-        asked.append(f"--tp-size {args.tp_size}")
-    return asked
 
 
 ACTIONS = (
@@ -347,8 +260,8 @@ class NbtrainMagics(Magics):
         line, expr = split_expression(line)  # debug's EXPR, verbatim
         args = parse_argstring(self.nbtrain, line)
         args.expr = expr
-        _check_n(args.n)
-        args.slurm = _slurm_options(args)
+        check_n(args.n)
+        args.slurm = slurm_options(args)
         if args.action == "start" and args.timeout is not None:
             warn_renamed("`%nbtrain start --timeout`", "--start-timeout-s", stacklevel=2)
             if args.start_timeout_s is None:
@@ -357,7 +270,7 @@ class NbtrainMagics(Magics):
         if args.action == "start" and tp != 1:
             n = args.n if args.n is not None else _default_n()
             if args.launcher == "slurm":
-                n = _slurm_layout(args)[0]
+                n = slurm_layout(args)[0]
             if tp < 1 or n % tp:
                 raise UsageError(
                     f"--tp-size {tp} must divide the number of ranks ({n}), "
@@ -383,7 +296,7 @@ class NbtrainMagics(Magics):
         global _current
         cluster = current_cluster()
         if cluster is not None:
-            asked = _start_differences(cluster, args)
+            asked = start_differences(cluster, args)
             if asked:
                 # Keeping it would run the next cells somewhere the user did not ask for.
                 raise UsageError(
@@ -403,7 +316,7 @@ class NbtrainMagics(Magics):
         extra = {} if args.pg_timeout_s is None else {"pg_timeout_s": args.pg_timeout_s}
         extra["tp_size"] = args.tp_size
         if args.launcher == "slurm":
-            _slurm_layout(args)  # a wrong -n is a usage error, refused before submitting
+            slurm_layout(args)  # a wrong -n is a usage error, refused before submitting
         cluster = Cluster(
             n=args.n,
             backend=args.backend,
@@ -596,7 +509,7 @@ class NbtrainMagics(Magics):
         if arg not in ("", "on", "off"):
             raise UsageError(f"%autodistributed {line.strip()}: use on, off, or nothing to toggle")
         on = not autodistributed_on(self.shell) if arg == "" else arg == "on"
-        _set_autodistributed(self.shell, on)
+        set_autodistributed(self.shell, on)
         print(
             "autodistributed on: cells run on the ranks (`%autodistributed off` to stop)"
             if on
@@ -611,27 +524,6 @@ def _pending_line(pending) -> str:
     return f"still running on ranks {ranks} (a non-blocking cell)"
 
 
-def _autodistribute(lines: list[str]) -> list[str]:
-    """Input transformer: prefix the cell with `%%distributed` unless it is a magic,
-    a shell command, or empty."""
-    first = next((line.lstrip() for line in lines if line.strip()), "")
-    if not first or first[0] in "%!":
-        return lines
-    return ["%%distributed\n"] + lines
-
-
-def autodistributed_on(shell) -> bool:
-    return _autodistribute in shell.input_transformers_cleanup
-
-
-def _set_autodistributed(shell, on: bool) -> None:
-    transformers = shell.input_transformers_cleanup
-    while _autodistribute in transformers:
-        transformers.remove(_autodistribute)
-    if on:
-        transformers.append(_autodistribute)
-
-
 def load_ipython_extension(ipython) -> None:
     """`%load_ext nbtrain`."""
     ipython.register_magics(NbtrainMagics)
@@ -642,4 +534,4 @@ def unload_ipython_extension(ipython) -> None:
     ipython.magics_manager.magics["line"].pop("nbtrain", None)
     ipython.magics_manager.magics["cell"].pop("distributed", None)
     ipython.magics_manager.magics["line"].pop("autodistributed", None)
-    _set_autodistributed(ipython, False)
+    set_autodistributed(ipython, False)

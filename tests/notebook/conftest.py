@@ -31,6 +31,7 @@ def cluster(request, ipython):
     from support import notebook
 
     from nbtrain.notebook import NoClusterError, magics
+    from nbtrain.notebook.autodistribute import set_autodistributed
 
     with pytest.raises(NoClusterError, match="%nbtrain start"):  # no cluster left over
         ipython.run_cell_magic("distributed", "", "print('no cluster yet')")
@@ -38,6 +39,6 @@ def cluster(request, ipython):
     yield magics.current_cluster()
     current = magics.current_cluster()  # a test may have restarted or stopped it
     pids = current.pids() if current is not None else []
-    magics._set_autodistributed(ipython, False)
+    set_autodistributed(ipython, False)
     notebook.nbtrain(ipython, "stop")
     assert wait_gone(pids) == []  # no orphans

@@ -17,6 +17,7 @@ from support.notebook import captured, nbtrain
 
 from nbtrain import RankError
 from nbtrain.notebook import magics
+from nbtrain.notebook.autodistribute import autodistribute, autodistributed_on
 from nbtrain.notebook.errors import DistributedError
 
 pytestmark = pytest.mark.timeout(240)
@@ -33,7 +34,7 @@ def test_help_lists_wait_result_and_block_flags():
 
 
 def test_autodistribute_transformer_leaves_magics_and_shell_alone():
-    t = magics._autodistribute
+    t = autodistribute
     assert t(["x = 1\n"]) == ["%%distributed\n", "x = 1\n"]
     assert t(["\n", "  y = 2\n"])[0] == "%%distributed\n"
     for lines in (
@@ -117,7 +118,7 @@ def test_errors_of_a_noblock_cell_are_raised_by_result_and_wait(ipython, cluster
 def test_autodistributed_runs_plain_cells_on_the_ranks(ipython, cluster):
     ipython.user_ns.pop("x", None)
     captured(ipython, "autodistributed", "on")
-    assert magics.autodistributed_on(ipython)
+    assert autodistributed_on(ipython)
     with capture_output() as cap:
         result = ipython.run_cell("x = nbt.rank()\nprint('on rank', x)")
     assert result.success, result.error_in_exec
@@ -126,14 +127,14 @@ def test_autodistributed_runs_plain_cells_on_the_ranks(ipython, cluster):
     # magics still run locally while it is on
     assert ipython.run_cell("%nbtrain pull x").result == [0, 1]
     ipython.run_cell("%autodistributed off")
-    assert not magics.autodistributed_on(ipython)
+    assert not autodistributed_on(ipython)
     ipython.run_cell("x = 'local'")
     assert ipython.user_ns["x"] == "local"
     assert nbtrain(ipython, "pull x") == [0, 1]
     captured(ipython, "autodistributed", "")  # toggles on
-    assert magics.autodistributed_on(ipython)
+    assert autodistributed_on(ipython)
     captured(ipython, "autodistributed", "")  # and off
-    assert not magics.autodistributed_on(ipython)
+    assert not autodistributed_on(ipython)
 
 
 def test_dashboard_updates_while_a_noblock_cell_runs(ipython, cluster):
