@@ -17,7 +17,8 @@ reference to check them against (Bumblebee's runtime API).
 
 Read config.py (what can be configured), contracts.py (the batch and result types),
 create.py, base.py, reference.py and nbtrain_backend.py (the two backends), compare.py
-and validate.py (`nbtrain validate`).
+(with per_layer.py: `compare(..., per_layer=True)` names the first module off) and
+validate.py (`nbtrain validate`).
 
 Models are built by name from nbtrain's registry (`nbtrain.models.register_model`):
 the built-in "gpt", "gpt_moe" (the GPT with mixture-of-experts MLPs), "gpt2" and

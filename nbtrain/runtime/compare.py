@@ -9,6 +9,13 @@ against the reference.
 
 Runtime a runs all its steps first, then runtime b, so two "nbtrain" layouts that need
 different process groups can be compared too.
+
+    rows, report = compare(cfg, reference_cfg, steps=3, data=[batch], per_layer=True)
+    print(report.table())   # per step: the first module off in forward, backward, params
+
+With `per_layer=True` the two train step by step side by side (per_layer.py), and
+`nbtrain.debug`'s locator names the first module of `cfg_a` that leaves the reference
+`cfg_b` (docs/debugging.md).
 """
 
 from __future__ import annotations
@@ -73,12 +80,22 @@ def compare(
     steps: int,
     data: list[PackedBatch],
     verbose: bool = True,
-) -> list[dict]:
+    per_layer: bool = False,
+    atol: float = 1e-5,
+    rtol: float = 1e-4,
+):
     """Trains a fresh model of each config for `steps` steps on `data` (a list of global
     batches, cycled) and returns one row per step: {"step", "loss_a", "loss_b",
     "grad_norm_a", "grad_norm_b", "num_zeros_a", "num_zeros_b"} (the gradient's zero
     elements), the same on every rank. With `verbose`, rank 0
     prints the table and the largest deviation.
+
+    With `per_layer`, `cfg_b` must be the "reference" backend: both train step by step
+    on the same batches and the result is `(rows, report)`, the report a
+    `nbtrain.debug.DivergenceReport` naming per step the first module of `cfg_a` whose
+    output, input gradient or parameters after the step differ from the reference's
+    beyond `atol` + `rtol` * |reference|, with the rank and the max absolute and
+    relative error.
 
     Collective: every rank calls this with the same configs and data.
     """
@@ -87,8 +104,14 @@ def compare(
     data = list(data)
     if not data or not all(isinstance(b, PackedBatch) for b in data):
         raise TypeError("compare: data must be a non-empty list of PackedBatch")
-    first = train_steps(cfg_a, steps, data)
-    second = train_steps(cfg_b, steps, data)
+    report = None
+    if per_layer:
+        from .per_layer import train_per_layer
+
+        first, second, report = train_per_layer(cfg_a, cfg_b, steps, data, atol, rtol)
+    else:
+        first = train_steps(cfg_a, steps, data)
+        second = train_steps(cfg_b, steps, data)
     rows = [
         {
             "step": i,
@@ -106,4 +129,6 @@ def compare(
 
         if get_context().rank == 0:
             print(format_table(rows, (cfg_a.backend, cfg_b.backend)), flush=True)
-    return rows
+            if report is not None:
+                print(report.table(), flush=True)
+    return rows if report is None else (rows, report)
