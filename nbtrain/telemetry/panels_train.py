@@ -113,7 +113,8 @@ def draw_loss(ax, summaries: dict) -> None:
     # nbtrain.debug.detect_nonfinite's origins: the step where a NaN/Inf first appeared.
     for x in sorted({x for v in metric_by_rank(summaries, "nonfinite").values() for x in v}):
         ax.axvline(x, color=NONFINITE_COLOR, ls="--", lw=1.2, label=f"NaN/Inf at step {x}")
-    ax.legend(loc="upper right", fontsize="x-small")
+    if ax.get_legend_handles_labels()[0]:  # matplotlib warns on a legend with no entry
+        ax.legend(loc="upper right", fontsize="x-small")
 
 
 def draw_grad_norm(ax, summaries: dict) -> None:
