@@ -94,7 +94,7 @@ def compare(
     on the same batches and the result is `(rows, report)`, the report a
     `nbtrain.debug.DivergenceReport` naming per step the first module of `cfg_a` whose
     output, input gradient or parameters after the step differ from the reference's
-    beyond `atol` + `rtol` * |reference|, with the rank and the max absolute and
+    beyond `atol + rtol * abs(reference)`, with the rank and the max absolute and
     relative error.
 
     Collective: every rank calls this with the same configs and data.
