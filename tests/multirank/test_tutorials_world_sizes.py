@@ -287,7 +287,14 @@ NOTEBOOKS = {
 # pushes, and its layouts are tp 2, dp 2 and pp 2 (an even world); the runtime takes
 # each rank's rows itself (tests/multirank/test_runtime.py at 2 and 4 ranks), and CI
 # executes the notebook at 2 ranks (pytest --nbval-lax tutorials).
-ELSEWHERE = {"tutorials/10_runtime_and_your_own_model.ipynb"}
+# Tutorial 13's cells fail on rank 1 on purpose (a NaN, then an error for the post-mortem)
+# and its loops take 2 of 4 rows per rank (2 ranks); the instruments are tested in
+# test_locate_divergence.py and test_nonfinite_origin.py, and CI executes the notebook
+# at 2 ranks.
+ELSEWHERE = {
+    "tutorials/10_runtime_and_your_own_model.ipynb",
+    "tutorials/13_when_a_run_goes_wrong.ipynb",
+}
 # Tensor and pipeline parallelism split layers, not data: every rank takes the global batch.
 # Tutorial 12's context parallelism splits every row of one batch over all ranks (each
 # reads it whole and keeps its part), and its one-process references take it whole too.
