@@ -130,6 +130,9 @@ class MoE(nn.Module, FullStateDict):
         self.capacity_factor, self.balance = capacity_factor, balance
         self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
         self.label = label
+        # Whose tokens the expert load sums (stats, the routing bias): the ep group, or
+        # the data-parallel group once `wrap` says the layer is replicated over it.
+        self.stats_group = self.group
         self._load_sum: torch.Tensor | None = None  # this step's routed load (bias mode)
         events.on_step_end(self.apply_bias_update)
         self.router = nn.Linear(hidden, num_experts, bias=False)
@@ -164,6 +167,13 @@ class MoE(nn.Module, FullStateDict):
             if 0 <= local < self.local_experts:
                 self.w_in[local].copy_(w_in)
                 self.w_out[local].copy_(w_out)
+
+    def join_data_parallel(self, group) -> None:
+        """`wrap` calls this with the data-parallel group (ep ranks included): the
+        expert load is summed over the whole batch there, so every replica's stats and
+        routing bias stay equal (summed over the ep group alone, replicas fed other rows
+        would drift apart)."""
+        self.stats_group = group
 
     def capacity(self, tokens: int) -> int:
         """Assignments each expert keeps from a rank with `tokens` tokens."""
@@ -223,7 +233,7 @@ class MoE(nn.Module, FullStateDict):
         # tokens again: it must not step the bias or record the metrics a second time.
         recomputed = torch._C._current_graph_task_id() != -1
         totals = torch.cat([routed, routed.new_tensor([dropped])])
-        collectives.all_reduce(totals, group=self.group, label="moe stats")
+        collectives.all_reduce(totals, group=self.stats_group, label="moe stats")
         load = totals[:-1]
         mean = load.float().mean()
         self.stats = {

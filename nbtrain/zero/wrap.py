@@ -14,6 +14,7 @@ from functools import partial
 
 from torch import nn
 
+from ..comm.context import get_context
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
 from .loose import LooseParams
@@ -198,7 +199,20 @@ def wrap(
         model.register_forward_pre_hook(partial(_root_pre_forward, root), prepend=True)
         model.register_forward_hook(partial(_root_post_forward, root), always_call=True)
         model._nbtrain_root_hooks = True
+    _join_data_parallel(model)
     return model
+
+
+def _join_data_parallel(model: nn.Module) -> None:
+    """Modules that keep statistics of their batch (an MoE layer's expert load, which
+    steers its routing bias) are told the ranks their replicas span, the data-parallel
+    group, so every replica counts the whole batch and stays identical. Duck-typed: a
+    module with a `join_data_parallel(group)` method."""
+    group = get_context().topology.group("dp")
+    for module in model.modules():
+        join = getattr(module, "join_data_parallel", None)
+        if callable(join):
+            join(group)
 
 
 # Hooks read the root's current LooseParams, so wrapping again never leaves a

@@ -29,11 +29,20 @@ def _optimizer(kind, params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def train(ep_size: int, kind: str, steps: int, zero_level: int = 3, layout: bool = True):
+def train(
+    ep_size: int,
+    kind: str,
+    steps: int,
+    zero_level: int = 3,
+    layout: bool = True,
+    cfg: dict | None = None,
+):
     """(sharded losses per step (mean over ranks), reference losses, final state dicts
     of both, router stats, all_to_all bytes of one forward, what the routing counted,
     the warnings of the build). `layout`: the model is given the topology's ep group
-    (ExpertParallel.from_topology()); False: none (every expert local)."""
+    (ExpertParallel.from_topology()); False: none (every expert local). `cfg`: more
+    MoEGPTConfig fields (e.g. {"balance": "bias"})."""
+    cfg = cfg or {}
     import warnings
 
     import nbtrain
@@ -48,7 +57,7 @@ def train(ep_size: int, kind: str, steps: int, zero_level: int = 3, layout: bool
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        built = MoEGPT(config(), ep_group=ExpertParallel.from_topology() if layout else None)
+        built = MoEGPT(config(**cfg), ep_group=ExpertParallel.from_topology() if layout else None)
     model = nbtrain.wrap(built, zero_level=zero_level)
     manager = OptimManager()
     manager.add_optimizer(_optimizer(kind, list(model.parameters())))
@@ -56,7 +65,7 @@ def train(ep_size: int, kind: str, steps: int, zero_level: int = 3, layout: bool
     losses, reference, ref_model = [], [], None
     if rank == 0:
         torch.manual_seed(0)
-        ref_model = MoEGPT(config(), ep_group=ALONE)  # the same draws, all experts here
+        ref_model = MoEGPT(config(**cfg), ep_group=ALONE)  # the same draws, all experts here
         ref_opt = _optimizer(kind, list(ref_model.parameters()))
     for step in range(steps):
         ids = data[step][rank]

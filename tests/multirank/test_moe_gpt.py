@@ -35,9 +35,10 @@ def test_moe_gpt_at_ep_equals_one_process(world, ep, kind):
             assert torch.allclose(o["state"][key], ref, atol=1e-5), key
     assert first["state"]["layers.0.mlp.w_in"].shape == (4, 16, 32)  # all experts
     assert first["local_experts"] == 4 // ep
-    # Router statistics of the last forward: every assignment counted once per layer.
+    # Router statistics of the last forward: every assignment of the whole batch (all
+    # data-parallel ranks, ep ones included) counted once per layer.
     load = first["stats"]["moe.0.load"]
-    assert sum(load) == 2 * ROWS * SEQ * ep and first["stats"]["moe.0.dropped"] == 0
+    assert sum(load) == 2 * ROWS * SEQ * world and first["stats"]["moe.0.dropped"] == 0
     assert first["stats"]["moe.0.balance"] >= 1.0
     assert all(o["a2a"] > 0 for o in out)
     assert all(o["warnings"] == [] for o in out)  # the layout was given
@@ -53,13 +54,32 @@ def test_moe_gpt_given_no_layout_keeps_every_expert_local_and_equals_one_process
             assert torch.allclose(o["state"][key], ref, atol=1e-5), key
     for o in out:
         assert o["local_experts"] == 4 and o["a2a"] == 0
-        # this rank's own tokens only, top-2: nothing summed over an ep group
-        assert sum(o["stats"]["moe.0.load"]) == 2 * ROWS * SEQ
+        # Every rank routed its own rows; wrap made the layers count the whole batch
+        # (top-2: two assignments a token) over the data-parallel group.
+        assert sum(o["stats"]["moe.0.load"]) == 2 * ROWS * SEQ * 2
         assert len(o["warnings"]) == 2  # one per MoE layer, on every rank
         assert all(
             "ep_size=2" in w and "ExpertParallel.from_topology()" in w for w in o["warnings"]
         )
-    assert out[0]["stats"] != out[1]["stats"]  # each rank routed its own batch
+    assert out[0]["stats"] == out[1]["stats"]
+
+
+@pytest.mark.parametrize("layout", [True, False])
+def test_the_routing_bias_follows_the_whole_batch_on_every_replica(layout):
+    """balance="bias" steers routing by the expert load. Data-parallel replicas fed
+    other rows must count the whole batch's load, or their biases, and then their
+    routing, drift apart without an error. (No one-process reference here: its bias
+    would step on another schedule than OptimManager's step end.)"""
+    cfg = {"balance": "bias", "bias_update_rate": 0.05}
+    out = run_ranks(train, 2, 1, "sgd", 4, 3, layout, cfg, timeout_s=300)
+    for o in out:
+        assert sum(o["stats"]["moe.0.load"]) == 2 * ROWS * SEQ * 2  # both ranks' rows
+    assert out[0]["stats"] == out[1]["stats"]
+    biases = [o["state"]["layers.0.mlp.expert_bias"] for o in out]
+    assert biases[0].abs().sum() > 0  # it moved
+    assert torch.equal(biases[0], biases[1])
+    for key in out[0]["state"]:  # the replicas stay one model
+        assert torch.equal(out[0]["state"][key], out[1]["state"][key]), key
 
 
 def test_moe_gpt_save_holds_every_expert_and_loads_back(tmp_path):
