@@ -16,8 +16,8 @@ if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     python3 -m pip install -q mpi4py || echo "note: mpi4py not installed; the MPI test will skip"
 fi
 # Lint and format check first (seconds): the rules live in pyproject.toml's [tool.ruff].
-python3 -m ruff check nbtrain kernels
-python3 -m ruff format --check nbtrain kernels
+python3 -m ruff check nbtrain kernels tests
+python3 -m ruff format --check nbtrain kernels tests
 export OMP_NUM_THREADS=1
 # Everything by default: the tests, and every tutorial and research notebook executed
 # by nbval (errors fail; outputs are not compared). Arguments narrow the run.

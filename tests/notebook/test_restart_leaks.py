@@ -2,6 +2,7 @@
 cluster's `*_sync` calls in a thread with an event loop of its own, which it never
 stops; each start or restart left that thread, the loop's file descriptors and the
 ipyparallel Cluster. After `%nbtrain stop` the kernel has what it had before."""
+
 import json
 import os
 
@@ -29,11 +30,19 @@ def counts(cell) -> dict:
 
 def test_start_restart_stop_leaves_no_thread_fd_or_cluster():
     nb = new_notebook()
-    client = NotebookClient(nb, timeout=240, kernel_name="python3",
-                            resources={"metadata": {"path": REPO}})
-    sources = ["%load_ext nbtrain\n%nbtrain start -n 2", "%nbtrain stop", COUNT,
-               "%nbtrain start -n 2", "%nbtrain restart", "%nbtrain restart",
-               "%nbtrain stop", COUNT]
+    client = NotebookClient(
+        nb, timeout=240, kernel_name="python3", resources={"metadata": {"path": REPO}}
+    )
+    sources = [
+        "%load_ext nbtrain\n%nbtrain start -n 2",
+        "%nbtrain stop",
+        COUNT,
+        "%nbtrain start -n 2",
+        "%nbtrain restart",
+        "%nbtrain restart",
+        "%nbtrain stop",
+        COUNT,
+    ]
     nb.cells = [new_code_cell(src) for src in sources]
     client.execute()
     # The first start and stop load what stays loaded (modules, helper threads).

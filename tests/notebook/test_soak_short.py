@@ -3,6 +3,7 @@ cells with 2 ranks killed, 2 interrupts and 1 restart at seeded random points. N
 is lost, every interrupt keeps the ranks' namespaces, no process outlives the session,
 and the kernel's memory stays within a loose bound (tests/stress/soak_session.py runs
 the 500-cell version)."""
+
 import os
 import re
 import subprocess
@@ -20,10 +21,31 @@ SOAK = os.path.join(REPO, "tests", "stress", "soak_session.py")
 
 def test_sixty_cells_with_failures_interrupts_and_a_restart():
     proc = subprocess.run(
-        [sys.executable, SOAK, "--cells", "60", "--failures", "2", "--interrupts", "2",
-         "--restarts", "1", "--ranks", "3", "--seed", "1", "--every", "30"],
-        check=False, capture_output=True, text=True, timeout=560, cwd=REPO,
-        env=dict(os.environ, OMP_NUM_THREADS="1"))
+        [
+            sys.executable,
+            SOAK,
+            "--cells",
+            "60",
+            "--failures",
+            "2",
+            "--interrupts",
+            "2",
+            "--restarts",
+            "1",
+            "--ranks",
+            "3",
+            "--seed",
+            "1",
+            "--every",
+            "30",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=560,
+        cwd=REPO,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     out = proc.stdout
     assert proc.returncode == 0, out[-6000:] + proc.stderr[-3000:]
     assert "injected: 2 rank failures, 2 interrupts, 1 restarts" in out, out

@@ -28,6 +28,7 @@ processes left over once `%nbtrain stop` and the kernel's shutdown are done
 creation time). Exit status 1 if a must-be-zero figure is not zero.
 The script runs the nbtrain of the checkout it sits in.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -107,10 +108,18 @@ class Kernel:
     def __init__(self, home: str, cwd: str):
         from jupyter_client import KernelManager
 
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
-        for var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "JUPYTER_DATA_DIR",
-                    "JUPYTER_CONFIG_DIR", "MPLCONFIGDIR"):
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]),
+        )
+        for var in (
+            "IPYTHONDIR",
+            "JUPYTER_RUNTIME_DIR",
+            "JUPYTER_DATA_DIR",
+            "JUPYTER_CONFIG_DIR",
+            "MPLCONFIGDIR",
+        ):
             env[var] = os.path.join(home, var.lower())
             os.makedirs(env[var], exist_ok=True)
         self.km = KernelManager(kernel_name="python3")
@@ -126,8 +135,9 @@ class Kernel:
         parts, ok, deadline = [], True, time.monotonic() + timeout_s
         while True:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"cell did not finish in {timeout_s:g} s:\n{code}\n"
-                                   + "".join(parts)[-3000:])
+                raise TimeoutError(
+                    f"cell did not finish in {timeout_s:g} s:\n{code}\n" + "".join(parts)[-3000:]
+                )
             if during is not None:
                 during("".join(parts))
             try:
@@ -141,8 +151,11 @@ class Kernel:
                 parts.append(content["text"])
             elif kind == "error":
                 ok = False
-                parts.append(f"{content['ename']}: {content['evalue']}\n"
-                             + "\n".join(content["traceback"]) + "\n")
+                parts.append(
+                    f"{content['ename']}: {content['evalue']}\n"
+                    + "\n".join(content["traceback"])
+                    + "\n"
+                )
             elif kind == "status" and content["execution_state"] == "idle":
                 break
         return ok, ANSI.sub("", "".join(parts))
@@ -205,8 +218,8 @@ class Soak:
         self.engines: list[int] = []
         self.controller: int | None = None
         self.recoveries: list[tuple[float, str, int]] = []  # (seconds, kind, cell)
-        self.done: set[int] = set()     # cells that completed on every rank
-        self.gen_done: list[int] = []   # ... since the ranks last started
+        self.done: set[int] = set()  # cells that completed on every rank
+        self.gen_done: list[int] = []  # ... since the ranks last started
         self.lost: list[str] = []
         self.kept = 0
         self.injected = {"kill": 0, "interrupt": 0, "restart": 0}
@@ -238,7 +251,8 @@ class Soak:
             if ident is not None:
                 self.procs.add(ident)
                 if pid in info["cluster"] and "ipyparallel.controller" in " ".join(
-                        psutil.Process(pid).cmdline()):
+                    psutil.Process(pid).cmdline()
+                ):
                     self.controller = pid
         self.gens.append({"cells": 0, "first": None, "last": None})
         self.gen_done = []
@@ -263,8 +277,9 @@ class Soak:
         for rank, total, kept, ran in rows:
             missing = set(self.gen_done) - set(json.loads(ran))
             if missing or int(total) != self.args.ranks or int(kept) != 1000 + int(rank):
-                self.lost.append(f"rank {rank} lacks cells {sorted(missing)} (all_reduce "
-                                 f"{total}, kept {kept})")
+                self.lost.append(
+                    f"rank {rank} lacks cells {sorted(missing)} (all_reduce {total}, kept {kept})"
+                )
 
     def sample(self, cell: int) -> None:
         engines = [rss_mib(p) for p in self.engines]
@@ -349,9 +364,14 @@ class Soak:
     def check_namespace(self, fired: float, i: int) -> None:
         ok, text = self.kernel.run(CHECK)
         rows = re.findall(r"\[rank (\d+)\] check (\d+) (\d+) ", text)
-        if ok and len(rows) == self.args.ranks and all(
+        if (
+            ok
+            and len(rows) == self.args.ranks
+            and all(
                 int(kept) == 1000 + int(r) and int(total) == self.args.ranks
-                for r, total, kept in rows):
+                for r, total, kept in rows
+            )
+        ):
             self.kept += 1
         else:
             print(f"namespace not kept after the interrupt in cell {i}:\n{text}", flush=True)
@@ -361,10 +381,12 @@ class Soak:
     def run(self) -> None:
         args = self.args
         rng = random.Random(args.seed)
-        slots = rng.sample(range(args.warmup + 1, args.cells), args.failures + args.interrupts
-                           + args.restarts)
-        kinds = ["kill"] * args.failures + ["interrupt"] * args.interrupts + \
-            ["restart"] * args.restarts
+        slots = rng.sample(
+            range(args.warmup + 1, args.cells), args.failures + args.interrupts + args.restarts
+        )
+        kinds = (
+            ["kill"] * args.failures + ["interrupt"] * args.interrupts + ["restart"] * args.restarts
+        )
         schedule = dict(zip(slots, kinds))
         self.local("%load_ext nbtrain")
         self.local(f"%nbtrain start -n {args.ranks} --backend gloo")
@@ -391,11 +413,14 @@ class Soak:
         text = self.local(CONTAINERS)
         self.containers.append(text.split("CONTAINERS", 1)[1].strip())
         engines = "/".join(f"{r:.0f}" for r in (rss_mib(p) or 0 for p in self.engines))
-        print(f"cells {n}/{self.args.cells} | {time.monotonic() - started:.0f} s | kernel "
-              f"{rss_mib(self.kernel.pid):.1f} MiB | engines {engines} MiB | controller "
-              f"{rss_mib(self.controller) or 0:.1f} MiB | failures {self.injected['kill']} "
-              f"interrupts {self.injected['interrupt']} restarts {self.injected['restart']} | "
-              f"kernel keeps {self.containers[-1]}", flush=True)
+        print(
+            f"cells {n}/{self.args.cells} | {time.monotonic() - started:.0f} s | kernel "
+            f"{rss_mib(self.kernel.pid):.1f} MiB | engines {engines} MiB | controller "
+            f"{rss_mib(self.controller) or 0:.1f} MiB | failures {self.injected['kill']} "
+            f"interrupts {self.injected['interrupt']} restarts {self.injected['restart']} | "
+            f"kernel keeps {self.containers[-1]}",
+            flush=True,
+        )
 
     def finish(self) -> int:
         """Stop the cluster and the kernel, print the figures; the exit status."""
@@ -404,45 +429,65 @@ class Soak:
         self.local("%nbtrain stop")
         self.kernel.shutdown()
         left = survivors(self.procs)
-        print(f"\nsoak: {args.cells} cells of {args.steps} steps on {args.ranks} ranks, "
-              f"seed {args.seed}")
-        print(f"injected: {self.injected['kill']} rank failures, {self.injected['interrupt']} "
-              f"interrupts, {self.injected['restart']} restarts")
+        print(
+            f"\nsoak: {args.cells} cells of {args.steps} steps on {args.ranks} ranks, "
+            f"seed {args.seed}"
+        )
+        print(
+            f"injected: {self.injected['kill']} rank failures, {self.injected['interrupt']} "
+            f"interrupts, {self.injected['restart']} restarts"
+        )
         kw, ke = self.kernel_rss.get("warmup"), self.kernel_rss.get("end")
-        print(f"kernel RSS: {kw:.1f} MiB after warm-up (cell {args.warmup}), {ke:.1f} MiB at "
-              f"the end: {ke - kw:+.1f} MiB")
+        print(
+            f"kernel RSS: {kw:.1f} MiB after warm-up (cell {args.warmup}), {ke:.1f} MiB at "
+            f"the end: {ke - kw:+.1f} MiB"
+        )
         gens = [g for g in self.gens if g["first"] and g["last"]]
         if gens:
             first, last, longest = gens[0], gens[-1], max(gens, key=lambda g: g["cells"])
-            print(f"engine RSS (max over ranks): {max(first['first']):.1f} MiB after warm-up, "
-                  f"{max(last['last']):.1f} MiB at the end: "
-                  f"{max(last['last']) - max(first['first']):+.1f} MiB")
-            print(f"engine RSS, longest-lived engines ({longest['cells']} cells): "
-                  + ", ".join(f"{a:.1f} -> {b:.1f}" for a, b in zip(longest["first"],
-                                                                      longest["last"]))
-                  + " MiB")
+            print(
+                f"engine RSS (max over ranks): {max(first['first']):.1f} MiB after warm-up, "
+                f"{max(last['last']):.1f} MiB at the end: "
+                f"{max(last['last']) - max(first['first']):+.1f} MiB"
+            )
+            print(
+                f"engine RSS, longest-lived engines ({longest['cells']} cells): "
+                + ", ".join(
+                    f"{a:.1f} -> {b:.1f}" for a, b in zip(longest["first"], longest["last"])
+                )
+                + " MiB"
+            )
         cw, ce = self.controller_warmup, pre_stop["controller"]
         if cw and ce:
-            print(f"controller RSS: {cw:.1f} MiB after warm-up, {ce:.1f} MiB at the end: "
-                  f"{ce - cw:+.1f} MiB")
-        print(f"kernel keeps (after warm-up -> end): {self.containers[0]} -> "
-              f"{self.containers[-1]}")
+            print(
+                f"controller RSS: {cw:.1f} MiB after warm-up, {ce:.1f} MiB at the end: "
+                f"{ce - cw:+.1f} MiB"
+            )
+        print(f"kernel keeps (after warm-up -> end): {self.containers[0]} -> {self.containers[-1]}")
         worst = max(self.recoveries, default=(0.0, "-", -1))
         by_kind = {}
         for seconds, kind, _ in self.recoveries:
             by_kind[kind] = max(by_kind.get(kind, 0.0), seconds)
-        print(f"longest time to recover: {worst[0]:.1f} s ({worst[1]} at cell {worst[2]}); "
-              + ", ".join(f"{k} {v:.1f} s" for k, v in by_kind.items()))
+        print(
+            f"longest time to recover: {worst[0]:.1f} s ({worst[1]} at cell {worst[2]}); "
+            + ", ".join(f"{k} {v:.1f} s" for k, v in by_kind.items())
+        )
         lost = len(self.lost) + len(set(range(args.cells)) - self.done)
         print(f"cells lost: {lost}")
         for reason in self.lost:
             print("  " + reason.replace("\n", "\n    "))
         print(f"namespaces kept: {self.kept} of {self.injected['interrupt']} interrupts")
-        print(f"processes left over: {len(left)} of {len(self.procs)} started"
-              + (f" (pids {left})" if left else ""))
-        bad = lost or left or self.kept != self.injected["interrupt"] or \
-            self.injected != {"kill": args.failures, "interrupt": args.interrupts,
-                              "restart": args.restarts}
+        print(
+            f"processes left over: {len(left)} of {len(self.procs)} started"
+            + (f" (pids {left})" if left else "")
+        )
+        bad = (
+            lost
+            or left
+            or self.kept != self.injected["interrupt"]
+            or self.injected
+            != {"kill": args.failures, "interrupt": args.interrupts, "restart": args.restarts}
+        )
         return 1 if bad else 0
 
 
@@ -455,17 +500,26 @@ def main(argv=None) -> int:
     parser.add_argument("--ranks", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per cell")
-    parser.add_argument("--pause-s", type=float, default=0.05,
-                        help="sleep after each step (the window the injections aim at)")
-    parser.add_argument("--warmup", type=int, default=None,
-                        help="cells before the RSS baseline (default cells/10, at least 5)")
+    parser.add_argument(
+        "--pause-s",
+        type=float,
+        default=0.05,
+        help="sleep after each step (the window the injections aim at)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="cells before the RSS baseline (default cells/10, at least 5)",
+    )
     parser.add_argument("--every", type=int, default=50, help="cells between progress lines")
     args = parser.parse_args(argv)
     args.warmup = max(5, args.cells // 10) if args.warmup is None else args.warmup
     events = args.failures + args.interrupts + args.restarts
     if events > args.cells - args.warmup - 1:
-        parser.error(f"{events} events do not fit in {args.cells - args.warmup - 1} cells "
-                     "after warm-up")
+        parser.error(
+            f"{events} events do not fit in {args.cells - args.warmup - 1} cells after warm-up"
+        )
     with tempfile.TemporaryDirectory(prefix="nbtrain-soak-") as work:
         soak = Soak(args, work)
         try:
