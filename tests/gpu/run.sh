@@ -3,12 +3,15 @@
 #
 # Usage:  bash tests/gpu/run.sh          (from any folder; no arguments)
 #
-# Runs four parts, each under `timeout`, carrying on after a failure:
+# Runs five parts, each under `timeout`, carrying on after a failure:
 #   tests    python3 -m pytest -q -ra -m gpu tests     every gpu-marked test (tests/gpu,
 #                                                      tests/kernels)
 #   kernels  python3 -m nbtrain.kernels.bench          fused kernels vs torch, defaults
 #                                                      (1B-param AdamW, 4096 x 128k CE;
 #                                                      ~40 GB free GPU memory, ~1 minute)
+#   local    python3 -m nbtrain.bench.local_parts       MoE's grouped experts against the
+#                                                      loop, ring attention's block kernel
+#                                                      against SDPA, on one GPU (~20 s)
 #   bench    nbtrain bench --ranks 1 --device cuda --model-size small --steps 10 --rounds 1
 #            (world size 1: ZeRO-3, ZeRO-2, FSDP2 and DDP on one GPU, so the step-time
 #            ratios measure each engine's own overhead; without a GPU it refuses and
@@ -26,14 +29,14 @@
 # refuse, which checks the script itself. Exit status: 1 when a part failed, timed out,
 # could not start within the budget, or refused for a reason other than too few GPUs;
 # 0 otherwise.
-# Whole run: under 8 minutes. The parts share one budget of GPU_RUN_BUDGET seconds (420):
-# each runs under its own timeout (210, 120, 120, 150 s) or what is left of the budget,
+# Whole run: under 8 minutes. The parts share one budget of GPU_RUN_BUDGET seconds (450):
+# each runs under its own timeout (210, 120, 45, 120, 150 s) or what is left of the budget,
 # whichever is less; a part with under 20 s left is not started (the table says so).
 #
 # Environment (all optional):
 #   GPU_RUN_LOGS=DIR                  logs and summary.md (default: out/gpu-run)
-#   GPU_RUN_BUDGET                    seconds for all parts together (420)
-#   GPU_RUN_T_TESTS/_KERNELS/_BENCH/_MFU  per-part timeouts in seconds (210/120/120/150)
+#   GPU_RUN_BUDGET                    seconds for all parts together (450)
+#   GPU_RUN_T_TESTS/_KERNELS/_LOCAL/_BENCH/_MFU  per-part timeouts (210/120/45/120/150 s)
 #   KERNEL_BENCH_ARGS="..."           e.g. "--adam-numel 100000000 --iters 3" (quicker)
 #   NBTRAIN_BENCH_ARGS="..."          replaces "--ranks 1 --device cuda --model-size
 #                                     small --steps 10 --rounds 1"
@@ -83,7 +86,7 @@ fi
 TIMEOUT=(timeout --kill-after=15)
 command -v timeout >/dev/null 2>&1 || { echo "note: no \`timeout\` command; parts run unbounded"; TIMEOUT=(); }
 
-BUDGET=${GPU_RUN_BUDGET:-420}
+BUDGET=${GPU_RUN_BUDGET:-450}
 BUDGET_START=$(date +%s)
 
 run_part() {  # run_part NAME SECONDS COMMAND...
@@ -118,6 +121,7 @@ if command -v nbtrain >/dev/null 2>&1; then NBTRAIN=(nbtrain); else NBTRAIN=(pyt
 {
 run_part tests "${GPU_RUN_T_TESTS:-210}" python3 -m pytest -q -ra -m gpu --continue-on-collection-errors tests
 run_part kernels "${GPU_RUN_T_KERNELS:-120}" python3 -m nbtrain.kernels.bench ${KERNEL_BENCH_ARGS:-}
+run_part local "${GPU_RUN_T_LOCAL:-45}" python3 -m nbtrain.bench.local_parts
 run_part bench "${GPU_RUN_T_BENCH:-120}" "${NBTRAIN[@]}" bench \
     ${NBTRAIN_BENCH_ARGS:---ranks 1 --device cuda --model-size small --steps 10 --rounds 1}
 run_part mfu "${GPU_RUN_T_MFU:-150}" "${NBTRAIN[@]}" bench --mfu ${NBTRAIN_MFU_ARGS:---device cuda}

@@ -112,6 +112,7 @@ def mfu_numbers(text: str) -> list[str]:
 NUMBERS = {
     "tests": pytest_numbers,
     "kernels": kernel_numbers,
+    "local": bench_numbers,
     "bench": bench_numbers,
     "mfu": mfu_numbers,
 }
