@@ -42,8 +42,7 @@ def _timed(fn, device, warmup: int, iters: int) -> float:
 
 def experts(device, dtype, experts: int, rows: int, hidden: int, ffn: int, warmup, iters):
     """(grouped s, loop s, whether the grouped kernel ran) for `experts` local experts."""
-    from nbtrain.moe import expert_ffn, experts_ffn
-    from nbtrain.moe.experts import _grouped_ok
+    from nbtrain.moe import expert_ffn, experts_ffn, uses_grouped_mm
 
     g = torch.Generator().manual_seed(0)
     # An uneven load, as a router gives: expert e gets rows in proportion to e + 1.
@@ -64,7 +63,7 @@ def experts(device, dtype, experts: int, rows: int, hidden: int, ffn: int, warmu
         out = torch.cat([expert_ffn(r, w_in[e], w_out[e]) for e, r in enumerate(parts)])
         torch.autograd.grad(out, (x, w_in, w_out), grad)
 
-    ran = _grouped_ok(device.type, dtype, hidden, ffn)
+    ran = uses_grouped_mm(device.type, dtype, hidden, ffn)
     return _timed(grouped, device, warmup, iters), _timed(loop, device, warmup, iters), ran
 
 

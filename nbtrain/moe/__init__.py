@@ -13,7 +13,7 @@ Read in this order:
 """
 
 from .dispatch import ExpertParallel, all_to_all_rows
-from .experts import expert_ffn, experts_ffn, moe_reference
+from .experts import expert_ffn, experts_ffn, moe_reference, uses_grouped_mm
 from .layer import MoE
 from .routing import BALANCE_MODES, capacity_keep, route
 
@@ -25,6 +25,7 @@ __all__ = [
     "capacity_keep",
     "expert_ffn",
     "experts_ffn",
+    "uses_grouped_mm",
     "moe_reference",
     "route",
 ]

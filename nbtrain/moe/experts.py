@@ -31,7 +31,7 @@ def experts_ffn(
     against the loop (forward and backward); else, and for no rows at all, a loop of
     `expert_ffn`. Local.
     """
-    if rows.shape[0] and _grouped_ok(rows.device.type, rows.dtype, *w_in.shape[1:]):
+    if rows.shape[0] and uses_grouped_mm(rows.device.type, rows.dtype, *w_in.shape[1:]):
         return _grouped(rows, w_in, w_out, counts)
     return _looped(rows, w_in, w_out, counts)
 
@@ -60,9 +60,10 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 @functools.cache
-def _grouped_ok(device_type: str, dtype: torch.dtype, hidden: int, ffn: int) -> bool:
-    """Whether grouped_mm runs here and matches the loop: a small forward and backward
-    at these widths (CUDA's kernel wants some dtypes and alignments; CPU's takes fp32)."""
+def uses_grouped_mm(device_type: str, dtype: torch.dtype, hidden: int, ffn: int) -> bool:
+    """Whether `experts_ffn` runs grouped_mm for experts of these widths here: it runs
+    and matches the loop in a small forward and backward, checked once (CUDA's kernel
+    wants some dtypes and alignments; CPU's takes fp32). Local."""
     if not hasattr(F, "grouped_mm"):
         return False
     g = torch.Generator().manual_seed(0)

@@ -5,8 +5,7 @@ gradient (a sum's) among the cases."""
 import pytest
 import torch
 
-from nbtrain.moe import expert_ffn, experts_ffn
-from nbtrain.moe.experts import _grouped_ok
+from nbtrain.moe import expert_ffn, experts_ffn, uses_grouped_mm
 
 
 def _loop(rows, w_in, w_out, counts):
@@ -40,4 +39,4 @@ def test_grouped_experts_equal_the_loop(counts, reduce):
 
 def test_the_grouped_kernel_is_used_on_cpu_where_torch_has_it():
     has = hasattr(torch.nn.functional, "grouped_mm")
-    assert _grouped_ok("cpu", torch.float32, 256, 512) == has
+    assert uses_grouped_mm("cpu", torch.float32, 256, 512) == has
