@@ -76,8 +76,11 @@ def _rings():
 
     class ComputeOnly(Ring):
         def exchange(self, sends, recvs, tags, label):
-            for send, recv in zip(sends, recvs):
-                recv.copy_(send)  # this rank's own block stands in for its neighbour's
+            for send, recv in zip(sends, recvs):  # this rank's own block stands in for
+                if send.shape != recv.shape:  # its neighbour's (which may be half or whole)
+                    recv.zero_()
+                common = tuple(slice(0, min(a, b)) for a, b in zip(send.shape, recv.shape))
+                recv[common].copy_(send[common])
             return []
 
     class CommOnly(Ring):

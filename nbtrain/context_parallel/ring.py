@@ -32,7 +32,8 @@ from .kernels import _diagonal, _kernel, _merge, _visible
 from .layout import Block, SequenceLayout, _layout, _ring, _step_blocks
 
 # Tags keep the ring's messages apart from other P2P traffic (gloo matches by tag, NCCL by order)
-_TAG_KV, _TAG_DOC, _TAG_GRAD = 0x5241, 0x5242, 0x5243
+_TAG_K, _TAG_V, _TAG_DOC, _TAG_DK, _TAG_DV = 0x5241, 0x5244, 0x5242, 0x5243, 0x5245
+_KV_TAGS, _GRAD_TAGS = [_TAG_K, _TAG_V, _TAG_DOC], [_TAG_DK, _TAG_DV]
 
 
 def ring_attention(
@@ -134,50 +135,104 @@ def _wait(works, label):
     C.wait_send_recv(works, label)
 
 
+def _post_kv(ring, held, doc, sent, received, label):
+    """Posts the leading `sent` keys of the held K/V (and document ids) to the next rank,
+    and receives `received` keys of the next block from the previous one:
+    (works, the receive buffers [k, v, doc?])."""
+    k, v = held
+    sends = [t[..., :sent, :].contiguous() for t in (k, v)]
+    recvs = [t.new_empty((*t.shape[:2], received, t.shape[3])) for t in (k, v)]
+    if doc is not None:
+        sends.append(doc[:, :sent].contiguous())
+        recvs.append(doc.new_empty((doc.shape[0], received)))
+    return ring.exchange(sends, recvs, _KV_TAGS, label), recvs
+
+
+def _zigzag_causal(ring) -> bool:
+    return ring.causal and ring.layout is SequenceLayout.ZIGZAG
+
+
+def _kv_keys(ring, source: int, n: int) -> int:
+    """Keys of `source`'s K/V block that travel: under a causal zigzag layout every rank
+    but 0 reads only the first chunk of rank 0's block (its other chunk is the sequence's
+    last), and rank 0's block never comes back to it; every other block, all n."""
+    return n // 2 if _zigzag_causal(ring) and source == 0 else n
+
+
+def _dkv_keys(ring, holder: int, source: int, n: int) -> int:
+    """Keys of `source`'s dK/dV partial sum once `holder` has added its share: under a
+    causal zigzag layout, ranks after the source (before the ring wraps to 0) reach only
+    its first chunk, so the sum of their shares is zero beyond it; else all n."""
+    return n // 2 if _zigzag_causal(ring) and holder > source else n
+
+
+def _no_keys_yet(q, dtype):
+    """The merged (output, log-sum-exp) of rows that have seen no key: 0 and -inf."""
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=dtype, device=q.device)
+    return torch.zeros(q.shape, dtype=dtype, device=q.device), lse
+
+
+def _add_rows(total, rows, part, length, dim):
+    """total + part placed at `rows` along `dim` (of `length`): the part itself where it
+    is the first and covers every row (no zeros written, no copy), else added in place."""
+    if total is None:
+        if rows.start == 0 and rows.stop == length:
+            return part
+        shape = list(part.shape)
+        shape[dim] = length
+        total = part.new_zeros(shape)
+    total.narrow(dim, rows.start, rows.stop - rows.start).add_(part)
+    return total
+
+
 class _RingAttention(torch.autograd.Function):
     """Saves q, k, v, the merged output and the row log-sum-exp (batch, heads, local_seq);
-    the backward recomputes each block's probabilities from them (no score matrix kept)."""
+    the backward recomputes each block's probabilities from them (no score matrix kept).
+    K and V move as two tensors (no stacked copy); a row range's first partial result is
+    taken as it is, later ones merged into it, and a gradient's first block is kept as the
+    kernel gave it (no zeros filled and added to)."""
 
     @staticmethod
     def forward(ctx, q, k, v, doc_ids, ring):
         kernel = _kernel(ring.kernel, q, doc_ids is not None)
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[3])
-        qk, out = q.to(kernel.dtype), torch.zeros(q.shape, dtype=kernel.acc, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=kernel.acc, device=q.device)
-        kv, doc = torch.stack([k, v]), doc_ids
+        qk, out, lse = q.to(kernel.dtype), None, None
+        held, doc, first = (k, v), doc_ids, (None, None, None)
         for step in range(ring.size):
+            source = (ring.rank - step) % ring.size
             if step + 1 < ring.size:  # post the next block before computing this one
-                nxt = [torch.empty_like(kv)] + ([] if doc is None else [torch.empty_like(doc)])
-                works = ring.exchange(
-                    [kv] + ([] if doc is None else [doc]),
-                    nxt,
-                    [_TAG_KV, _TAG_DOC],
+                works, nxt = _post_kv(
+                    ring,
+                    held,
+                    doc,
+                    _kv_keys(ring, source, n),
+                    _kv_keys(ring, (source - 1) % ring.size, n),
                     f"cp ring kv step {step + 1}",
                 )
             with events.compute_span(f"cp ring attention step {step}", "forward"):
-                kvk = kv.to(kernel.dtype)
+                kk, vk = (t.to(kernel.dtype) for t in held)
                 for block in ring.blocks(step, n, kernel.fused is not None):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
                     bo, bl = kernel.forward(
-                        qk[..., rows, :],
-                        kvk[0, ..., :keys, :],
-                        kvk[1, ..., :keys, :],
-                        block,
-                        mask,
-                        scale,
+                        qk[..., rows, :], kk[..., :keys, :], vk[..., :keys, :], block, mask, scale
                     )
+                    if out is None and rows.start == 0 and rows.stop == n:
+                        out, lse = bo, bl  # the first result of every row: nothing to merge
+                        continue
+                    if out is None:
+                        out, lse = _no_keys_yet(q, kernel.acc)
                     out[..., rows, :], lse[..., rows] = _merge(
                         out[..., rows, :], lse[..., rows], bo, bl
                     )
             if step + 1 < ring.size:  # needed now: the next step computes on it
                 _wait(works, f"cp ring kv step {step + 1}")
-                kv, doc = nxt[0], (None if doc is None else nxt[1])
+                held, doc = tuple(nxt[:2]), (None if doc is None else nxt[2])
                 if step == 0:  # the previous rank's K/V: the backward starts with it
-                    first_kv, first_doc = kv, doc
-        if ring.size == 1:
-            first_kv, first_doc = None, None
-        ctx.save_for_backward(q, k, v, out, lse, doc_ids, first_kv, first_doc)
+                    first = (*held, doc)
+        if out is None:  # no block at all (a `Ring` computing none)
+            out, lse = _no_keys_yet(q, kernel.acc)
+        ctx.save_for_backward(q, k, v, out, lse, doc_ids, *first)
         ctx.ring, ctx.kernel = ring, kernel
         return out.to(q.dtype)
 
@@ -188,59 +243,72 @@ class _RingAttention(torch.autograd.Function):
         posted after a step and waited a step later, so the owner adds its own share last
         and no hop is left without compute to hide behind. The first block is the one the
         forward received first (saved), the last this rank's own: cp - 2 K/V receives."""
-        q, k, v, out, lse, doc_ids, first_kv, first_doc = ctx.saved_tensors
+        q, k, v, out, lse, doc_ids, first_k, first_v, first_doc = ctx.saved_tensors
         ring, kernel = ctx.ring, ctx.kernel
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[3])
         do = dout.to(kernel.acc)
-        delta = (do * out).sum(dim=-1)  # (b, h, n): rowsum(dO * O), for the math kernel
+        # rowsum(dO * O): the math kernel's; a fused backward computes its own
+        delta = (do * out).sum(dim=-1) if kernel.fused is None else None
         safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
         qk, dok, outk = q.to(kernel.dtype), do.to(kernel.dtype), out.to(kernel.dtype)
-        dq = torch.zeros(q.shape, dtype=kernel.acc, device=q.device)
+        dq = None
         last = ring.size - 1
-        kv, doc = (first_kv, first_doc) if last else (torch.stack([k, v]), doc_ids)
+        held, doc = ((first_k, first_v), first_doc) if last else ((k, v), doc_ids)
         acc_works = acc_in = None
         for step in range(ring.size):
-            held = (step + 1) % ring.size  # how many ranks back the held block comes from
+            back = (step + 1) % ring.size  # how many ranks back the held block comes from
+            source = (ring.rank - back) % ring.size
             if step + 1 < last:  # the next block from the previous rank (not our own)
-                nxt = [torch.empty_like(kv)] + ([] if doc is None else [torch.empty_like(doc)])
-                works = ring.exchange(
-                    [kv] + ([] if doc is None else [doc]),
-                    nxt,
-                    [_TAG_KV, _TAG_DOC],
+                works, nxt = _post_kv(
+                    ring,
+                    held,
+                    doc,
+                    _kv_keys(ring, source, n),
+                    _kv_keys(ring, (source - 1) % ring.size, n),
                     f"cp ring kv grad step {step + 1}",
                 )
-            dkv = torch.zeros(2, *k.shape, dtype=kernel.acc, device=q.device)
+            span = _dkv_keys(ring, ring.rank, source, n)  # the dK/dV rows this rank sends on
+            dk = dv = None
             with events.compute_span(f"cp ring attention step {step}", "backward"):
-                kvk = kv.to(kernel.dtype)
-                for block in ring.blocks(held, n, kernel.fused is not None):
+                kk, vk = (t.to(kernel.dtype) for t in held)
+                for block in ring.blocks(back, n, kernel.fused is not None):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
                     dq_rows, dk_rows, dv_rows = kernel.backward(
                         dok[..., rows, :],
                         qk[..., rows, :],
-                        kvk[0, ..., :keys, :],
-                        kvk[1, ..., :keys, :],
+                        kk[..., :keys, :],
+                        vk[..., :keys, :],
                         outk[..., rows, :],
                         safe_lse[..., rows],
-                        delta[..., rows],
+                        None if delta is None else delta[..., rows],
                         block,
                         mask,
                         scale,
                     )
-                    dq[..., rows, :] += dq_rows
-                    dkv[0, ..., :keys, :] += dk_rows
-                    dkv[1, ..., :keys, :] += dv_rows
+                    dq = _add_rows(dq, rows, dq_rows, n, 2)
+                    dk = _add_rows(dk, slice(0, keys), dk_rows, span, 2)
+                    dv = _add_rows(dv, slice(0, keys), dv_rows, span, 2)
+            if dk is None:  # no block of this step
+                shape = (*k.shape[:2], span, k.shape[3])
+                dk, dv = (torch.zeros(shape, dtype=kernel.acc, device=q.device) for _ in "kv")
             if acc_works is not None:  # this block's dK/dV from the ranks before
                 _wait(acc_works, f"cp ring dkv step {step}")
-                dkv += acc_in
+                dk.narrow(2, 0, acc_in[0].shape[2]).add_(acc_in[0])
+                dv.narrow(2, 0, acc_in[1].shape[2]).add_(acc_in[1])
             if step < last:  # on to the next rank, waited there a step later
-                acc_in = torch.empty_like(dkv)
+                dk, dv = dk.contiguous(), dv.contiguous()
+                # what the previous rank sends on next: the block this rank holds next
+                coming = _dkv_keys(ring, (ring.rank - 1) % ring.size, (source - 1) % ring.size, n)
+                acc_in = [t.new_empty((*t.shape[:2], coming, t.shape[3])) for t in (dk, dv)]
                 acc_works = ring.exchange(
-                    [dkv], [acc_in], [_TAG_GRAD], f"cp ring dkv step {step + 1}"
+                    [dk, dv], acc_in, _GRAD_TAGS, f"cp ring dkv step {step + 1}"
                 )
             if step + 1 < last:
                 _wait(works, f"cp ring kv grad step {step + 1}")
-                kv, doc = nxt[0], (None if doc is None else nxt[1])
+                held, doc = tuple(nxt[:2]), (None if doc is None else nxt[2])
             elif step + 1 == last:  # our own block last
-                kv, doc = torch.stack([k, v]), doc_ids
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None
+                held, doc = (k, v), doc_ids
+        if dq is None:
+            dq = torch.zeros(q.shape, dtype=kernel.acc, device=q.device)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None

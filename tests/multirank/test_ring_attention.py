@@ -99,18 +99,46 @@ def test_positions_and_zigzag_balances_causal_work(ring_runs, world):
     assert len(set(work["contiguous"])) == world, work  # the imbalance zigzag removes
 
 
+def expected_p2p_bytes(world, rank, causal, zigzag, packed):
+    """(forward, backward) bytes a ring rank sends, from the ring's arithmetic. A K/V
+    block is one K and one V (float32, with int64 document ids when packed). Forward: at
+    step t the rank sends the block of rank - t, t < world - 1. Backward: the forward's
+    first received block is kept and the own block comes last, so K/V travel world - 2
+    hops (step t sends the block of rank - t - 1), and each block's dK/dV partial sum
+    (float32, no ids) travels world - 1 hops, the last to its owner (step t sends the sum
+    for rank - t - 1). Causal zigzag: only the first chunk of rank 0's K/V is read away
+    from rank 0, so that block travels half; a dK/dV sum travels half while every share
+    in it comes from ranks after its owner."""
+    kv = 2 * BATCH * HEADS * SEQ_PER_RANK * HEAD_DIM * 4
+    block = kv + (BATCH * SEQ_PER_RANK * 8 if packed else 0)
+    half = causal and zigzag
+
+    def kv_bytes(source):
+        return block // 2 if half and source == 0 else block
+
+    forward = sum(kv_bytes((rank - t) % world) for t in range(world - 1))
+    backward = sum(kv_bytes((rank - t - 1) % world) for t in range(world - 2))
+    for t in range(world - 1):
+        source = (rank - t - 1) % world
+        backward += kv // 2 if half and rank > source else kv
+    return forward, backward
+
+
+def test_cp2_zigzag_causal_bytes_by_hand():
+    """At cp 2, causal zigzag: rank 0 sends half its K/V and a whole dK/dV sum, rank 1 a
+    whole K/V block and half a dK/dV sum: 3/4 of the full blocks each."""
+    kv = 2 * BATCH * HEADS * SEQ_PER_RANK * HEAD_DIM * 4
+    assert expected_p2p_bytes(2, 0, True, True, False) == (kv // 2, kv)
+    assert expected_p2p_bytes(2, 1, True, True, False) == (kv, kv // 2)
+    assert expected_p2p_bytes(2, 0, False, True, False) == (kv, kv)
+
+
 @pytest.mark.parametrize("world", WORLDS)
 def test_p2p_bytes_follow_the_ring(ring_runs, world):
-    kv = 2 * BATCH * HEADS * SEQ_PER_RANK * HEAD_DIM * 4  # one K and one V block, float32
-    docs = BATCH * SEQ_PER_RANK * 8  # int64 document ids
-    for rank_result in ring_runs[world]:
-        for (_, packed, _, _), got in rank_result["cases"].items():
-            block = kv + (docs if packed else 0)
-            assert got["fwd_bytes"] == (world - 1) * block
-            # Backward: the forward's first received block is kept and the own block
-            # comes last, so K/V (and ids) travel world - 2 hops; each block's dK/dV
-            # (float32) partial sums travel world - 1 hops, the last one to its owner.
-            assert got["bwd_bytes"] == max(world - 2, 0) * block + (world - 1) * kv
+    for rank, rank_result in enumerate(ring_runs[world]):
+        for (causal, packed, layout, _), got in rank_result["cases"].items():
+            want = expected_p2p_bytes(world, rank, causal, layout == "zigzag", packed)
+            assert (got["fwd_bytes"], got["bwd_bytes"]) == want, (rank, causal, packed, layout)
 
 
 @pytest.mark.parametrize("world", WORLDS)
