@@ -103,6 +103,12 @@ def build_parser() -> argparse.ArgumentParser:
         "dense GPT of equal active parameters, all-to-all bytes, router balance",
     )
     p.add_argument(
+        "--moe-chunks",
+        type=int,
+        default=1,
+        help="with --moe: the MoE layers' pipelined chunks (MoE(chunks=); default 1)",
+    )
+    p.add_argument(
         "--ring",
         action="store_true",
         help="ring attention over the ranks (cp = world): its hidden-communication "

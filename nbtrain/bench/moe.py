@@ -28,15 +28,29 @@ import time
 MODELS = ("moe", "dense")
 
 
-def config(quick: bool):
+def config(quick: bool, chunks: int = 1):
     from nbtrain.models.gpt_moe import MoEGPTConfig
 
     if quick:
         return MoEGPTConfig(
-            vocab_size=256, hidden=64, heads=4, layers=2, seq_len=64, num_experts=4, top_k=2
+            vocab_size=256,
+            hidden=64,
+            heads=4,
+            layers=2,
+            seq_len=64,
+            num_experts=4,
+            top_k=2,
+            moe_chunks=chunks,
         )
     return MoEGPTConfig(
-        vocab_size=256, hidden=256, heads=8, layers=4, seq_len=128, num_experts=8, top_k=2
+        vocab_size=256,
+        hidden=256,
+        heads=8,
+        layers=4,
+        seq_len=128,
+        num_experts=8,
+        top_k=2,
+        moe_chunks=chunks,
     )
 
 
@@ -78,7 +92,7 @@ def run_rank(spec: dict) -> dict:
     world = dist.get_world_size()
     ctx = nbtrain.init_distributed(seed=spec["seed"], ep_size=world)
     rank, device = ctx.rank, ctx.device
-    cfg = config(spec["quick"])
+    cfg = config(spec["quick"], spec.get("chunks", 1))
     models = {}
     for name in MODELS:
         torch.manual_seed(spec["seed"])
@@ -238,8 +252,11 @@ def main(args) -> int:
         "batch_per_rank": args.batch_per_rank,
         "warmup": args.warmup if args.warmup is not None else 2 if quick else 3,
         "steps": args.steps or (4 if quick else 20),
+        "chunks": args.moe_chunks,
     }
-    cfg = config(quick)
+    if args.moe_chunks < 1:
+        raise SystemExit(f"--moe-chunks {args.moe_chunks}: give 1 (no pipelining) or more")
+    cfg = config(quick, args.moe_chunks)
     if cfg.num_experts % args.ranks:
         raise SystemExit(
             f"--moe: {cfg.num_experts} experts do not split over {args.ranks} "
@@ -249,7 +266,8 @@ def main(args) -> int:
         f"nbtrain bench --moe: {args.ranks} ranks (ep {args.ranks}), {backend}, GPT hidden "
         f"{cfg.hidden}, {cfg.layers} layers, seq {cfg.seq_len}; MoE: {cfg.num_experts} "
         f"experts of width {cfg.expert_hidden}, top-{cfg.top_k}, dropless, aux balance "
-        f"loss; dense: MLP width {cfg.mlp_ratio * cfg.hidden}; ZeRO-3, AdamW, fp32, "
+        f"loss, exchange in {cfg.moe_chunks} chunk(s); dense: MLP width "
+        f"{cfg.mlp_ratio * cfg.hidden}; ZeRO-3, AdamW, fp32, "
         f"{spec['batch_per_rank']} seq/rank, {spec['steps']} timed steps "
         f"(+{spec['warmup']} warm-up) each",
         flush=True,

@@ -478,14 +478,16 @@ def all_to_all_single(
     *,
     group=None,
     label: str = "",
-) -> None:
+    async_op: bool = False,
+) -> CommHandle | None:
     """Each rank sends row blocks of `input` to every rank and receives into `output`.
 
     Rows `input[sum(input_split_sizes[:j]) : ...]` go to group rank j; `output` holds
     the blocks received, in group-rank order. Split sizes count rows along dim 0 and
     may differ per rank (None: equal blocks). Counted as the bytes this rank sends to
     other ranks (its own block stays local), like `send`; equal blocks of a B-byte
-    buffer give B x (N-1)/N, the ring figure of the other wrappers. Blocking.
+    buffer give B x (N-1)/N, the ring figure of the other wrappers. Blocking, or with
+    `async_op` a CommHandle to `wait()` on before reading `output` or changing `input`.
 
     Args:
         output: (sum(output_split_sizes), ...) buffer, same dtype and device as input.
@@ -498,8 +500,7 @@ def all_to_all_single(
     """
     if group is ALONE:
         output.copy_(input)
-        _alone(CommKind.ALL_TO_ALL, label, False)
-        return
+        return _alone(CommKind.ALL_TO_ALL, label, async_op)
     world = dist.get_world_size(group)
     for name, sizes in (
         ("output_split_sizes", output_split_sizes),
@@ -517,5 +518,7 @@ def all_to_all_single(
         me = dist.get_rank(group)
         nbytes = (sum(input_split_sizes) - input_split_sizes[me]) * row_bytes
     started = time.perf_counter()
-    dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
-    _issue(CommKind.ALL_TO_ALL, None, nbytes, label, False, started=started)
+    work = dist.all_to_all_single(
+        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    )
+    return _issue(CommKind.ALL_TO_ALL, work, nbytes, label, async_op, started=started)

@@ -43,6 +43,7 @@ class MoEGPTConfig(GPTConfig):
     balance: str = "aux"  # "aux", "bias" or "none"
     aux_loss_weight: float = 0.01
     bias_update_rate: float = 1e-3
+    moe_chunks: int = 1  # pipelined chunks of each MoE layer's exchange (MoE's chunks=)
 
     def __post_init__(self):
         super().__post_init__()
@@ -85,6 +86,7 @@ class MoEGPT(GPT):
                     aux_loss_weight=cfg.aux_loss_weight,
                     bias_update_rate=cfg.bias_update_rate,
                     label=f"moe.{moe_index}",
+                    chunks=cfg.moe_chunks,
                 )
                 moe_index += 1
                 nn.init.normal_(layer.mlp.router.weight, std=0.02)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..comm import collectives, context
 from ..comm.topology import ALONE
+from .experts import experts_ffn
 
 
 class _AllToAll(torch.autograd.Function):
@@ -52,6 +53,140 @@ def all_to_all_rows(
     """Differentiable uneven all_to_all of (sum(in_splits), ...) rows ->
     (sum(out_splits), ...). Collective over `group`."""
     return _AllToAll.apply(rows, list(out_splits), list(in_splits), group, label)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One slice of a layer's routed rows on its way through the experts' ranks.
+
+    in_splits: rows this rank sends to each ep rank (its chunk's rows, grouped by expert);
+    out_splits: rows it receives from each; counts: (ep, local experts) received rows by
+    source rank and local expert, the order they arrive in."""
+
+    in_splits: list
+    out_splits: list
+    counts: torch.Tensor
+
+
+def _experts_on(received, w_in, w_out, counts):
+    """Runs the local experts on rows arriving by source rank, each source's grouped by
+    local expert: regroups them by expert, computes, puts the results back in order."""
+    local = counts.shape[1]
+    local_of = torch.repeat_interleave(
+        torch.arange(local, device=received.device).repeat(counts.shape[0]), counts.reshape(-1)
+    )
+    by_expert = torch.argsort(local_of, stable=True)
+    per_expert = torch.bincount(local_of, minlength=local).tolist()
+    outs = experts_ffn(received[by_expert], w_in, w_out, per_expert)
+    return torch.empty_like(received).index_copy(0, by_expert, outs)
+
+
+class _ExpertsExchange(torch.autograd.Function):
+    """Dispatch, the local experts and combine of a layer's chunks, pipelined: every
+    chunk's dispatch is posted at once, each chunk's experts run as soon as its rows are
+    in, and its combine is posted before the next chunk's experts run, so one chunk's
+    exchange travels while another's experts compute (backward: the same, reversed).
+    The experts' graph of each chunk is built inside forward and differentiated in
+    backward (torch.autograd.grad), which hands back the rows' and weights' gradients."""
+
+    @staticmethod
+    def forward(ctx, rows, w_in, w_out, chunks, group, track):
+        sends = rows.split([sum(c.in_splits) for c in chunks])
+        received = [rows.new_empty((sum(c.out_splits), rows.shape[1])) for c in chunks]
+        posted = [
+            collectives.all_to_all_single(
+                buf,
+                send.contiguous(),
+                c.out_splits,
+                c.in_splits,
+                group=group,
+                label="moe dispatch",
+                async_op=True,
+            )
+            for buf, send, c in zip(received, sends, chunks)
+        ]
+        weights = [w.detach().requires_grad_(track and w.requires_grad) for w in (w_in, w_out)]
+        graphs, returned, back = [], [], []
+        for c, buf, handle in zip(chunks, received, posted):
+            handle.wait()
+            with torch.enable_grad():
+                x = buf.requires_grad_(track and rows.requires_grad)
+                y = _experts_on(x, *weights, c.counts)
+            graphs.append((x, y))
+            returned.append(rows.new_empty((sum(c.in_splits), rows.shape[1])))
+            back.append(
+                collectives.all_to_all_single(
+                    returned[-1],
+                    y.detach(),
+                    c.in_splits,
+                    c.out_splits,
+                    group=group,
+                    label="moe combine",
+                    async_op=True,
+                )
+            )
+        for handle in back:
+            handle.wait()
+        ctx.graphs, ctx.weights, ctx.chunks, ctx.group = graphs, weights, chunks, group
+        return torch.cat(returned)
+
+    @staticmethod
+    def backward(ctx, grad):
+        chunks, group = ctx.chunks, ctx.group
+        grads = grad.split([sum(c.in_splits) for c in chunks])
+        arrived = [grad.new_empty((sum(c.out_splits), grad.shape[1])) for c in chunks]
+        posted = [
+            collectives.all_to_all_single(
+                buf,
+                g.contiguous(),
+                c.out_splits,
+                c.in_splits,
+                group=group,
+                label="moe combine backward",
+                async_op=True,
+            )
+            for buf, g, c in zip(arrived, grads, chunks)
+        ]
+        wants = [w for w in ctx.weights if w.requires_grad]
+        weight_grads = [None, None]
+        sent, back = [], []
+        for (x, y), c, buf, handle in zip(ctx.graphs, chunks, arrived, posted):
+            handle.wait()
+            inputs = ([x] if x.requires_grad else []) + wants
+            got = list(torch.autograd.grad(y, inputs, buf, allow_unused=True)) if inputs else []
+            dx = got.pop(0) if x.requires_grad else None
+            for i, w in enumerate(ctx.weights):
+                if w.requires_grad:
+                    g = got.pop(0)
+                    g = torch.zeros_like(w) if g is None else g
+                    weight_grads[i] = g if weight_grads[i] is None else weight_grads[i] + g
+            if x.requires_grad:  # the same on every rank: every rank posts this exchange
+                dx = torch.zeros_like(x) if dx is None else dx
+                sent.append(grad.new_empty((sum(c.in_splits), grad.shape[1])))
+                back.append(
+                    collectives.all_to_all_single(
+                        sent[-1],
+                        dx.contiguous(),
+                        c.in_splits,
+                        c.out_splits,
+                        group=group,
+                        label="moe dispatch backward",
+                        async_op=True,
+                    )
+                )
+        for handle in back:
+            handle.wait()
+        ctx.graphs = None
+        rows_grad = torch.cat(sent) if sent else None
+        return rows_grad, *weight_grads, None, None, None
+
+
+def exchange_experts(rows, w_in, w_out, chunks: list, group) -> torch.Tensor:
+    """The expert outputs of `rows` (this rank's routed rows: chunk by chunk, each chunk
+    grouped by expert), in the same order: each chunk's rows sent to their experts' ranks,
+    computed there, and sent back, the chunks pipelined (`_ExpertsExchange`).
+    Differentiable in rows, w_in and w_out. Collective over the ep `group`."""
+    return _ExpertsExchange.apply(rows, w_in, w_out, chunks, group, torch.is_grad_enabled())
 
 
 @dataclass(frozen=True)

@@ -2,15 +2,20 @@
 
 Every rank routes its own tokens; the experts are split evenly over an
 expert-parallel (ep) group, rank r holding experts [r*E/P, (r+1)*E/P). A forward
-makes three exchanges over the group, all through `nbtrain.comm.collectives`, so the
+makes these exchanges over the group, all through `nbtrain.comm.collectives`, so the
 byte counters see them:
 
-    counts    all_to_all of E int64 counts (how many rows each rank will receive)
-    dispatch  all_to_all of the routed token rows, uneven sizes
-    combine   the reverse all_to_all of the expert outputs
+    counts    one all_to_all of chunks x E int64 counts (how many rows each rank will
+              receive of each chunk)
+    dispatch  per chunk, an all_to_all of the routed token rows, uneven sizes
+    combine   per chunk, the reverse all_to_all of the expert outputs
 
 plus one all_reduce of E + 1 int64 (global load and drops, for `stats` and the
-bias of balance="bias"). Backward runs the two row exchanges in reverse.
+bias of balance="bias"), in flight while the experts compute. The routed rows go in
+`chunks` chunks by token position (`exchange_experts`): every chunk's dispatch is posted
+at once, a chunk's experts run when its rows are in, and its combine travels while the
+next chunk's experts compute. Backward runs the row exchanges in reverse, pipelined the
+same way. With one rank in the group nothing is exchanged.
 
 Parameters and their gradients:
     router.weight  replicated on every rank; each rank's gradient comes from its
@@ -37,7 +42,7 @@ from torch import nn
 
 from ..comm import collectives, events
 from ..nn.parallel import FullStateDict
-from .dispatch import _ep_group, _is_topology_ep, all_to_all_rows
+from .dispatch import Chunk, _ep_group, _is_topology_ep, exchange_experts
 from .experts import experts_ffn
 from .routing import BALANCE_MODES, capacity_keep, route
 
@@ -75,6 +80,12 @@ class MoE(nn.Module, FullStateDict):
             `apply_bias_update()` in a loop without them), so every forward of a step,
             and a forward recomputed in backward, routes with the same bias.
         label: the name of this layer's telemetry metrics.
+        chunks: how many pipelined chunks a forward's routed rows go to the experts in
+            (by token position): 2 or more overlap one chunk's exchange with another's
+            experts, at the cost of one more exchange each way per chunk. The default 1
+            is measured best over gloo on CPU, where the exchange is latency-bound and
+            the same cores compute and copy (nbtrain/bench/NOTES.md). The output is the
+            same for any value.
 
     After each forward:
         aux_loss: scalar tensor in the graph (zero unless balance="aux"), for the
@@ -101,6 +112,7 @@ class MoE(nn.Module, FullStateDict):
         aux_loss_weight: float = 0.01,
         bias_update_rate: float = 1e-3,
         label: str = "moe",
+        chunks: int = 1,
     ):
         super().__init__()
         self.group, self.ep_size, self.ep_rank = _ep_group(group)
@@ -112,6 +124,8 @@ class MoE(nn.Module, FullStateDict):
             )
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k={top_k}: choose 1 <= top_k <= num_experts={num_experts}")
+        if not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"chunks={chunks!r}: give a whole number >= 1 (1: no pipelining)")
         if balance not in BALANCE_MODES:
             raise ValueError(f"balance={balance!r}: use one of {BALANCE_MODES}")
         if capacity_factor is not None and capacity_factor <= 0:
@@ -129,7 +143,7 @@ class MoE(nn.Module, FullStateDict):
         self.first_expert = self.ep_rank * self.local_experts
         self.capacity_factor, self.balance = capacity_factor, balance
         self.aux_loss_weight, self.bias_update_rate = aux_loss_weight, bias_update_rate
-        self.label = label
+        self.label, self.chunks = label, chunks
         # Whose tokens the expert load sums (stats, the routing bias): the ep group, or
         # the data-parallel group once `wrap` says the layer is replicated over it.
         self.stats_group = self.group
@@ -191,50 +205,59 @@ class MoE(nn.Module, FullStateDict):
         keep = torch.ones_like(chosen, dtype=torch.bool)
         if self.capacity_factor is not None:
             keep = capacity_keep(chosen, self.num_experts, self.capacity(tokens.shape[0]))
+        # the expert load over the stats group travels while the experts compute
+        totals = torch.cat([routed, routed.new_tensor([int((~keep).sum())])])
+        summed = collectives.all_reduce(
+            totals, group=self.stats_group, label="moe stats", async_op=True
+        )
         out = self._dispatch_compute_combine(tokens, chosen, weights.to(x.dtype), keep)
-        self._after_routing(scores, routed, int((~keep).sum()))
+        summed.wait()
+        self._after_routing(scores, routed, totals)
         return out.reshape(shape)
 
     def _dispatch_compute_combine(self, tokens, chosen, weights, keep):
         """Sends each kept assignment's token row to its expert's rank, runs the
-        experts, brings the results back and sums them weighted: (T, hidden)."""
-        token_of = (
-            torch.arange(tokens.shape[0], device=tokens.device).unsqueeze(1).expand_as(chosen)[keep]
-        )
+        experts, brings the results back and sums them weighted: (T, hidden). The
+        assignments go in `self.chunks` chunks by token position, pipelined
+        (`exchange_experts`):
+        one chunk's rows travel while another's experts compute."""
+        count = tokens.shape[0]
+        token_of = torch.arange(count, device=tokens.device).unsqueeze(1).expand_as(chosen)[keep]
         expert_of, weight_of = chosen[keep], weights[keep]
-        order = torch.argsort(expert_of, stable=True)  # grouped by expert = by owner rank
-        token_of, expert_of, weight_of = token_of[order], expert_of[order], weight_of[order]
-        send_counts = torch.bincount(expert_of, minlength=self.num_experts)  # (E,)
-        recv_counts = torch.empty_like(send_counts)
-        collectives.all_to_all_single(
-            recv_counts, send_counts, None, None, group=self.group, label="moe counts"
+        if self.ep_size == 1:  # every expert here: no exchange
+            order = torch.argsort(expert_of, stable=True)
+            token_of, expert_of, weight_of = token_of[order], expert_of[order], weight_of[order]
+            per_expert = torch.bincount(expert_of, minlength=self.num_experts).tolist()
+            outs = experts_ffn(tokens[token_of], self.w_in, self.w_out, per_expert)
+            return torch.zeros_like(tokens).index_add(0, token_of, outs * weight_of.unsqueeze(1))
+        # (chunk, expert) order: a chunk's rows grouped by expert, so by owner rank
+        chunks = self.chunks
+        key = (token_of * chunks // max(count, 1)) * self.num_experts + expert_of
+        order = torch.argsort(key, stable=True)
+        token_of, weight_of, key = token_of[order], weight_of[order], key[order]
+        send = torch.bincount(key, minlength=chunks * self.num_experts)
+        send = send.view(chunks, self.ep_size, self.local_experts)  # [chunk, owner, local e]
+        recv = send.new_empty((self.ep_size, chunks, self.local_experts))  # [source, chunk, e]
+        collectives.all_to_all_single(  # every chunk's counts, once per layer
+            recv,
+            send.permute(1, 0, 2).contiguous(),
+            None,
+            None,
+            group=self.group,
+            label="moe counts",
         )
-        recv_counts = recv_counts.view(self.ep_size, self.local_experts)  # [source, local e]
-        in_splits = send_counts.view(self.ep_size, -1).sum(1).tolist()
-        out_splits = recv_counts.sum(1).tolist()
-        received = all_to_all_rows(
-            tokens[token_of], out_splits, in_splits, self.group, "moe dispatch"
-        )
-        # Received rows come by source rank, each source's grouped by local expert:
-        # regroup by expert, run each expert on its rows, put them back.
-        local_of = torch.repeat_interleave(
-            torch.arange(self.local_experts, device=received.device).repeat(self.ep_size),
-            recv_counts.reshape(-1),
-        )
-        by_expert = torch.argsort(local_of, stable=True)
-        per_expert = torch.bincount(local_of, minlength=self.local_experts).tolist()
-        outs = experts_ffn(received[by_expert], self.w_in, self.w_out, per_expert)
-        computed = torch.empty_like(received).index_copy(0, by_expert, outs)
-        returned = all_to_all_rows(computed, in_splits, out_splits, self.group, "moe combine")
+        plan = [
+            Chunk(send[c].sum(1).tolist(), recv[:, c].sum(1).tolist(), recv[:, c])
+            for c in range(chunks)
+        ]
+        returned = exchange_experts(tokens[token_of], self.w_in, self.w_out, plan, self.group)
         return torch.zeros_like(tokens).index_add(0, token_of, returned * weight_of.unsqueeze(1))
 
-    def _after_routing(self, scores, routed, dropped):
+    def _after_routing(self, scores, routed, totals):
         # A forward recomputed in backward (activation checkpointing) routes the same
         # tokens again: it must not step the bias or record the metrics a second time.
         recomputed = torch._C._current_graph_task_id() != -1
-        totals = torch.cat([routed, routed.new_tensor([dropped])])
-        collectives.all_reduce(totals, group=self.stats_group, label="moe stats")
-        load = totals[:-1]
+        load = totals[:-1]  # summed over the stats group
         mean = load.float().mean()
         self.stats = {
             "tokens_per_expert": load.tolist(),
@@ -272,5 +295,5 @@ class MoE(nn.Module, FullStateDict):
             f"hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, experts={self.num_experts} "
             f"({self.local_experts} here, from {self.first_expert}), top_k={self.top_k}, "
             f"ep={self.ep_size}, capacity_factor={self.capacity_factor}, "
-            f"balance={self.balance!r}"
+            f"balance={self.balance!r}" + (f", chunks={self.chunks}" if self.chunks > 1 else "")
         )

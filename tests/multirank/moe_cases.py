@@ -75,12 +75,12 @@ def _a2a_bytes():
     return COUNTERS.snapshot()["bytes"].get("all_to_all", 0)
 
 
-def _routed(top_k):
+def _routed(top_k, chunks=1):
     """Dropless routing with aux loss: output, gradients, bytes, aux loss."""
     import nbtrain
     from nbtrain.comm.collectives import COUNTERS
 
-    moe = _layer(top_k)
+    moe = _layer(top_k, chunks=chunks)
     x, g = rank_tokens(nbtrain.rank())
     x.requires_grad_(True)
     COUNTERS.reset()
@@ -220,6 +220,7 @@ def all_cases():
     return {
         "top1": _routed(1),
         "top2": _routed(2),
+        "top2-chunks3": _routed(2, chunks=3),
         "capacity": _capacity(),
         "bias": _bias(),
         "alone": _alone(),

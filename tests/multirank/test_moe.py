@@ -63,9 +63,12 @@ def _err(a, b):
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("top_k", [1, 2])
-def test_outputs_and_gradients_equal_one_process(runs, world, top_k):
-    per_rank = [r[f"top{top_k}"] for r in runs[world]]
+@pytest.mark.parametrize("case", ["top1", "top2", "top2-chunks3"])
+def test_outputs_and_gradients_equal_one_process(runs, world, case):
+    """Also with the routed rows in 3 pipelined chunks (a chunk of 3-5 tokens sends no
+    row to some experts): the same output and gradients."""
+    per_rank = [r[case] for r in runs[world]]
+    top_k = int(case[3])
     out, x_grad, router_grad, w_in_grad, w_out_grad, _ = _reference(per_rank, top_k)
     assert float(w_in_grad[SILENT].abs().max()) == 0.0  # SILENT got no tokens
     for r, rows in zip(per_rank, _rows(per_rank)):
@@ -88,6 +91,7 @@ def test_stats_and_bytes_follow_the_routing(runs, world, top_k):
     load = torch.bincount(chosen.reshape(-1), minlength=EXPERTS)
     owner = chosen // (EXPERTS // world)
     counts_bytes = EXPERTS * 8 * (world - 1) // world  # the int64 count exchange
+    chunked = [r["top2-chunks3"] for r in runs[world]] if top_k == 2 else per_rank
     for rank, (r, rows) in enumerate(zip(per_rank, _rows(per_rank))):
         assert r["stats"]["tokens_per_expert"] == load.tolist()
         assert r["stats"]["dropped"] == 0
@@ -99,6 +103,11 @@ def test_stats_and_bytes_follow_the_routing(runs, world, top_k):
         rows_bytes = (sent + received) * HIDDEN * 4
         assert r["forward_bytes"] == rows_bytes + counts_bytes
         assert r["backward_bytes"] == rows_bytes
+        # in 3 chunks: the same rows, and each chunk's counts in the one count exchange
+        assert chunked[rank]["forward_bytes"] == rows_bytes + counts_bytes * (
+            3 if chunked is not per_rank else 1
+        )
+        assert chunked[rank]["backward_bytes"] == rows_bytes
     if world > 1:
         assert per_rank[0]["forward_bytes"] > 0
 
