@@ -185,7 +185,14 @@ def exchange_experts(rows, w_in, w_out, chunks: list, group) -> torch.Tensor:
     """The expert outputs of `rows` (this rank's routed rows: chunk by chunk, each chunk
     grouped by expert), in the same order: each chunk's rows sent to their experts' ranks,
     computed there, and sent back, the chunks pipelined (`_ExpertsExchange`).
-    Differentiable in rows, w_in and w_out. Collective over the ep `group`."""
+    Differentiable in rows, w_in and w_out. Collective over the ep `group`. One chunk
+    is the plain sequence (dispatch, experts, combine) under autograd, without the
+    pipeline's nested backward."""
+    if len(chunks) == 1:
+        (c,) = chunks
+        received = all_to_all_rows(rows, c.out_splits, c.in_splits, group, "moe dispatch")
+        computed = _experts_on(received, w_in, w_out, c.counts)
+        return all_to_all_rows(computed, c.in_splits, c.out_splits, group, "moe combine")
     return _ExpertsExchange.apply(rows, w_in, w_out, chunks, group, torch.is_grad_enabled())
 
 
