@@ -10,6 +10,11 @@ iterations after warm-up (CUDA synchronised around each):
     experts   `nbtrain.moe.experts_ffn` (one grouped matmul per weight for all local
               experts, where torch has it) against the loop of one matmul pair per
               expert, on the same rows: experts_grouped_vs_loop (below 1: faster)
+    moe       a whole `nbtrain.moe.MoE` layer with every expert local (routing, sorting,
+              the grouped experts, the weighted sum; no exchange) against the dense MLP
+              of equal active parameters (width top_k x the expert width) on the same
+              tokens: moe_layer_vs_dense_mlp, the ceiling `nbtrain bench --moe` can
+              reach on this device before any all_to_all (1: MoE costs no more)
     ring      `ring_attention` over a group of one (its block kernel and merges on
               the whole causal sequence) against `scaled_dot_product_attention` of the
               same tensors: ring_block_vs_sdpa (1: the ring's kernel costs nothing extra)
@@ -67,6 +72,28 @@ def experts(device, dtype, experts: int, rows: int, hidden: int, ffn: int, warmu
     return _timed(grouped, device, warmup, iters), _timed(loop, device, warmup, iters), ran
 
 
+def moe_layer(device, dtype, experts: int, tokens: int, hidden: int, width: int, warmup, iters):
+    """(MoE layer s, dense MLP s): top-2 over `experts` local experts of `width` against
+    an MLP of width 2 x `width`, forward + backward on the same tokens."""
+    from torch import nn
+
+    from nbtrain.comm.topology import ALONE
+    from nbtrain.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(hidden, width, experts, top_k=2, group=ALONE, balance="none").to(device, dtype)
+    mlp = nn.Sequential(nn.Linear(hidden, 2 * width), nn.GELU(), nn.Linear(2 * width, hidden))
+    mlp = mlp.to(device, dtype)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, hidden, generator=g).to(device, dtype).requires_grad_()
+    grad = torch.randn(tokens, hidden, generator=g).to(device, dtype)
+
+    def run(module):
+        return lambda: torch.autograd.grad(module(x), (x, *module.parameters()), grad)
+
+    return _timed(run(moe), device, warmup, iters), _timed(run(mlp), device, warmup, iters)
+
+
 def ring_block(device, dtype, heads: int, seq: int, head_dim: int, warmup, iters):
     """(ring over a group of one s, SDPA s, which block kernel) on one causal sequence."""
     from nbtrain import context_parallel as cp
@@ -107,6 +134,8 @@ def main(argv=None) -> int:
     # sequence of 16 heads; CPU: a smoke size.
     e_size = (8, 8192, 2048, 1408) if big else (4, 512, 128, 256)
     r_size = (16, 4096, 128) if big else (4, 512, 64)
+    # MoE layer: 8 experts top-2; CPU: one rank's share in `nbtrain bench --moe`
+    m_size = (8, 4096, 2048, 1408) if big else (8, 512, 256, 512)
     print(
         f"nbtrain local parts: {kind}, {str(dtype).removeprefix('torch.')}, forward + "
         f"backward, median of {args.iters} after {args.warmup} warm-up"
@@ -117,12 +146,19 @@ def main(argv=None) -> int:
         f"grouped {1e3 * grouped_s:.2f} ms ({'grouped_mm' if ran else 'loop fallback'}), "
         f"loop {1e3 * loop_s:.2f} ms"
     )
+    moe_s, mlp_s = moe_layer(device, dtype, *m_size, args.warmup, args.iters)
+    print(
+        f"moe layer: {m_size[0]} experts (all local), top-2, {m_size[1]} tokens, hidden "
+        f"{m_size[2]}, width {m_size[3]}: {1e3 * moe_s:.2f} ms; dense MLP of width "
+        f"{2 * m_size[3]}: {1e3 * mlp_s:.2f} ms"
+    )
     ring_s, sdpa_s, fused = ring_block(device, dtype, *r_size, args.warmup, args.iters)
     print(
         f"ring block: {r_size[0]} heads x {r_size[2]}, {r_size[1]} causal tokens, {fused} "
         f"kernel: ring of one {1e3 * ring_s:.2f} ms, SDPA {1e3 * sdpa_s:.2f} ms"
     )
     print(f"experts_grouped_vs_loop: {grouped_s / loop_s:.3f}")
+    print(f"moe_layer_vs_dense_mlp: {moe_s / mlp_s:.3f}")
     print(f"ring_block_vs_sdpa: {ring_s / sdpa_s:.3f}")
     return 0
 

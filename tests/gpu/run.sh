@@ -10,8 +10,10 @@
 #                                                      (1B-param AdamW, 4096 x 128k CE;
 #                                                      ~40 GB free GPU memory, ~1 minute)
 #   local    python3 -m nbtrain.bench.local_parts       MoE's grouped experts against the
-#                                                      loop, ring attention's block kernel
-#                                                      against SDPA, on one GPU (~20 s)
+#                                                      loop, a MoE layer (experts local)
+#                                                      against the dense MLP, ring
+#                                                      attention's block kernel against
+#                                                      SDPA, on one GPU (~30 s)
 #   bench    nbtrain bench --ranks 1 --device cuda --model-size small --steps 10 --rounds 1
 #            (world size 1: ZeRO-3, ZeRO-2, FSDP2 and DDP on one GPU, so the step-time
 #            ratios measure each engine's own overhead; without a GPU it refuses and

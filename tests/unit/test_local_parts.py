@@ -1,5 +1,5 @@
 """`python -m nbtrain.bench.local_parts` (a part of the GPU check) runs on the CPU at its
-smoke size and prints the two ratio lines the GPU check's summary reads."""
+smoke size and prints the three ratio lines the GPU check's summary reads."""
 
 import re
 import subprocess
@@ -11,10 +11,10 @@ from nbtrain.bench.local_parts import main
 SUMMARY = Path(__file__).resolve().parents[1] / "gpu" / "summary.py"
 
 
-def test_local_parts_print_both_ratios(capsys):
+def test_local_parts_print_their_ratios(capsys):
     assert main(["--device", "cpu", "--iters", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
-    for key in ("experts_grouped_vs_loop", "ring_block_vs_sdpa"):
+    for key in ("experts_grouped_vs_loop", "moe_layer_vs_dense_mlp", "ring_block_vs_sdpa"):
         (value,) = re.findall(rf"^{key}: ([\d.]+)$", out, re.M)
         assert float(value) > 0, out
 
