@@ -31,27 +31,12 @@ MODELS = ("moe", "dense")
 def config(quick: bool, chunks: int = 1):
     from nbtrain.models.gpt_moe import MoEGPTConfig
 
-    if quick:
-        return MoEGPTConfig(
-            vocab_size=256,
-            hidden=64,
-            heads=4,
-            layers=2,
-            seq_len=64,
-            num_experts=4,
-            top_k=2,
-            moe_chunks=chunks,
-        )
-    return MoEGPTConfig(
-        vocab_size=256,
-        hidden=256,
-        heads=8,
-        layers=4,
-        seq_len=128,
-        num_experts=8,
-        top_k=2,
-        moe_chunks=chunks,
+    size = (
+        dict(hidden=64, heads=4, layers=2, seq_len=64, num_experts=4)
+        if quick
+        else dict(hidden=256, heads=8, layers=4, seq_len=128, num_experts=8)
     )
+    return MoEGPTConfig(vocab_size=256, top_k=2, moe_chunks=chunks, **size)
 
 
 def param_counts(cfg) -> dict:

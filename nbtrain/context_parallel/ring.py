@@ -135,10 +135,11 @@ def _wait(works, label):
     C.wait_send_recv(works, label)
 
 
-def _post_kv(ring, held, doc, sent, received, label):
-    """Posts the leading `sent` keys of the held K/V (and document ids) to the next rank,
-    and receives `received` keys of the next block from the previous one:
-    (works, the receive buffers [k, v, doc?])."""
+def _post_kv(ring, held, doc, source: int, n: int, label):
+    """Posts the held K/V (and document ids) of rank `source` to the next rank, and
+    receives the previous rank's held block (rank source - 1's), each as many leading
+    keys as travel (`_kv_keys`): (works, the receive buffers [k, v, doc?])."""
+    sent, received = _kv_keys(ring, source, n), _kv_keys(ring, (source - 1) % ring.size, n)
     k, v = held
     sends = [t[..., :sent, :].contiguous() for t in (k, v)]
     recvs = [t.new_empty((*t.shape[:2], received, t.shape[3])) for t in (k, v)]
@@ -201,14 +202,7 @@ class _RingAttention(torch.autograd.Function):
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             if step + 1 < ring.size:  # post the next block before computing this one
-                works, nxt = _post_kv(
-                    ring,
-                    held,
-                    doc,
-                    _kv_keys(ring, source, n),
-                    _kv_keys(ring, (source - 1) % ring.size, n),
-                    f"cp ring kv step {step + 1}",
-                )
+                works, nxt = _post_kv(ring, held, doc, source, n, f"cp ring kv step {step + 1}")
             with events.compute_span(f"cp ring attention step {step}", "forward"):
                 kk, vk = (t.to(kernel.dtype) for t in held)
                 for block in ring.blocks(step, n, kernel.fused is not None):
@@ -260,12 +254,7 @@ class _RingAttention(torch.autograd.Function):
             source = (ring.rank - back) % ring.size
             if step + 1 < last:  # the next block from the previous rank (not our own)
                 works, nxt = _post_kv(
-                    ring,
-                    held,
-                    doc,
-                    _kv_keys(ring, source, n),
-                    _kv_keys(ring, (source - 1) % ring.size, n),
-                    f"cp ring kv grad step {step + 1}",
+                    ring, held, doc, source, n, f"cp ring kv grad step {step + 1}"
                 )
             span = _dkv_keys(ring, ring.rank, source, n)  # the dK/dV rows this rank sends on
             dk = dv = None

@@ -81,6 +81,19 @@ def _experts_on(received, w_in, w_out, counts):
     return torch.empty_like(received).index_copy(0, by_expert, outs)
 
 
+def _post(rows, chunk: Chunk, group, label: str, outward: bool):
+    """Posts one chunk's rows to its experts' ranks (`outward`) or back from them:
+    (the receive buffer, the handle to wait on)."""
+    out_splits, in_splits = (
+        (chunk.out_splits, chunk.in_splits) if outward else (chunk.in_splits, chunk.out_splits)
+    )
+    buf = rows.new_empty((sum(out_splits), rows.shape[1]))
+    handle = collectives.all_to_all_single(
+        buf, rows.contiguous(), out_splits, in_splits, group=group, label=label, async_op=True
+    )
+    return buf, handle
+
+
 class _ExpertsExchange(torch.autograd.Function):
     """Dispatch, the local experts and combine of a layer's chunks, pipelined: every
     chunk's dispatch is posted at once, each chunk's experts run as soon as its rows are
@@ -92,65 +105,30 @@ class _ExpertsExchange(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, w_in, w_out, chunks, group, track):
         sends = rows.split([sum(c.in_splits) for c in chunks])
-        received = [rows.new_empty((sum(c.out_splits), rows.shape[1])) for c in chunks]
-        posted = [
-            collectives.all_to_all_single(
-                buf,
-                send.contiguous(),
-                c.out_splits,
-                c.in_splits,
-                group=group,
-                label="moe dispatch",
-                async_op=True,
-            )
-            for buf, send, c in zip(received, sends, chunks)
-        ]
+        posted = [_post(send, c, group, "moe dispatch", True) for send, c in zip(sends, chunks)]
         weights = [w.detach().requires_grad_(track and w.requires_grad) for w in (w_in, w_out)]
-        graphs, returned, back = [], [], []
-        for c, buf, handle in zip(chunks, received, posted):
+        graphs, back = [], []
+        for c, (buf, handle) in zip(chunks, posted):
             handle.wait()
             with torch.enable_grad():
                 x = buf.requires_grad_(track and rows.requires_grad)
                 y = _experts_on(x, *weights, c.counts)
             graphs.append((x, y))
-            returned.append(rows.new_empty((sum(c.in_splits), rows.shape[1])))
-            back.append(
-                collectives.all_to_all_single(
-                    returned[-1],
-                    y.detach(),
-                    c.in_splits,
-                    c.out_splits,
-                    group=group,
-                    label="moe combine",
-                    async_op=True,
-                )
-            )
-        for handle in back:
+            back.append(_post(y.detach(), c, group, "moe combine", False))
+        for _, handle in back:
             handle.wait()
         ctx.graphs, ctx.weights, ctx.chunks, ctx.group = graphs, weights, chunks, group
-        return torch.cat(returned)
+        return torch.cat([buf for buf, _ in back])
 
     @staticmethod
     def backward(ctx, grad):
         chunks, group = ctx.chunks, ctx.group
         grads = grad.split([sum(c.in_splits) for c in chunks])
-        arrived = [grad.new_empty((sum(c.out_splits), grad.shape[1])) for c in chunks]
-        posted = [
-            collectives.all_to_all_single(
-                buf,
-                g.contiguous(),
-                c.out_splits,
-                c.in_splits,
-                group=group,
-                label="moe combine backward",
-                async_op=True,
-            )
-            for buf, g, c in zip(arrived, grads, chunks)
-        ]
+        posted = [_post(g, c, group, "moe combine backward", True) for g, c in zip(grads, chunks)]
         wants = [w for w in ctx.weights if w.requires_grad]
         weight_grads = [None, None]
-        sent, back = [], []
-        for (x, y), c, buf, handle in zip(ctx.graphs, chunks, arrived, posted):
+        back = []
+        for (x, y), c, (buf, handle) in zip(ctx.graphs, chunks, posted):
             handle.wait()
             inputs = ([x] if x.requires_grad else []) + wants
             got = list(torch.autograd.grad(y, inputs, buf, allow_unused=True)) if inputs else []
@@ -162,22 +140,11 @@ class _ExpertsExchange(torch.autograd.Function):
                     weight_grads[i] = g if weight_grads[i] is None else weight_grads[i] + g
             if x.requires_grad:  # the same on every rank: every rank posts this exchange
                 dx = torch.zeros_like(x) if dx is None else dx
-                sent.append(grad.new_empty((sum(c.in_splits), grad.shape[1])))
-                back.append(
-                    collectives.all_to_all_single(
-                        sent[-1],
-                        dx.contiguous(),
-                        c.in_splits,
-                        c.out_splits,
-                        group=group,
-                        label="moe dispatch backward",
-                        async_op=True,
-                    )
-                )
-        for handle in back:
+                back.append(_post(dx, c, group, "moe dispatch backward", False))
+        for _, handle in back:
             handle.wait()
         ctx.graphs = None
-        rows_grad = torch.cat(sent) if sent else None
+        rows_grad = torch.cat([buf for buf, _ in back]) if back else None
         return rows_grad, *weight_grads, None, None, None
 
 

@@ -23,16 +23,23 @@ from support.ranks import run_ranks
 STEPS = 10
 
 
+def assert_trains_equal_to_one_process(out):
+    """Every step's loss and every rank's final state equal the one-process reference
+    (which must change every step: it trains)."""
+    first = out[0]
+    assert len(set(round(x, 5) for x in first["reference"])) == STEPS
+    assert first["losses"] == pytest.approx(first["reference"], abs=1e-5)
+    for key, ref in first["ref_state"].items():
+        for o in out:
+            assert torch.allclose(o["state"][key], ref, atol=1e-5), key
+
+
 @pytest.mark.parametrize("world,ep", [(2, 2), (4, 2)])
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 def test_moe_gpt_at_ep_equals_one_process(world, ep, kind):
     out = run_ranks(train, world, ep, kind, STEPS, timeout_s=300)
     first = out[0]
-    assert len(set(round(x, 5) for x in first["reference"])) == STEPS  # it trains
-    assert first["losses"] == pytest.approx(first["reference"], abs=1e-5)
-    for key, ref in first["ref_state"].items():
-        for o in out:
-            assert torch.allclose(o["state"][key], ref, atol=1e-5), key
+    assert_trains_equal_to_one_process(out)
     assert first["state"]["layers.0.mlp.w_in"].shape == (4, 16, 32)  # all experts
     assert first["local_experts"] == 4 // ep
     # Router statistics of the last forward: every assignment of the whole batch (all
@@ -52,23 +59,13 @@ def test_moe_gpt_with_a_pipelined_exchange_equals_one_process(zero_level):
     SGD with momentum, which a wrong gradient scale would not pass."""
     cfg = {"moe_chunks": 2}
     out = run_ranks(train, 2, 2, "sgd", STEPS, zero_level, True, cfg, timeout_s=300)
-    first = out[0]
-    assert len(set(round(x, 5) for x in first["reference"])) == STEPS  # it trains
-    assert first["losses"] == pytest.approx(first["reference"], abs=1e-5)
-    for key, ref in first["ref_state"].items():
-        for o in out:
-            assert torch.allclose(o["state"][key], ref, atol=1e-5), key
+    assert_trains_equal_to_one_process(out)
     assert all(o["a2a"] > 0 and o["local_experts"] == 2 for o in out)
 
 
 def test_moe_gpt_given_no_layout_keeps_every_expert_local_and_equals_one_process():
     out = run_ranks(train, 2, 2, "sgd", STEPS, 3, False, timeout_s=300)
-    first = out[0]
-    assert len(set(round(x, 5) for x in first["reference"])) == STEPS  # it trains
-    assert first["losses"] == pytest.approx(first["reference"], abs=1e-5)
-    for key, ref in first["ref_state"].items():
-        for o in out:
-            assert torch.allclose(o["state"][key], ref, atol=1e-5), key
+    assert_trains_equal_to_one_process(out)
     for o in out:
         assert o["local_experts"] == 4 and o["a2a"] == 0
         # Every rank routed its own rows; wrap made the layers count the whole batch
