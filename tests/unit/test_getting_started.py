@@ -145,6 +145,14 @@ def test_saved_with_the_outputs_of_a_run(path):
         for out in cell.outputs:
             assert out.output_type != "error", (path.name, cell.source[:80])
             assert WIDGET not in out.get("data", {}), (path.name, cell.source[:80])
+            # A warning nbtrain raises means the cell uses it in a way it warns against
+            # (tutorial 12 once built a MoE GPT without its ep layout and saved the warning)
+            warned = [
+                line
+                for line in out.get("text", "").splitlines()
+                if "Warning" in line and "/nbtrain/" in line
+            ]
+            assert not warned, (path.name, cell.source[:80], warned)
 
 
 def test_nbval_lax_fails_on_a_raising_cell_though_outputs_are_saved(tmp_path):
