@@ -19,7 +19,8 @@ class Config(Mapping):
     answers for one process: rank 0, local_rank 0, world_size 1, initialized False.
     The topology keys follow BMTrain: tp_zero_* is the data-parallel group of this
     tensor-parallel slot, zero_* the ranks of this pipeline stage, and `topology`
-    has BMTrain's `tp_id` and `pipe_idx` (see nbtrain.comm.topology).
+    has BMTrain's attributes (stage_id, pipe_idx, tp_id, pp_zero_id, ...; see
+    nbtrain.comm.topology_names).
     """
 
     def _values(self) -> dict:
@@ -36,6 +37,8 @@ class Config(Mapping):
             "zero_comm": topo.group("zero"),
             "tp_zero_comm": topo.group("dp"),
             "pipe_comm": topo.group("pipe"),
+            "pp_zero_comm": topo.group("zero"),  # BMTrain's: the ranks of one stage
+            "pp_tp_zero_comm": topo.group("dp"),
             "rank": ctx.rank,
             "world_size": ctx.world_size,
             "local_rank": ctx.local_rank,
@@ -53,6 +56,7 @@ class Config(Mapping):
             "pipe_rank": topo.pipe_rank,
             "pipe_enabled": topo.pipe_size > 1,
             "num_micro_batches": ctx.num_micro_batches,
+            "micros": ctx.num_micro_batches or topo.pipe_size,  # BMTrain's name, resolved
             "topology": topo,
         }
 

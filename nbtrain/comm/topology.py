@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .topology_names import BMTrainTopologyNames
+
 GROUPS = ("tp", "dp", "zero", "pipe", "ep", "edp", "cp")
 
 
@@ -143,7 +145,7 @@ def group_ranks(
 
 
 @dataclass(frozen=True)
-class Topology:
+class Topology(BMTrainTopologyNames):
     """This rank's coordinates and the process group of each kind it belongs to."""
 
     rank: int = 0
@@ -197,10 +199,6 @@ class Topology:
     def zero_rank(self) -> int:
         """Rank within this pipeline stage (BMTrain's zero_rank)."""
         return self.rank % (self.tp_size * self.dp_size)
-
-    # BMTrain's attribute names
-    tp_id = tp_rank
-    pipe_idx = pipe_rank
 
     def group(self, name: str):
         """The process group of kind `name` holding this rank (None: the whole world;
