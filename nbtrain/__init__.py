@@ -31,6 +31,11 @@ from .zero import (
 
 CheckpointBlock = Block  # BMTrain's older name for Block
 
+# BMTrain's modules whose names are also functions here: loaded now, so that a later
+# `import nbtrain.synchronize` finds the module and leaves `nbtrain.synchronize` the
+# function (BMTrain's layout: the module bmtrain.synchronize, the function bmt.synchronize).
+from .synchronize import synchronize  # noqa: E402, F811
+
 
 @functools.wraps(comm.init_distributed)
 def init_distributed(*args, **kwargs):
@@ -97,6 +102,7 @@ _LAZY = {
     "lr_scheduler": ("nbtrain.lr_scheduler", None),
     "loss": ("nbtrain.loss", None),
     "nn": ("nbtrain.nn", None),
+    "nccl": ("nbtrain.nccl", None),
     "moe": ("nbtrain.moe", None),
     "context_parallel": ("nbtrain.context_parallel", None),
     "inspect": ("nbtrain.inspect", None),
