@@ -127,6 +127,10 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
     return out
 
 
+# Set on a module while the root's forward holds its parameters whole.
+_ROOT_SHADOW = "_nbtrain_root_shadow"
+
+
 class LooseParams:
     """A model's DistributedParameters outside blocks, gathered once per root forward.
 
@@ -146,9 +150,28 @@ class LooseParams:
         for block in self.first_blocks:
             block.prefetch()
         self.gathered.update(gather_all(self.params))
+        # The root's own forward reads them whole too, as BMTrain's does: a head tied
+        # to the embedding (`F.linear(h, self.emb.weight)`) sees the full matrix.
+        for owner in module.modules():
+            if self._shadow(owner):
+                owner.__dict__[_ROOT_SHADOW] = True
 
     def root_post_forward(self, module, args, output) -> None:
         self.gathered.clear()
+        for owner in module.modules():
+            if owner.__dict__.pop(_ROOT_SHADOW, False):
+                LooseParams.module_post_forward(owner, args, output)
+
+    def _shadow(self, module) -> bool:
+        """Shadows `module`'s gathered parameters with their full tensors; whether it
+        has any."""
+        shadowed = False
+        for name, param in module._parameters.items():
+            full = self.gathered.get(id(param)) if isinstance(param, DistributedParameter) else None
+            if full is not None:
+                module.__dict__[name] = full
+                shadowed = True
+        return shadowed
 
     def module_pre_forward(self, module, args) -> None:
         for name, param in module._parameters.items():
@@ -159,6 +182,8 @@ class LooseParams:
 
     @staticmethod
     def module_post_forward(module, args, output) -> None:
+        if module.__dict__.get(_ROOT_SHADOW):
+            return  # whole until the root's forward ends (root_post_forward)
         for name, param in module._parameters.items():
             if isinstance(param, DistributedParameter):
                 module.__dict__.pop(name, None)
