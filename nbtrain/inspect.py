@@ -259,34 +259,29 @@ def record_tensor(x: torch.Tensor, name: str, group: str | None = None) -> torch
     return x
 
 
-def _cell(value) -> str:
-    if isinstance(value, float):
-        return f"{value:>10.3e}"
-    return f"{'' if value is None else value!s:>10}"
+def _cell(value, width: int) -> str:
+    text = f"{value:.4f}" if isinstance(value, float) else ("" if value is None else str(value))
+    return f" {text[: width - 1]}".ljust(width)
 
 
 def format_summary(summary: list[dict]) -> str:
-    """A fixed-width table of summary dicts, one row each.
+    """A fixed-width table of summary dicts: a header line, then one row each, as
+    BMTrain prints it.
 
-    Columns in BMTrain's order: name, shape, max, min, std, mean, then grad_std and
-    grad_mean when any row has them, then nbtrain's grad_max and grad_min when any
-    row has them. Numbers are printed as 1.234e-05 (BMTrain: 0.0000); a missing or
-    None value leaves its cell empty. Local.
+    Columns in BMTrain's order and widths: name, shape, max, min, std, mean, then
+    grad_std and grad_mean when any row has them (nbtrain's grad_max and grad_min stay
+    in the dicts). Numbers are printed as BMTrain's, 0.1234 (4 decimals); a value
+    longer than its column is cut, as BMTrain's is; a missing or None value leaves
+    its cell empty. Local.
     """
     columns = ["max", "min", "std", "mean"]
-    columns += [
-        c
-        for c in ("grad_std", "grad_mean", "grad_max", "grad_min")
-        if any(s.get(c) is not None for s in summary)
-    ]
-    shapes = [str(tuple(s["shape"])) for s in summary]
-    name_w = max([len("name")] + [len(s["name"]) for s in summary])
-    shape_w = max([len("shape")] + [len(s) for s in shapes])
-    header = f"{'name':<{name_w}}  {'shape':<{shape_w}}" + "".join(f"  {c:>10}" for c in columns)
-    lines = [header, "-" * len(header)]
-    for s, shape in zip(summary, shapes):
-        cells = "".join("  " + _cell(s.get(c)) for c in columns)
-        lines.append(f"{s['name']:<{name_w}}  {shape:<{shape_w}}{cells}")
+    columns += [c for c in ("grad_std", "grad_mean") if any(s.get(c) is not None for s in summary)]
+    name_w = max([len("name")] + [len(s["name"]) for s in summary]) + 4
+    widths = [name_w, 20] + [10] * len(columns)
+    lines = ["".join(_cell(c, w) for c, w in zip(["name", "shape", *columns], widths))]
+    for s in summary:
+        row = [s["name"], tuple(s["shape"])] + [s.get(c) for c in columns]
+        lines.append("".join(_cell(v, w) for v, w in zip(row, widths)))
     return "\n".join(lines)
 
 

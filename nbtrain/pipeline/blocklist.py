@@ -1,11 +1,11 @@
 """BMTrain's `PipelineTransformerBlockList`: a pipelined stack of blocks inside an
 ordinary data-parallel model.
 
-    blocks = PipelineTransformerBlockList([Block(Layer()) for _ in range(8)])
+    blocks = PipelineTransformerBlockList([Block(Layer(), mode="PIPE") for _ in range(8)])
     h = blocks(embed(ids))          # ids: this rank's slice of the batch, as without it
 
-Every rank builds the whole list (Blocks, as BMTrain's `Block(layer, mode="PIPE")`, or
-plain modules, each made a `Block(module, mode="PIPE")` here); each pipeline stage
+Every rank builds the whole list (Blocks built as BMTrain's `Block(layer, mode="PIPE")`,
+or plain modules, each made a `Block(module, mode="PIPE")` here); each pipeline stage
 keeps its contiguous share of the blocks (balanced by parameter count) under their own
 indices. Calling it: the ranks of one pipeline gather their batch
 slices, the gathered batch runs through the stages as `num_micro_batches`
@@ -56,12 +56,39 @@ def _numel(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _check_blocks(modules) -> None:
+    """BMTrain's checks on a pipeline's list; raises before any block is built."""
+    seen = set()
+    for i, m in enumerate(modules):
+        if isinstance(m, Block) and m.mode != "PIPE":
+            raise AssertionError(
+                f"PipelineTransformerBlockList: block {i} ({m.label}) was built with "
+                f'mode={m.mode!r}; build it as Block(layer, mode="PIPE"), or pass the '
+                "plain layer"
+            )
+        inner = m.inner_module if isinstance(m, Block) else m
+        if id(inner) in seen:
+            if isinstance(m, Block):
+                raise AssertionError(
+                    f"PipelineTransformerBlockList: block {i} ({m.label}) is listed "
+                    "twice; build one Block per layer"
+                )
+            raise ValueError(
+                f"PipelineTransformerBlockList: module {i} ({type(m).__name__}) is listed "
+                "twice; give each use its own copy (copy.deepcopy)"
+            )
+        seen.add(id(inner))
+
+
 class PipelineTransformerBlockList(nn.Module):
     """A stack of blocks split into pipeline stages (BMTrain's signature).
 
     Args:
-        modules: the blocks, in order (every rank passes the same list): Blocks (any
-            mode), or plain modules, made `Block(module, mode="PIPE")` here.
+        modules: the blocks, in order (every rank passes the same list): Blocks built
+            with mode="PIPE", or plain modules, made `Block(module, mode="PIPE")` here.
+            A Block of mode "BLOCK", or one listed twice, is an AssertionError (as in
+            BMTrain); a plain module listed twice is a ValueError (one layer on two
+            stages cannot share its shards).
         num_hidden: hidden states passed between blocks; 1 (one tensor) is supported.
 
     Construction is collective when a plain module holds DistributedParameters (every
@@ -80,6 +107,7 @@ class PipelineTransformerBlockList(nn.Module):
         self.split = balanced_split([max(1, _numel(m)) for m in modules], topo.pipe_size)
         self.local = self.split[topo.pipe_rank]
         self._other_keys = []  # the other stages' state-dict keys, for load_state_dict
+        _check_blocks(modules)
         for i, m in enumerate(modules):
             if not isinstance(m, Block):  # every rank wraps every one, in the same order
                 m = Block(m, mode="PIPE")  # its stage's ranks shard and reduce it

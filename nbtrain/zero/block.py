@@ -44,7 +44,8 @@ from .compile import CompiledModule, CompileStats, compile_options
 from .flat import FlatGroup
 from .init import init_range
 from .members import become_part, sync_requires_grad
-from .parameter import DistributedParameter
+from .named_members import NamedMembers
+from .parameter import DistributedParameter, Placeholder
 from .partition import FlatLayout
 from .placement import copy_tp_meta, is_tp_slice, shard_group, slice_kind
 from .reducer import GradReducer
@@ -111,7 +112,9 @@ class Block(nn.Module):
         module: any nn.Module. One without parameters (dropout, an activation, a
             residual wrapper) makes a block that gathers nothing and only runs it.
         zero_level: 2 or 3 (see ZeroLevel).
-        use_checkpoint: recompute the module's activations in backward.
+        use_checkpoint: recompute the module's activations in backward (BMTrain's
+            default, True): the module's forward runs again in backward. False keeps
+            them (more memory, less compute; the same results).
         label: name used in telemetry. By default the module's class name until
             the block joins a model (`wrap`, or the end of a DistributedModule's
             construction),
@@ -131,15 +134,20 @@ class Block(nn.Module):
             torch.compile's keywords (e.g. dict(backend="aot_eager")). False: eager.
 
     BMTrain's positional order, `Block(module, use_checkpoint, zero_level)`, works too:
-    a bool in second place is `use_checkpoint` (no zero level is a bool). BMTrain's
-    default is use_checkpoint=True; nbtrain's is False (the same results, more memory
-    and less compute).
+    a bool in second place is `use_checkpoint` (no zero level is a bool).
+
+    Outputs come back as the module returns them, a list as a tuple (BMTrain's). A
+    block none of whose parameters trains, fed inputs that need no gradient, returns
+    outputs without a grad_fn and runs its module once. `requires_grad_(False)` on one
+    parameter the block holds freezes that parameter alone (freeze.py), between steps
+    too; on `block.parameters()` (the flat shards) every parameter of that shard.
 
     A DistributedParameter of the module stays the user's object: outside forward its
     `.data` is this rank's part of it in the block's shard (1-D, maybe empty) and its
     `.grad` the same part of the shard's gradient, as in BMTrain; `block.parameters()`
     are the flat shards themselves. A plain parameter shows as a placeholder on the
-    meta device outside forward.
+    meta device outside forward (`parameter.Placeholder`: its `.grad` reads this
+    rank's part of the shard's gradient).
 
     Construction is collective when the module holds DistributedParameters.
     Forward and backward are collective: every rank runs the same blocks in the
@@ -150,7 +158,7 @@ class Block(nn.Module):
         self,
         module: nn.Module,
         zero_level: int = 3,
-        use_checkpoint: bool = False,
+        use_checkpoint: bool = True,
         label: str | None = None,
         reduce_dtype: torch.dtype | None = None,
         offload: bool = False,
@@ -195,6 +203,7 @@ class Block(nn.Module):
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         self._build_groups(entries, ctx, reduce_dtype)
+        self._parameters = NamedMembers(self._parameters, self)  # named_members.py
         self.register_load_state_dict_post_hook(Block._drop_own_keys)
         self._bwd_start = 0.0
         self._grads_pending = 0
@@ -245,26 +254,66 @@ class Block(nn.Module):
             self._groups.append(group)
             self._init_methods.append(inits)
             begin, end = group.layout.shard_range(group.rank)
-            for slot, entry in zip(layout.slots, group_entries):
+            for index, (slot, entry) in enumerate(zip(layout.slots, group_entries)):
                 if entry.member is not None:
                     become_part(
-                        entry.member, group, slot.local_part(begin, end), slot.offset, begin
+                        entry.member,
+                        group,
+                        slot.local_part(begin, end),
+                        slot.offset,
+                        begin,
+                        index,
                     )
                     entry.rest = entry.member
                 else:
                     # Outside forward the module shows a placeholder with the right
-                    # shape and dtype; forward installs real views.
-                    entry.rest = torch.empty(entry.param.shape, dtype=dtype, device="meta")
+                    # shape and dtype (and requires_grad: freezing it freezes the
+                    # parameter); forward installs real views.
+                    entry.rest = Placeholder.of(entry.param.shape, dtype, requires_grad)
+                    local = slot.local_part(begin, end)
+                    span = None if local is None else (local[0] - begin, local[1] - begin)
+                    entry.rest._block_part = (group, span, index)
                 for mod, pname in entry.owners:
                     del mod._parameters[pname]
                     mod.__dict__[pname] = entry.rest
                 entry.param = None  # the full tensor must not outlive construction
 
     @staticmethod
-    def _install_views(group: FlatGroup, full: torch.Tensor) -> None:
-        for view, entry in zip(group.param_views(full), group.entries):
+    def _install_views(group: FlatGroup, full: torch.Tensor, trainable) -> None:
+        for view, entry, train in zip(group.param_views(full), group.entries, trainable):
+            if not train:  # frozen alone: autograd computes no gradient for it
+                view = view.detach()
             for mod, pname in entry.owners:
                 mod.__dict__[pname] = view  # shadows nothing: the Parameter is gone
+
+    @property
+    def inner_module(self) -> nn.Module:
+        """The module this block wraps (BMTrain's argument name)."""
+        return self._module
+
+    def twin(self) -> "Block":
+        """Another Block over the same module and the same flat shards: the layer used
+        a second time (a TransformerBlockList given one plain module twice builds
+        this, as BMTrain's list does). Each use gathers and releases as a block of
+        its own; both uses' gradients add into the shards. Local."""
+        twin = Block.__new__(Block)
+        nn.Module.__init__(twin)
+        for name in ("_module", "_compiled"):
+            object.__setattr__(twin, name, self.__dict__[name])
+        object.__setattr__(twin, "_next_block", None)
+        object.__setattr__(twin, "_prev_block", None)
+        twin.mode, twin.offload = self.mode, self.offload
+        twin.zero_level, twin.use_checkpoint = self.zero_level, self.use_checkpoint
+        twin.label, twin.auto_label, twin.reducer = self.label, self.auto_label, self.reducer
+        twin._modules, twin._buffers = self._modules, self._buffers
+        twin._non_persistent_buffers_set = self._non_persistent_buffers_set
+        twin._groups, twin._init_methods = self._groups, self._init_methods
+        for i, group in enumerate(self._groups):
+            twin.register_parameter(f"flat_param_{i}", group.shard)
+        twin.register_load_state_dict_post_hook(Block._drop_own_keys)
+        twin._bwd_start, twin._grads_pending = 0.0, 0
+        twin.training = self.training
+        return twin
 
     @property
     def groups(self) -> list[FlatGroup]:
@@ -337,12 +386,22 @@ class Block(nn.Module):
     def forward(self, *args, **kwargs):
         sync_requires_grad(self._groups, self.label)
         self._gather(self._next_block)
-        fulls = [g.full_tensor() for g in self._groups]
+        fulls = [g.full_tensor(self._grad_ready) for g in self._groups]
+        masks = [tuple(g.trainable) for g in self._groups]
+        wants_grad = torch.is_grad_enabled() and (
+            any(g.requires_grad for g in self._groups)
+            or any(
+                isinstance(t, torch.Tensor) and t.requires_grad
+                for t in pytree.tree_leaves((args, kwargs))
+            )
+        )
         with events.compute_span(self.label, "forward"):
-            if self.use_checkpoint and torch.is_grad_enabled():
-                out = checkpoint(self._run, fulls, args, kwargs, use_reentrant=False)
+            if self.use_checkpoint and wants_grad:
+                out = checkpoint(self._run, fulls, masks, args, kwargs, use_reentrant=False)
             else:
-                out = self._run(fulls, args, kwargs)
+                out = self._run(fulls, masks, args, kwargs)
+        if isinstance(out, list):  # BMTrain's blocks return a tuple
+            out = tuple(out)
         flat, spec = pytree.tree_flatten(out)
         needs_grad = [
             i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad
@@ -357,9 +416,9 @@ class Block(nn.Module):
             flat[i] = t
         return pytree.tree_unflatten(flat, spec)
 
-    def _run(self, fulls, args, kwargs):
-        for group, full in zip(self._groups, fulls):
-            self._install_views(group, full)
+    def _run(self, fulls, masks, args, kwargs):
+        for group, full, mask in zip(self._groups, fulls, masks):
+            self._install_views(group, full, mask)
         try:
             if self._compiled is not None:
                 return self._compiled(self.label, *args, **kwargs)

@@ -20,7 +20,9 @@ class TransformerBlockList(nn.ModuleList):
     """Blocks run in sequence with prefetching.
 
     Args:
-        modules: Blocks, or plain modules (wrapped as `Block(m)` at ZeRO-3).
+        modules: Blocks, or plain modules (wrapped as `Block(m)`: ZeRO-3, checkpointed).
+            A plain module listed twice is one layer used twice (`Block.twin`: the
+            same shards); a Block listed twice is an AssertionError (BMTrain's).
         num_hidden: how many leading arguments are hidden states (BMTrain's).
         compile: for the plain modules it wraps: torch.compile them (Block's `compile`).
             Blocks given keep their own setting.
@@ -35,7 +37,7 @@ class TransformerBlockList(nn.ModuleList):
     """
 
     def __init__(self, modules=None, num_hidden: int = 1, compile: bool | dict = False):
-        blocks = [m if isinstance(m, Block) else Block(m, compile=compile) for m in (modules or [])]
+        blocks = list_blocks(modules or [], lambda m: Block(m, compile=compile))
         super().__init__(blocks)
         if num_hidden < 1:
             raise ValueError(f"num_hidden={num_hidden}: at least one argument is a hidden state")
@@ -62,3 +64,27 @@ class TransformerBlockList(nn.ModuleList):
             ]
             return outputs + tuple(stacked)
         return tuple(outputs[: self.num_hidden]) if self.num_hidden > 1 else outputs[0]
+
+
+def list_blocks(modules, make_block) -> list[Block]:
+    """The blocks of a list: Blocks as given, plain modules made blocks by
+    `make_block`, a plain module seen before the twin of its first block. A Block
+    given twice (or a Block over a module listed before) is an AssertionError, as in
+    BMTrain: give each use a Block of its own module. Local."""
+    blocks, seen = [], {}
+    for m in modules:
+        if isinstance(m, Block):
+            if id(m.inner_module) in seen:
+                raise AssertionError(
+                    f"the same Block ({m.label}) is listed twice in a block list: "
+                    "build one Block per layer (copy.deepcopy the module for a second "
+                    "layer), or list the plain module twice to use one layer twice"
+                )
+            seen[id(m.inner_module)] = m
+            blocks.append(m)
+        elif id(m) in seen:
+            blocks.append(seen[id(m)].twin())
+        else:
+            seen[id(m)] = block = make_block(m)
+            blocks.append(block)
+    return blocks

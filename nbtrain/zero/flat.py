@@ -27,6 +27,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm import events
+from .freeze import SlotGrads, shard_grad
 from .partition import FlatLayout
 from .placement import ShardGroup
 from .reducer import GradReducer
@@ -85,7 +86,12 @@ class FlatGroup:
                 )
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
         self.shard._nbtrain_flat = True  # each element on one rank: norms sum over ranks
-        self.synced_requires_grad = requires_grad  # the owning Block's (Block._sync_requires_grad)
+        self.synced_requires_grad = requires_grad  # the owning Block's (members.sync_requires_grad)
+        # Which parameters train (set by the owning Block at each forward) and which
+        # hold a gradient in the shard's (freeze.py): an optimizer skips the others.
+        self.trainable = [requires_grad] * len(layout.slots)
+        self.slot_grads = SlotGrads(len(layout.slots))
+        self.shard._nbtrain_frozen_spans = self.frozen_spans
         # A group of one rank (world 1, or this rank alone) holds the whole buffer in
         # its shard: `full` is the shard itself, and gathering, releasing and reducing
         # copy nothing. Not when offloaded: then the shard lives on the host.
@@ -103,6 +109,7 @@ class FlatGroup:
         # stay gathered, and add the full gradients up here, reduced once at the end.
         self.hold = False
         self.deferred: torch.Tensor | None = None
+        self._deferred_trainable = None
         # Replicated parameters of a tensor-parallel model: which gradients are partial
         # over tp (summed there, tp_partial.py). Set by the owning Block; None: no tp.
         self.tp_layout = None
@@ -163,11 +170,35 @@ class FlatGroup:
             events.instant("release", self.label)
 
     # -- autograd -----------------------------------------------------------
-    def full_tensor(self) -> torch.Tensor:
-        """The gathered buffer as an autograd-aware tensor (after wait_gather)."""
+    def full_tensor(self, on_grad_ready=None) -> torch.Tensor:
+        """The gathered buffer as an autograd-aware tensor (after wait_gather).
+        `on_grad_ready` (default: the group's `on_grad_ready`) is called by its
+        backward before the reduction; the parameters trainable now are the ones
+        this use's gradient is for."""
         if self.requires_grad and torch.is_grad_enabled():
-            return _GatherFlat.apply(self, self.shard)
+            hook = on_grad_ready or getattr(self, "on_grad_ready", None)
+            return _GatherFlat.apply(self, hook, tuple(self.trainable), self.shard)
         return self.full.detach()
+
+    def has_grad(self, slot: int) -> bool:
+        """Whether parameter `slot` holds a gradient in the shard's (else its `.grad`
+        reads None and optimizers leave it alone). Local."""
+        return self.slot_grads.has(shard_grad(self.shard), slot)
+
+    def frozen_spans(self) -> list[tuple[int, int]]:
+        """This rank's [lo, hi) ranges in the shard of the parameters without a
+        gradient, while the shard has one (what an optimizer's step must not touch:
+        freeze.py). Local."""
+        grad = shard_grad(self.shard)
+        if grad is None or all(self.slot_grads.has(grad, i) for i in range(len(self.trainable))):
+            return []
+        begin, end = self.layout.shard_range(self.rank)
+        spans = []
+        for i, slot in enumerate(self.layout.slots):
+            part = slot.local_part(begin, end)
+            if part is not None and not self.slot_grads.has(grad, i):
+                spans.append((part[0] - begin, part[1] - begin))
+        return spans
 
     def param_views(self, full: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views into `full`; split keeps the backward to one buffer."""
@@ -176,8 +207,9 @@ class FlatGroup:
         pieces = full.split(sizes + [pad] if pad else sizes)
         return [p.view(s.shape) for p, s in zip(pieces, self.layout.slots)]
 
-    def reduce_grad(self, grad_full: torch.Tensor, on_done=None) -> None:
+    def reduce_grad(self, grad_full: torch.Tensor, on_done=None, trainable=None) -> None:
         """Average `grad_full` over ranks into `shard.grad` (async, queued).
+        `trainable`: which parameters the gradient is for (default: all).
 
         When `grad_dtype` differs from the shard's dtype the result accumulates in
         `shard.main_grad` (dtype `grad_dtype`) instead; nbtrain's optimizers read it.
@@ -188,11 +220,16 @@ class FlatGroup:
         if self.tp_layout is not None and self.tp_layout.any_partial_possible():
             grad_full = grad_full.clone()  # autograd's tensor is not ours to scale
             self.tp_layout.apply([v.view(-1) for v in self.param_views(grad_full)])
+        trainable = tuple(trainable or [True] * len(self.trainable))
         if self.hold:  # a later micro-batch adds to it; reduced once by flush_deferred
             if self.deferred is None:
                 self.deferred = grad_full.clone()
+                self._deferred_trainable = trainable
             else:
                 self.deferred.add_(grad_full)
+                self._deferred_trainable = tuple(
+                    a or b for a, b in zip(self._deferred_trainable, trainable)
+                )
             if on_done is not None:
                 on_done()
             return
@@ -207,7 +244,7 @@ class FlatGroup:
             )
 
         def finish(grad_full=grad_full):  # keeps the input alive until done
-            self._add_to_grad(out)
+            self._add_to_grad(out, trainable)
             if on_done is not None:
                 on_done()
 
@@ -221,10 +258,11 @@ class FlatGroup:
             return
         out = torch.empty(self.layout.shard_numel, dtype=self.grad_dtype, device=grad_full.device)
         C.reduce_scatter(out, grad_full, op="avg", group=self.ranks.group, label=self.label)
-        self._add_to_grad(out)
+        self._add_to_grad(out, self._deferred_trainable)
 
-    def _add_to_grad(self, out: torch.Tensor) -> None:
+    def _add_to_grad(self, out: torch.Tensor, trainable) -> None:
         shard = self.shard
+        before = shard_grad(shard)
         if out.device != shard.device:  # offloaded: the gradient joins the host shard
             out = out.to(shard.device)
         if out.dtype != shard.dtype:
@@ -240,6 +278,8 @@ class FlatGroup:
             shard.grad = out
         else:
             shard.grad.add_(out)
+        after = shard_grad(shard)
+        self.slot_grads.added(after, trainable, created=after is not before)
 
     # -- whole-tensor access (state dicts, checkpoints) ----------------------
     def gather_copy(self) -> torch.Tensor:
@@ -288,15 +328,13 @@ class _GatherFlat(torch.autograd.Function):
     """shard -> full flat buffer; backward reduce-scatters the gradient."""
 
     @staticmethod
-    def forward(ctx, group: FlatGroup, shard: torch.Tensor):
-        ctx.group = group
+    def forward(ctx, group: FlatGroup, on_grad_ready, trainable, shard: torch.Tensor):
+        ctx.group, ctx.on_grad_ready, ctx.trainable = group, on_grad_ready, trainable
         return group.full.detach()
 
     @staticmethod
     def backward(ctx, grad_full):
-        group = ctx.group
-        hook = getattr(group, "on_grad_ready", None)
-        if hook is not None:
-            hook()
-        group.reduce_grad(grad_full)
-        return None, None
+        if ctx.on_grad_ready is not None:
+            ctx.on_grad_ready()
+        ctx.group.reduce_grad(grad_full, trainable=ctx.trainable)
+        return None, None, None, None

@@ -97,20 +97,14 @@ class DistributedParameter(nn.Parameter):
         return param
 
     # In a Block, the parameter shows this rank's part of the block's shard (BMTrain's
-    # layout; zero/block.py `_become_part`): `.grad` reads the same part of the shard's
+    # layout; members.py `become_part`): `.grad` reads the same part of the shard's
     # gradient, live, so the optimizer's zero_grad and the next backward show through.
     @property
     def grad(self):
         part = self.__dict__.get("_block_part")
         if part is None:
             return _TENSOR_GRAD.__get__(self)
-        group, span = part
-        shard = group.shard
-        grad = getattr(shard, "main_grad", None)
-        grad = shard.grad if grad is None else grad
-        if grad is None or not self.requires_grad:
-            return None
-        return grad[:0] if span is None else grad[span[0] : span[1]]
+        return part_grad(part)
 
     @grad.setter
     def grad(self, value):
@@ -120,7 +114,7 @@ class DistributedParameter(nn.Parameter):
             return
         if value is None:  # the block's shard keeps its gradient: zero it through the
             return  # optimizer (zero_grad), which owns the shard
-        group, span = part
+        group, span, _ = part
         if span is None:
             return
         shard = group.shard
@@ -182,6 +176,51 @@ class DistributedParameter(nn.Parameter):
         group = self.shard_group
         with torch.no_grad():
             self.data.copy_(_local_slice(value.to(self.device, self.dtype), group.rank, group.size))
+
+
+def part_grad(part) -> torch.Tensor | None:
+    """A Block-held parameter's `.grad`: this rank's part of its block shard's gradient
+    (`part` is (group, span, slot)); None when the shard has none, or the parameter was
+    frozen in every backward since the shard's gradient was made (freeze.py). Local."""
+    group, span, slot = part
+    shard = group.shard
+    grad = getattr(shard, "main_grad", None)
+    grad = shard.grad if grad is None else grad
+    if grad is None or not group.has_grad(slot):
+        return None
+    return grad[:0] if span is None else grad[span[0] : span[1]]
+
+
+class Placeholder(torch.Tensor):
+    """What a plain parameter a Block holds shows outside forward: a tensor on the
+    meta device with the parameter's shape, dtype and requires_grad (`requires_grad_`
+    on it freezes or trains the parameter at the next forward), whose `.grad` is this
+    rank's part of the block shard's gradient, as a DistributedParameter's is. Made
+    by `Placeholder.of`; operations on it give plain tensors."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def of(shape, dtype, requires_grad: bool) -> "Placeholder":
+        meta = torch.empty(shape, dtype=dtype, device="meta")
+        return torch.Tensor._make_subclass(Placeholder, meta, requires_grad)
+
+    @property
+    def grad(self):
+        part = self.__dict__.get("_block_part")
+        return None if part is None else part_grad(part)
+
+    @grad.setter
+    def grad(self, value):  # the block's shard keeps the gradient (its optimizer's)
+        return
+
+    def __deepcopy__(self, memo):  # a copy shows the shape only: it is in no block
+        return torch.empty(self.shape, dtype=self.dtype, device="meta").requires_grad_(
+            self.requires_grad
+        )
+
+    def __reduce_ex__(self, proto):
+        return torch.Tensor.__reduce_ex__(self.__deepcopy__({}), proto)
 
 
 def _allow_foreach_kernels() -> None:
