@@ -1,0 +1,180 @@
+"""Parameters frozen one at a time inside a Block's flat buffer, against plain PyTorch.
+
+Three Blocks in a TransformerBlockList (one of plain `nn.Linear`s, one of a
+`DistributedModule` holding `DistributedParameter`s, one not checkpointing), at ZeRO-2
+and ZeRO-3, on 1, 2 and 3 ranks (the flat buffers of 3 ranks cut parameters across
+shards). Between steps one parameter after another is frozen with `requires_grad_` on
+the object the block shows (a plain parameter's placeholder, a DistributedParameter)
+and thawed again; the reference is the plain model on one process with the same
+parameters frozen, trained on the whole batch while each rank trains on its slice.
+
+Checked at every step: the loss equals the reference's, a frozen parameter's `.grad`
+is None and a training one's is not (a DistributedParameter's: its part of the
+reference's gradient); at the end every weight equals the reference's. With SGD
+(momentum) every schedule matches. With AdamW (torch's, and nbtrain's AdamOptimizer in
+an OptimManager) a flat shard keeps one step count, so its schedule only freezes
+parameters for good (one more each step): a thawed one's bias correction would differ
+(nbtrain/zero/freeze.py).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.ranks import run_ranks
+from torch import nn
+
+import nbtrain as bmt
+
+DIM, ROWS_PER_RANK, STEPS = 6, 2, 5
+NAMES = ["0.fc1.bias", "1.fc2.weight", "0.fc2.weight", "1.fc1.bias", "2.fc1.weight"]
+# step -> the parameters frozen for that step
+SCHEDULES = {
+    "toggle": [set(), {NAMES[0]}, {NAMES[1]}, {NAMES[2], NAMES[3]}, {NAMES[4]}],
+    "for_good": [set(), {NAMES[0]}, {NAMES[0], NAMES[1]}, set(NAMES[:3]), set(NAMES[:4])],
+}
+RUNS = [("sgd", "toggle"), ("adamw", "for_good"), ("bmt", "for_good")]
+
+
+def _linear(dist: bool) -> nn.Module:
+    """BMTrain's way to write a layer (a DistributedModule of DistributedParameters), or
+    the same layer in plain PyTorch (the reference)."""
+    base = bmt.DistributedModule if dist else nn.Module
+    param = bmt.DistributedParameter if dist else nn.Parameter
+
+    class Linear(base):
+        def __init__(self):
+            super().__init__()
+            self.weight = param(torch.randn(DIM, DIM) / DIM**0.5)
+            self.bias = param(torch.randn(DIM) * 0.1)
+
+        def forward(self, x):
+            return F.linear(x, self.weight, self.bias)
+
+    return Linear()
+
+
+class Layer(nn.Module):
+    def __init__(self, dist_params=None):
+        super().__init__()
+        if dist_params is None:
+            self.fc1, self.fc2 = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+        else:
+            self.fc1, self.fc2 = _linear(dist_params), _linear(dist_params)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+def _layers(dist):
+    torch.manual_seed(0)
+    return [Layer(), Layer(dist_params=dist), Layer()]  # layer 1: BMTrain's way
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "bmt":
+        manager = bmt.optim.OptimManager(loss_scale=None)
+        manager.add_optimizer(bmt.optim.AdamOptimizer(params, lr=0.05, weight_decay=0.1))
+        return manager
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+def _holder(model, name):
+    """The object a user freezes: the plain model's parameter, or what a Block shows."""
+    obj = model
+    for part in name.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def _batches(world):
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(STEPS, world * ROWS_PER_RANK, DIM, generator=g)
+
+
+def _train_plain(kind, schedule, world):
+    model = nn.Sequential(*_layers(dist=False))
+    # nbtrain's AdamOptimizer makes AdamW's update: the reference for "bmt" is AdamW.
+    opt = _optimizer("sgd" if kind == "sgd" else "adamw", model.parameters())
+    xs, losses, grads = _batches(world), [], []
+    for step in range(STEPS):
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in SCHEDULES[schedule][step])
+        opt.zero_grad()
+        loss = (model(xs[step]) ** 2).mean()
+        loss.backward()
+        grads.append({n: _holder(model, n).grad for n in NAMES})
+        opt.step()
+        losses.append(loss.item())
+    return losses, grads, model.state_dict()
+
+
+def _train_blocks():
+    """Every (zero level, optimizer) run on this rank: losses, grads seen, final state."""
+    rank, world = bmt.rank(), bmt.world_size()
+    out = {}
+    for level in (2, 3):
+        for kind, schedule in RUNS:
+            layers = _layers(dist=True)
+            model = bmt.TransformerBlockList(
+                [
+                    bmt.Block(layers[0], zero_level=level),
+                    bmt.Block(layers[1], zero_level=level),
+                    bmt.Block(layers[2], zero_level=level, use_checkpoint=False),
+                ]
+            )
+            opt = _optimizer(kind, model.parameters())
+            xs, losses, grads = _batches(world), [], []
+            rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+            for step in range(STEPS):
+                for name in NAMES:
+                    _holder(model, name).requires_grad_(name not in SCHEDULES[schedule][step])
+                opt.zero_grad()
+                loss = (model(xs[step, rows]) ** 2).mean()
+                opt.backward(loss) if kind == "bmt" else loss.backward()
+                seen = {}
+                for name in NAMES:
+                    p = _holder(model, name)
+                    grad = p.grad
+                    part = (getattr(p, "_start_partition", None), getattr(p, "_end_partition", 0))
+                    seen[name] = (None if grad is None else grad.clone(), part)
+                grads.append(seen)
+                opt.step()
+                losses.append(loss.item())
+            out[(level, kind)] = (losses, grads, model.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_parameters_frozen_one_at_a_time_in_a_block_train_as_plain_pytorch(world_size):
+    results = run_ranks(_train_blocks, world_size, timeout_s=300)
+    for kind, schedule in RUNS:
+        ref_losses, ref_grads, ref_state = _train_plain(kind, schedule, world_size)
+        for level in (2, 3):
+            what = f"zero {level}, {kind}, {world_size} ranks"
+            per_rank = [r[(level, kind)] for r in results]
+            for step in range(STEPS):  # each rank's loss is its slice's: their mean is the batch's
+                mean = sum(r[0][step] for r in per_rank) / world_size
+                assert mean == pytest.approx(ref_losses[step], rel=1e-5, abs=1e-6), (what, step)
+                frozen = SCHEDULES[schedule][step]
+                for name in NAMES:
+                    for _losses, grads, _ in per_rank:
+                        grad, (start, end) = grads[step][name]
+                        if name in frozen:
+                            assert grad is None, (what, step, name)
+                            continue
+                        assert grad is not None, (what, step, name)
+                        if start is not None and name.startswith("1."):  # a DistributedParameter
+                            expected = ref_grads[step][name].reshape(-1)[start:end]
+                            torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-6)
+            state = per_rank[0][2]
+            assert sorted(state) == sorted(ref_state), what
+            for k, v in ref_state.items():
+                torch.testing.assert_close(
+                    state[k],
+                    v,
+                    rtol=1e-4,
+                    atol=1e-6,
+                    msg=lambda m, k=k, what=what: f"{what} {k}: {m}",
+                )
