@@ -148,7 +148,10 @@ def blocklist_script(pipe, zero_level, optimizer):
             super().__init__()
             self.embed, self.head = copy.deepcopy(plain.embed), copy.deepcopy(plain.head)
             self.layers = bmt.PipelineTransformerBlockList(
-                [bmt.Block(copy.deepcopy(m), zero_level=zero_level) for m in plain.layers]
+                [
+                    bmt.Block(copy.deepcopy(m), zero_level=zero_level, mode="PIPE")
+                    for m in plain.layers
+                ]
             )
 
         def forward(self, x):
@@ -344,12 +347,15 @@ class _SdPlain(nn.Module):
 
 def _sd_model(plain, make):
     """The pipelined copy of `plain`: its layers made blocks by `make` ("pipe":
-    Block(layer, mode="PIPE"), "block": Block(layer), "plain": the layer itself)."""
+    Block(layer, mode="PIPE"), checkpointing; "block": the same without checkpointing;
+    "plain": the layer itself)."""
     import nbtrain as bmt
 
-    wrap = {"pipe": lambda m: bmt.Block(m, mode="PIPE"), "block": bmt.Block, "plain": lambda m: m}[
-        make
-    ]
+    wrap = {
+        "pipe": lambda m: bmt.Block(m, mode="PIPE"),
+        "block": lambda m: bmt.Block(m, use_checkpoint=False, mode="PIPE"),
+        "plain": lambda m: m,
+    }[make]
 
     class Model(bmt.DistributedModule):
         def __init__(self):
@@ -383,7 +389,7 @@ def _sd_compare(state, ref, what):
 
 
 def state_dict_after_training(pipe, optimizer):
-    """Pipelined models (layers as Block(mode="PIPE"), Block, plain modules; and one with
+    """Pipelined models (layers as Block(mode="PIPE") checkpointing or not, plain modules; and one with
     a frozen embedding, so the list's input needs no gradient) trained SD_STEPS steps
     with every rank's slice, against the plain model on this process with the whole
     batch. Every rank's state_dict() must be the plain model's: every key, equal

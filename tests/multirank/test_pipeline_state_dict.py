@@ -23,7 +23,7 @@ VARIANTS = ["pipe", "block", "plain", "pipe frozen embed"]
     "world,pipe,optimizer", [(2, 2, "sgd"), (2, 2, "adamw"), (4, 2, "adamw")]
 )  # world 4: dp 2 inside each stage
 def test_state_dict_holds_every_layer_on_every_rank(world, pipe, optimizer):
-    """Blocks made with mode="PIPE", plain Blocks and plain modules train alike, and each
+    """Blocks made with mode="PIPE" (checkpointing or not) and plain modules train alike, and each
     rank's state dict is the plain model's (values checked with assert_close inside the
     ranks); the stage's own part stays available as stage_state_dict()."""
     out = run_ranks(state_dict_after_training, world, pipe, optimizer, timeout_s=240)
