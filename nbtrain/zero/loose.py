@@ -149,6 +149,9 @@ class LooseParams:
         # gather and the embedding's compute instead of after them.
         for block in self.first_blocks:
             block.prefetch()
+        # A Block built around this model later (a wrapped layer inside a
+        # CheckpointBlock) took some of them into its flat buffer, which gathers them.
+        self.params = [p for p in self.params if not getattr(p, "_in_block", False)]
         self.gathered.update(gather_all(self.params))
         # The root's own forward reads them whole too, as BMTrain's does: a head tied
         # to the embedding (`F.linear(h, self.emb.weight)`) sees the full matrix.

@@ -127,10 +127,12 @@ class DistributedParameter(nn.Parameter):
             shard.grad[span[0] : span[1]].copy_(value.reshape(-1))
 
     def __deepcopy__(self, memo):
-        raise TypeError(
-            "a DistributedParameter holds one shard; copy the module with "
-            "nbtrain.save/load instead of copy.deepcopy"
-        )
+        # A copy of this rank's values (BMTrain's deepcopy also keeps only local
+        # values); it belongs to no model and gathers nothing. Local. To copy a whole
+        # sharded module use nbtrain.save/load.
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.detach().clone(), self.requires_grad)
+        return memo[id(self)]
 
     def __reduce_ex__(self, proto):
         # Shards pickle as plain tensors (for pulling a value to the notebook).
