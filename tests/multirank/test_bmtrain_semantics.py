@@ -358,3 +358,53 @@ def test_transformer_block_list_passes_hidden_states_as_bmtrains():
     assert outputs, "the last block's num_hidden outputs"
     assert hidden_states, "each hidden state's inputs to the blocks, stacked"
     assert single, "one hidden state: a tensor, not a tuple"
+
+
+def _one_layer_twice(kind):
+    """A plain module listed twice in a TransformerBlockList is one layer used twice
+    (BMTrain's): both uses' gradients add into the same shards, and training equals a
+    plain model applying the layer twice. A Block listed twice, and a Block not built
+    with mode="PIPE" in a PipelineTransformerBlockList, are AssertionErrors."""
+    torch.manual_seed(0)
+    layer, plain = nn.Linear(DIM, DIM), nn.Linear(DIM, DIM)
+    plain.load_state_dict(layer.state_dict())
+    blocks = bmt.TransformerBlockList([layer, layer])
+    distinct = blocks[0] is not blocks[1] and len(list(blocks.parameters())) == 1  # one shard
+    opts = [make_optimizer(kind, m.parameters()) for m in (blocks, plain)]
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x = torch.randn(bmt.world_size() * BATCH_PER_RANK, DIM, generator=g)
+        mine = x.chunk(bmt.world_size())[bmt.rank()]
+        pair = [(torch.tanh(blocks(mine)) ** 2).mean(), (torch.tanh(plain(plain(x))) ** 2).mean()]
+        for loss, opt in zip(pair, opts):
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        losses.append((pair[0].item(), pair[1].item()))
+    state = {k: v.clone() for k, v in blocks.state_dict().items()}
+    refused = []
+    block = bmt.Block(nn.Linear(DIM, DIM))
+    for build_list in (
+        lambda: bmt.TransformerBlockList([block, block]),
+        lambda: bmt.PipelineTransformerBlockList([bmt.Block(nn.Linear(DIM, DIM))]),
+    ):
+        try:
+            build_list()
+        except AssertionError as err:
+            refused.append(str(err))
+    return distinct, losses, state, plain.state_dict(), refused
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw"])
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_module_listed_twice_is_one_layer_used_twice_and_a_block_twice_is_refused(kind, world):
+    results = run_ranks(_one_layer_twice, world, kind, timeout_s=120)
+    for step in range(3):  # each rank's loss is its slice's: their mean is the batch's
+        mean = sum(r[1][step][0] for r in results) / world
+        assert mean == pytest.approx(results[0][1][step][1], rel=1e-5), (kind, world, step)
+    for distinct, _, state, ref, refused in results:
+        assert distinct
+        for key in ("0.weight", "1.weight", "0.bias", "1.bias"):
+            torch.testing.assert_close(state[key], ref[key.split(".", 1)[1]], rtol=1e-4, atol=1e-6)
+        assert len(refused) == 2 and "listed twice" in refused[0] and 'mode="PIPE"' in refused[1]
