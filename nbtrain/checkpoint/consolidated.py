@@ -1,11 +1,13 @@
-"""The consolidated checkpoint: one safetensors file with the plain model's names (or,
-for a `.pt` path, BMTrain's torch.save format).
+"""The consolidated checkpoint: the plain model's state dict in one file, in BMTrain's
+torch.save format, or safetensors for a `.safetensors` path.
 
 `save(model, path)` writes the plain model's state dict (full tensors, plain names):
-a file `safetensors.torch.load_file` reads and a plain torch model loads. `load(model,
-path)` reads it into a sharded model of any world size. Neither ever holds the whole
-model on a rank: the save gathers and writes one Block (or one module's own
-parameters) at a time, the load reads one tensor at a time and keeps this rank's
+`torch.load` reads it and a plain torch model loads it, as a checkpoint of BMTrain's
+`bmt.save`; for a path ending in `.safetensors`, `safetensors.torch.load_file` does.
+`load(model, path)` reads either format (told apart by the file's first bytes, not its
+name) into a sharded model of any world size. The safetensors save never holds the
+whole model on a rank: it gathers and writes one Block (or one module's own
+parameters) at a time; the load reads one tensor at a time and keeps this rank's
 slices (stream.py).
 
 With pipeline stages (`nbtrain.pipeline.stage_of`, whose names are the plain
@@ -25,16 +27,17 @@ from ..comm.context import get_context
 from ..zero import state_keys
 from . import stream
 from .layout import _commit, agreed
-from .torch_file import SUFFIXES
+from .torch_file import SAFETENSORS_SUFFIX
 
 
 def save(model, path: str) -> None:
-    """Writes the full model as one `.safetensors` file with the plain model's names.
+    """Writes the full model as one file with the plain model's names.
 
-    A path ending in `.pt`, `.pth`, `.bin` or `.ckpt` gets BMTrain's format instead: a
-    `torch.save` of the full state dict (what `bmt.save` writes, so a BMTrain script
-    can load it). Building it holds the whole state dict in rank 0's memory, as
-    BMTrain does; the safetensors file never does.
+    BMTrain's format, whatever the name (`x.pt`, `x.ckp`, `x.bin`): a `torch.save` of
+    the full state dict, what `bmt.save` writes, so `torch.load` and a BMTrain script
+    read it; building it holds the whole state dict in rank 0's memory, as BMTrain
+    does. A path ending in `.safetensors` gets a safetensors file instead, streamed
+    part by part: no rank ever holds the whole model.
 
     Collective: every rank calls this (each Block is gathered in turn); each pipeline
     stage's first rank writes a part beside `path`, rank 0 joins the parts into `path`
@@ -78,7 +81,8 @@ def save(model, path: str) -> None:
 
     def join():
         tmp = f"{path}.tmp-{os.getpid()}"
-        joined = f"{tmp}.safetensors" if path.endswith(SUFFIXES) else tmp
+        safetensors_file = path.endswith(SAFETENSORS_SUFFIX)
+        joined = tmp if safetensors_file else f"{tmp}{SAFETENSORS_SUFFIX}"
         try:
             stream.join_parts(joined, parts)
             if joined != tmp:
@@ -99,14 +103,14 @@ def save(model, path: str) -> None:
 
 
 def load(model, path: str, strict: bool = True):
-    """Loads a file written by `save`: any safetensors state dict of the plain model, or
-    a `torch.save` file of one (BMTrain's `bmt.save` checkpoints; loaded with
-    weights_only=True and memory-mapped, see torch_file.py).
+    """Loads a file written by `save`: a `torch.save` file of the plain model's state
+    dict (BMTrain's `bmt.save` checkpoints; loaded with weights_only=True and
+    memory-mapped, see torch_file.py) or a safetensors one, whatever the file's name.
 
     Returns torch's (missing_keys, unexpected_keys). Each tensor is read on its own
     and the model keeps its slices (with pipeline stages, of its own stage's tensors:
     the other stages' keys are not unexpected). A shape mismatch raises a ValueError
-    naming the key and both shapes; a file that is not safetensors, a ValueError
+    naming the key and both shapes; a file that is neither format, a ValueError
     naming it. Collective-free, but every rank must call it.
     """
     from torch.nn.modules.module import _IncompatibleKeys

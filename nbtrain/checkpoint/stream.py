@@ -140,8 +140,9 @@ def _copy(src, dst, nbytes: int, chunk: int = 16 << 20) -> None:
 def open_weights(path: str):
     """The file to read tensors from: a TorchFile for a `torch.save` state dict
     (BMTrain's checkpoints), else the path (read as safetensors; `file_keys` says
-    when it is neither). Either is what `source` means in the functions below."""
-    if not path.endswith(".safetensors") and is_torch_file(path):
+    when it is neither). Told apart by the file's first bytes, whatever its name.
+    Either is what `source` means in the functions below."""
+    if is_torch_file(path):
         return TorchFile(path)
     return path
 

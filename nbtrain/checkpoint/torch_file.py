@@ -17,14 +17,25 @@ import torch
 
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format
 PICKLE_MAGIC = b"\x80"  # the legacy format starts with a pickle protocol opcode
-SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+SAFETENSORS_SUFFIX = ".safetensors"  # `save` writes safetensors for this suffix only
+
+
+def is_safetensors_file(path: str) -> bool:
+    """True when the file starts like a safetensors file: an 8-byte header length,
+    then the JSON header's "{" (torch's legacy pickle has a magic number there)."""
+    with open(path, "rb") as f:
+        head = f.read(9)
+    return len(head) == 9 and head[8:9] == b"{"
 
 
 def is_torch_file(path: str) -> bool:
-    """True when the file starts like a `torch.save` file (either format)."""
+    """True when the file starts like a `torch.save` file (either format) and not like
+    a safetensors file (whose length bytes may begin as a pickle does). Local."""
     with open(path, "rb") as f:
         head = f.read(4)
-    return head.startswith(ZIP_MAGIC) or head.startswith(PICKLE_MAGIC)
+    if head.startswith(ZIP_MAGIC):
+        return True
+    return head.startswith(PICKLE_MAGIC) and not is_safetensors_file(path)
 
 
 class TorchFile:
@@ -38,12 +49,18 @@ class TorchFile:
     def __init__(self, path: str):
         self.path = path
         try:
-            try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            except RuntimeError as err:
-                if "mmap" not in str(err):
-                    raise
-                state = torch.load(path, map_location="cpu", weights_only=True)  # legacy
+            if path.endswith(SAFETENSORS_SUFFIX):
+                # torch.load reads a path of that name as safetensors: a file object
+                # it reads as what it is (whole: only a path can be mapped).
+                with open(path, "rb") as f:
+                    state = torch.load(f, map_location="cpu", weights_only=True)
+            else:
+                try:
+                    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as err:
+                    if "mmap" not in str(err):
+                        raise
+                    state = torch.load(path, map_location="cpu", weights_only=True)  # legacy
         except pickle.UnpicklingError as err:
             raise ValueError(
                 f"nbtrain.load: {path!r} holds objects other than tensors, which loading "
