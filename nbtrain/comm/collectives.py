@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import events
+from .hang_report import WATCH, Wait
 from .topology import ALONE
 
 # torch 2.13 deprecates *_into_tensor / *_tensor in favour of *_single; older
@@ -39,6 +40,8 @@ class CommKind(str, enum.Enum):
     BROADCAST = "broadcast"
     P2P = "p2p"  # point-to-point sends: pipeline stages, the cp ring
     ALL_TO_ALL = "all_to_all"  # expert-parallel token exchange (nbtrain.moe)
+    BARRIER = "barrier"  # numbered and watched (hang_report), never counted in bytes
+    ALL_GATHER_OBJECT = "all_gather_object"  # likewise: pickles, not tensors
 
 
 class CommCounters:
@@ -139,7 +142,8 @@ class CommHandle:
     """A collective in flight. `wait()` blocks until its result may be read.
 
     On CUDA the wait makes the current stream wait for the collective (no host
-    sync); on gloo it blocks the calling thread.
+    sync); on gloo it blocks the calling thread, and a collective that fails or
+    times out raises `hang_report.CollectiveError` naming the ranks that arrived.
     """
 
     def __init__(
@@ -149,8 +153,10 @@ class CommHandle:
         nbytes: int,
         label: str,
         on_done: Callable[[], None] | None = None,
+        watch: Wait | None = None,
     ):
         self._work = work
+        self._watch = watch
         self._on_done = on_done
         self._done = work is None
         self.kind, self.nbytes, self.label = kind, nbytes, label
@@ -197,7 +203,10 @@ class CommHandle:
     def wait(self) -> None:
         if self._done:
             return
-        self._work.wait()
+        if self._watch is None:
+            self._work.wait()
+        else:
+            _watched(self._watch, self._work.wait)
         IN_FLIGHT.discard(self)
         if self._stamp_at_wait:
             self.finished_at = time.perf_counter()
@@ -232,6 +241,25 @@ def _alone(kind: CommKind, label: str, async_op: bool, on_done=None) -> CommHand
     return handle if async_op else None
 
 
+def _watched(watch: Wait, call: Callable):
+    """`call()`, a blocking wait on a collective, with this rank's wait on record: a
+    failure (a timeout, a peer gone) raises `CollectiveError` naming who arrived."""
+    WATCH.enter(watch)
+    try:
+        out = call()
+    except RuntimeError as err:  # gloo's timeouts and closed connections
+        raise WATCH.failed(watch, err) from err
+    WATCH.leave(watch)
+    return out
+
+
+def _start(kind: CommKind, label: str, group, async_op: bool, call: Callable):
+    """Issues a collective through `call()`: (its work, its Wait). A blocking one
+    blocks here, under the watch; an async one's handle waits under it later."""
+    watch = WATCH.issued(kind.value, label, group)
+    return (call() if async_op else _watched(watch, call)), watch
+
+
 def _ring_bytes(t: torch.Tensor, world: int) -> int:
     return t.numel() * t.element_size() * (world - 1) // max(world, 1)
 
@@ -244,10 +272,11 @@ def _issue(
     async_op: bool,
     on_done=None,
     started: float | None = None,
+    watch: Wait | None = None,
 ) -> CommHandle | None:
     COUNTERS.add(kind, nbytes)
     events.instant("comm_issue", label, kind=event_kind(kind, label), bytes=nbytes)
-    handle = CommHandle(work, kind, nbytes, label, on_done)
+    handle = CommHandle(work, kind, nbytes, label, on_done, watch)
     if async_op:
         return handle
     if started is not None and events.active():
@@ -286,7 +315,13 @@ def all_gather(
             f"{shard.numel()} x {world} = {shard.numel() * world}"
         )
     started = time.perf_counter()
-    work = _all_gather_flat(output, shard, group=group, async_op=async_op)
+    work, watch = _start(
+        CommKind.ALL_GATHER,
+        label,
+        group,
+        async_op,
+        lambda: _all_gather_flat(output, shard, group=group, async_op=async_op),
+    )
     return _issue(
         CommKind.ALL_GATHER,
         work if async_op else None,
@@ -294,6 +329,7 @@ def all_gather(
         label,
         async_op,
         started=started,
+        watch=watch,
     )
 
 
@@ -329,9 +365,23 @@ def reduce_scatter(
         )
     started = time.perf_counter()
     if op in ("avg", "sum") and world > 1 and dist.get_backend(group) == "gloo":
-        work, on_done = _reduce_scatter_gloo(output, full, op, world, group, async_op, on_done)
+        (work, on_done), watch = _start(
+            CommKind.REDUCE_SCATTER,
+            label,
+            group,
+            async_op,
+            lambda: _reduce_scatter_gloo(output, full, op, world, group, async_op, on_done),
+        )
     else:
-        work = _reduce_scatter_flat(output, full, op=_reduce_op(op), group=group, async_op=async_op)
+        work, watch = _start(
+            CommKind.REDUCE_SCATTER,
+            label,
+            group,
+            async_op,
+            lambda: _reduce_scatter_flat(
+                output, full, op=_reduce_op(op), group=group, async_op=async_op
+            ),
+        )
     return _issue(
         CommKind.REDUCE_SCATTER,
         work if async_op else None,
@@ -340,6 +390,7 @@ def reduce_scatter(
         async_op,
         on_done,
         started=started,
+        watch=watch,
     )
 
 
@@ -371,7 +422,13 @@ def all_reduce(
         return _alone(CommKind.ALL_REDUCE, label, async_op)
     world = dist.get_world_size(group)
     started = time.perf_counter()
-    work = dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op)
+    work, watch = _start(
+        CommKind.ALL_REDUCE,
+        label,
+        group,
+        async_op,
+        lambda: dist.all_reduce(tensor, op=_reduce_op(op), group=group, async_op=async_op),
+    )
     return _issue(
         CommKind.ALL_REDUCE,
         work if async_op else None,
@@ -379,6 +436,7 @@ def all_reduce(
         label,
         async_op,
         started=started,
+        watch=watch,
     )
 
 
@@ -438,16 +496,31 @@ def wait_send_recv(works: list, label: str = "") -> None:
 
 def broadcast(tensor: torch.Tensor, src: int = 0, *, group=None, label: str = "") -> None:
     """In-place broadcast from `src`. Collective: every rank in the group calls this."""
-    dist.broadcast(tensor, src=src, group=group)
+    _start(
+        CommKind.BROADCAST, label, group, False, lambda: dist.broadcast(tensor, src, group=group)
+    )
     COUNTERS.add(CommKind.BROADCAST, tensor.numel() * tensor.element_size())
 
 
-def all_gather_object(obj, *, group=None) -> list:
+def barrier(*, group=None, label: str = "") -> None:
+    """Blocks until every rank of the group has called it; a rank that never comes
+    makes it raise `CollectiveError` naming it (after the process-group timeout).
+    Collective: every rank in the group calls this."""
+    _start(CommKind.BARRIER, label, group, False, lambda: dist.barrier(group=group))
+
+
+def all_gather_object(obj, *, group=None, label: str = "") -> list:
     """Every rank's picklable `obj`, in group-rank order (small metadata: checkpoint
     entries, pipeline layouts). Not counted in the byte counters: pickles, not tensors.
     Collective: every rank in the group calls this."""
     out = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    _start(
+        CommKind.ALL_GATHER_OBJECT,
+        label,
+        group,
+        False,
+        lambda: dist.all_gather_object(out, obj, group=group),
+    )
     return out
 
 
@@ -518,7 +591,21 @@ def all_to_all_single(
         me = dist.get_rank(group)
         nbytes = (sum(input_split_sizes) - input_split_sizes[me]) * row_bytes
     started = time.perf_counter()
-    work = dist.all_to_all_single(
-        output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+    work, watch = _start(
+        CommKind.ALL_TO_ALL,
+        label,
+        group,
+        async_op,
+        lambda: dist.all_to_all_single(
+            output, input, output_split_sizes, input_split_sizes, group=group, async_op=async_op
+        ),
     )
-    return _issue(CommKind.ALL_TO_ALL, work, nbytes, label, async_op, started=started)
+    return _issue(
+        CommKind.ALL_TO_ALL,
+        work if async_op else None,
+        nbytes,
+        label,
+        async_op,
+        started=started,
+        watch=watch,
+    )

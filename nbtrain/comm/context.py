@@ -338,6 +338,7 @@ def shutdown(barrier: bool = True) -> None:
         if dist.is_initialized():
             teardown.destroy_group()
         collectives.IN_FLIGHT.clear()
+        collectives.WATCH.reset()
         _CONTEXT = None
 
 
@@ -382,12 +383,13 @@ def world_size() -> int:
 def synchronize() -> None:
     """Barrier over all ranks (waits for queued CUDA work first).
 
-    Collective: every rank calls this.
+    Collective: every rank calls this. A rank that never comes makes the others
+    raise `CollectiveError` naming it, after the process-group timeout.
     """
     ctx = get_context()
     if ctx.device.type == "cuda":
         torch.cuda.synchronize(ctx.device)
-    dist.barrier()
+    collectives.barrier(label="synchronize")
 
 
 def print_rank(*args, rank: int = 0, **kwargs) -> None:

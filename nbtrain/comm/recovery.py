@@ -242,6 +242,7 @@ def rebuild() -> None:
                 teardown.destroy_group()
         _S.generation += 1
     collectives.IN_FLIGHT.clear()
+    collectives.WATCH.reset()  # the new group's collectives count from 1
     if (
         threading.current_thread() is threading.main_thread()
         and signal.getsignal(signal.SIGINT) is _on_interrupt
