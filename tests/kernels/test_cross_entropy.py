@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kernel_testing import DEVICE, TOL, dtypes_for_device
 
 import nbtrain.kernels as K
@@ -136,6 +137,42 @@ def test_fused_cross_entropy_module(inplace):
     assert torch.equal(leaf.detach(), logits) != inplace
 
 
-def test_fused_cross_entropy_refuses_class_weights():
-    with pytest.raises(NotImplementedError, match="class weights"):
-        FusedCrossEntropy(weight=torch.ones(3))
+@pytest.mark.parametrize("dtype", dtypes_for_device())
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_fused_cross_entropy_class_weights_match_torch(dtype, reduction, label_smoothing):
+    """BMTrain's FusedCrossEntropy(weight=...): F.cross_entropy's weighted loss (a
+    row's loss times its target's weight; "mean" over the kept rows' weights)."""
+    logits, target = _inputs((3, 7), 129, dtype)
+    weight = torch.rand(129, generator=torch.Generator().manual_seed(1)) + 0.5
+    upstream = torch.rand(3, 7, device=DEVICE) + 0.5 if reduction == "none" else None
+    leaf = logits.clone().requires_grad_()
+    # BMTrain's order: weight comes first; given in the logits' dtype, as its test does.
+    loss = FusedCrossEntropy(
+        weight.to(dtype).to(DEVICE), reduction=reduction, label_smoothing=label_smoothing
+    )(leaf, target)
+    loss.backward(upstream if upstream is not None else torch.ones_like(loss))
+    ref_leaf = logits.float().clone().requires_grad_()
+    ref = F.cross_entropy(
+        ref_leaf.reshape(-1, 129),
+        target.reshape(-1),
+        weight=weight.to(dtype).float().to(DEVICE),
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    ref = ref.reshape(3, 7) if reduction == "none" else ref
+    ref.backward(upstream if upstream is not None else torch.ones_like(ref))
+    assert loss.dtype == torch.float32
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(leaf.grad.float(), ref_leaf.grad, rtol=rtol, atol=atol)
+    unweighted = FusedCrossEntropy(reduction=reduction)(logits.clone(), target)
+    assert not torch.allclose(loss, unweighted)  # the weights changed the loss
+
+
+def test_fused_cross_entropy_refuses_a_weight_of_the_wrong_size():
+    logits, target = _inputs((5,), 10, torch.float32)
+    with pytest.raises(ValueError, match=r"one weight per class, shape \(10,\)"):
+        FusedCrossEntropy(weight=torch.ones(9))(logits, target)
+    with pytest.raises(ValueError, match="1-D tensor"):
+        FusedCrossEntropy(weight=torch.ones(2, 5))

@@ -10,7 +10,7 @@ from tp_cases import layer_errors
 @pytest.mark.parametrize("tp", [2, 3])
 def test_every_layer_and_flag_matches_the_plain_layer(tp):
     for rank, errs in enumerate(run_ranks(layer_errors, tp, timeout_s=120)):
-        assert len(errs) == 11  # 4 column, 4 row, embedding, 2 projection + loss
+        assert len(errs) == 13  # 4 column, 4 row, embedding, 4 projection + loss
         bad = {k: v for k, v in errs.items() if not v < 1e-5}
         assert not bad, f"rank {rank}: {bad}"
 

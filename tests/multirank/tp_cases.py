@@ -93,22 +93,28 @@ def layer_errors():
     H = torch.randn(B, S, E, generator=gen)
     target = torch.randint(0, V, (B, S), generator=gen)
     target[0, :2] = -100
-    for smoothing in (0.0, 0.1):
+    class_weight = torch.rand(V, generator=gen) + 0.5  # one per real class, not the pad
+    for smoothing, weight in ((0.0, None), (0.1, None), (0.0, class_weight), (0.1, class_weight)):
         hr = H.clone().requires_grad_()
         full = F.linear(hr, W)
         ref_loss = F.cross_entropy(
-            full.reshape(-1, V), target.reshape(-1), ignore_index=-100, label_smoothing=smoothing
+            full.reshape(-1, V),
+            target.reshape(-1),
+            weight=weight,
+            ignore_index=-100,
+            label_smoothing=smoothing,
         )
         ref_loss.backward()
         h = rows(H).clone().requires_grad_()
         logits = emb(h, projection=True)
         loss = nbtrain.nn.FusedCrossEntropy(
-            ignore_index=-100, label_smoothing=smoothing, parallel=True
+            weight, ignore_index=-100, label_smoothing=smoothing, parallel=True
         )(logits, target)
         loss.backward()
         finite = torch.isfinite(logits)
         full_padded = torch.cat([full, torch.full((B, S, 1), float("-inf"))], dim=-1)
-        errs[f"projection + parallel loss, smoothing {smoothing}"] = max(
+        name = "" if weight is None else ", class weights"
+        errs[f"projection + parallel loss, smoothing {smoothing}{name}"] = max(
             _err(logits[finite], cols(full_padded)[finite]),
             _err(loss, ref_loss),
             _err(h.grad, rows(hr.grad)),
