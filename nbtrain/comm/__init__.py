@@ -22,6 +22,7 @@ from .context import (
     synchronize,
     world_size,
 )
+from .hang_report import CollectiveError
 
 __all__ = [
     "DistContext",
@@ -36,6 +37,7 @@ __all__ = [
     "COUNTERS",
     "CommHandle",
     "CommKind",
+    "CollectiveError",
     "all_gather",
     "all_reduce",
     "broadcast",

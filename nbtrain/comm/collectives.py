@@ -248,7 +248,9 @@ def _watched(watch: Wait, call: Callable):
     try:
         out = call()
     except RuntimeError as err:  # gloo's timeouts and closed connections
-        raise WATCH.failed(watch, err) from err
+        # The report quotes the backend's line; its traceback would come first and
+        # bury the report (`backend_error` keeps it).
+        raise WATCH.failed(watch, err) from None
     WATCH.leave(watch)
     return out
 
@@ -485,6 +487,26 @@ def send_recv(
     COUNTERS.add(CommKind.P2P, nbytes)
     events.instant("comm_issue", label, kind=CommKind.P2P.value, bytes=nbytes)
     return dist.batch_isend_irecv(ops)
+
+
+def post_p2p(ops: list, *, label: str = "") -> list:
+    """Posts point-to-point transfers as one batch without waiting: each of `ops` is
+    ("send" or "recv", tensor, global peer rank). The batch may hold sends and
+    receives with any peers, in any mix (BMTrain's nccl.groupStart/groupEnd); one batch,
+    so a pair that sends each other does not deadlock on NCCL. Counted as the bytes
+    sent, like `send`. Returns the works: `wait_send_recv` them.
+
+    Collective over the peers: each posts the matching transfers, in the same order.
+    """
+    posted = []
+    for kind, tensor, peer in ops:
+        if kind not in ("send", "recv"):
+            raise ValueError(f"post_p2p: {kind!r} is neither 'send' nor 'recv'")
+        posted.append(dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor, peer))
+    nbytes = sum(t.numel() * t.element_size() for kind, t, _ in ops if kind == "send")
+    COUNTERS.add(CommKind.P2P, nbytes)
+    events.instant("comm_issue", label, kind=CommKind.P2P.value, bytes=nbytes)
+    return dist.batch_isend_irecv(posted) if posted else []
 
 
 def wait_send_recv(works: list, label: str = "") -> None:

@@ -46,12 +46,14 @@ class CollectiveError(RuntimeError):
             group (1 for the group's first).
         arrived: global ranks seen waiting in this same collective (this one included).
         missing: {global rank: what it was doing instead, in words}.
+        backend_error: the backend's own exception (gloo's "Timed out waiting ...").
     """
 
-    def __init__(self, message, kind, label, seq, arrived, missing):
+    def __init__(self, message, kind, label, seq, arrived, missing, backend_error=None):
         super().__init__(message)
         self.kind, self.label, self.seq = kind, label, seq
         self.arrived, self.missing = arrived, missing
+        self.backend_error = backend_error
 
 
 class Wait:
@@ -132,18 +134,23 @@ class CollectiveWatch:
         """The error to raise for `wait`'s failed collective, naming who arrived. Its
         record stays in the store, so peers failing a moment later count this rank as
         arrived."""
-        self._publish()  # a failure before the grace period: peers learn of it now
+        what, me = f"{wait.kind} {wait.label!r} (collective #{wait.seq})", "?"
+        try:
+            what, me = wait.describe(), dist.get_rank()
+            self._publish()  # a failure before the grace period: peers learn of it now
+            arrived, missing = self.arrivals(wait)
+        except Exception:  # the group or its store is gone (an aborted group): say less
+            arrived, missing = [], {}
         self._active.pop(id(wait), None)
-        arrived, missing = self.arrivals(wait)
         elapsed = time.monotonic() - wait.since
         how = "timed out" if "timed out" in str(err).lower() else "failed"
         first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
         message = (
-            f"{wait.describe()} {how} after {elapsed:.1f} s on rank {dist.get_rank()}: "
+            f"{what} {how} after {elapsed:.1f} s on rank {me}: "
             f"{_arrival_words(arrived, missing)}. Every rank of a group must call the same "
             f"collectives in the same order. The backend said: {first}"
         )
-        return CollectiveError(message, wait.kind, wait.label, wait.seq, arrived, missing)
+        return CollectiveError(message, wait.kind, wait.label, wait.seq, arrived, missing, err)
 
     def arrivals(self, wait: Wait) -> tuple[list[int], dict[int, str]]:
         """(ranks waiting in `wait`'s collective, {other rank: what it waits in}), read
@@ -245,6 +252,8 @@ def _ranks_words(ranks) -> str:
 
 
 def _arrival_words(arrived: list[int], missing: dict[int, str]) -> str:
+    if not arrived:
+        return "who arrived is unknown (the group's store could not be read)"
     if not missing:
         return f"every rank arrived ({_ranks_words(arrived)})"
     others = "; ".join(f"rank {r} {why}" for r, why in sorted(missing.items()))
