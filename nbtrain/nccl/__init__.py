@@ -324,9 +324,7 @@ def groupEnd() -> None:  # noqa: N802
         return
     ops, after = _BATCH.ops, _BATCH.after
     _BATCH.ops, _BATCH.after = [], []
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    C.wait_send_recv(C.post_p2p(ops, label="nccl group"), label="nccl group")
     for finish in after:
         finish()
 
@@ -338,7 +336,7 @@ def send(src, peer: int, comm) -> None:
     dst = _peer(group, size, peer)
     bufs = _OnDevice(src)
     if _BATCH.depth:
-        _BATCH.ops.append(dist.P2POp(dist.isend, bufs.here[0].clone(), dst))
+        _BATCH.ops.append(("send", bufs.here[0].clone(), dst))
         return
     C.send(bufs.here[0], dst, label="nccl send").wait()
 
@@ -350,7 +348,7 @@ def recv(dst, peer: int, comm) -> None:
     source = _peer(group, size, peer)
     bufs = _OnDevice(dst)
     if _BATCH.depth:
-        _BATCH.ops.append(dist.P2POp(dist.irecv, bufs.here[0], source))
+        _BATCH.ops.append(("recv", bufs.here[0], source))
         _BATCH.after.append(lambda: bufs.done(0))
         return
     C.recv(bufs.here[0], source, label="nccl recv")

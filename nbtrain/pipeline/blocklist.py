@@ -45,7 +45,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero import Block, flat_buffers, micro_batches, state_keys
+from ..zero import Block, HeldElsewhere, flat_buffers, micro_batches, state_keys
 from .p2p import Link
 from .split import balanced_split
 
@@ -107,6 +107,7 @@ class PipelineTransformerBlockList(nn.Module):
         self.split = balanced_split([max(1, _numel(m)) for m in modules], topo.pipe_size)
         self.local = self.split[topo.pipe_rank]
         self._other_keys = []  # the other stages' state-dict keys, for load_state_dict
+        self._elsewhere = {}  # the other stages' layers' initialiser draws
         _check_blocks(modules)
         for i, m in enumerate(modules):
             if not isinstance(m, Block):  # every rank wraps every one, in the same order
@@ -115,8 +116,41 @@ class PipelineTransformerBlockList(nn.Module):
                 self.add_module(str(i), m)
             else:
                 self._other_keys += [f"{i}.{k}" for k in state_keys(m)]
+                self._elsewhere[i] = HeldElsewhere.of_block(m)  # for init_parameters
         self._nbtrain_pipeline_stage = True
         self.num_layers = len(modules)
+
+    # -- BMTrain's list interface (len, index, iterate) ---------------------------------
+    def __len__(self) -> int:
+        """Every layer of the pipeline, as BMTrain counts them."""
+        return self.num_layers
+
+    def __getitem__(self, index: int) -> Block:
+        """The Block of layer `index` (negative counts from the end), when this stage
+        holds it. Another stage's layer is an IndexError naming the stage: in BMTrain
+        every rank holds a shard of every layer, here only its stage's ranks do."""
+        if not isinstance(index, int):
+            raise TypeError(f"layer index {index!r}: give an int")
+        i = index + self.num_layers if index < 0 else index
+        if not 0 <= i < self.num_layers:
+            raise IndexError(f"layer {index} of a pipeline of {self.num_layers} layers")
+        if str(i) not in self._modules:
+            stage = next(s for s, layers in enumerate(self.split) if i in layers)
+            raise IndexError(
+                f"layer {i} is held by pipeline stage {stage}, and this rank is on stage "
+                f"{get_context().topology.pipe_rank}: index this stage's layers "
+                f"({list(self.local)}), or read the layer on a rank of stage {stage}"
+            )
+        return self._modules[str(i)]
+
+    def __iter__(self):
+        """This stage's Blocks, in order (all of them without a pipeline)."""
+        return iter([self._modules[str(i)] for i in self.local])
+
+    def _init_children(self):
+        """Every layer in order for init_parameters (zero/views.py): this stage's
+        Blocks, and the other stages' layers as draws to make and drop."""
+        return [(str(i), self._modules.get(str(i)) or self._elsewhere[i]) for i in range(len(self))]
 
     def run_stage(self, x: torch.Tensor) -> torch.Tensor:
         for i in self.local:

@@ -11,6 +11,7 @@ parameter's private fields (tests/unit/test_zero_boundary.py holds it to that).
 from .accumulate import micro_batches
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
+from .init import HeldElsewhere
 from .meta import assign_inits, empty_parameters, normal_inits, torch_default_inits
 from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
@@ -37,6 +38,7 @@ __all__ = [
     "DistributedParameter",
     "ParameterInitializer",
     "init_parameters",
+    "HeldElsewhere",
     "wrap",
     "full_named_grads",
     "ModelRoot",

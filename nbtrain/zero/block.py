@@ -42,7 +42,7 @@ from ..comm import events
 from ..comm.context import get_context
 from .compile import CompiledModule, CompileStats, compile_options
 from .flat import FlatGroup
-from .init import init_range
+from .init import init_block
 from .members import become_part, sync_requires_grad
 from .named_members import NamedMembers
 from .parameter import DistributedParameter, Placeholder
@@ -203,6 +203,7 @@ class Block(nn.Module):
         self._buffers = module._buffers
         self._non_persistent_buffers_set = module._non_persistent_buffers_set
         self._build_groups(entries, ctx, reduce_dtype)
+        self._init_order = entries  # the module's parameter order, for init_parameters
         self._parameters = NamedMembers(self._parameters, self)  # named_members.py
         self.register_load_state_dict_post_hook(Block._drop_own_keys)
         self._bwd_start = 0.0
@@ -537,26 +538,10 @@ class Block(nn.Module):
         ]
 
     # -- deferred initialisation ------------------------------------------------
-    def init_parameters(self, prefix: str = "") -> None:
-        """Runs the deferred initialisers of this rank's part of every parameter."""
-        for group, inits in zip(self._groups, self._init_methods):
-            begin, end = group.layout.shard_range(group.rank)
-            for slot, entry, init in zip(group.layout.slots, group.entries, inits):
-                part = slot.local_part(begin, end)
-                if init is None or part is None:
-                    continue
-                lo, hi = part
-                values = init_range(
-                    prefix + entry.names[0],
-                    slot.shape,
-                    group.shard.dtype,
-                    group.shard.device,
-                    init,
-                    lo - slot.offset,
-                    hi - slot.offset,
-                )
-                with torch.no_grad():
-                    group.shard[lo - begin : hi - begin].copy_(values)
+    def init_parameters(self, prefix: str = "", by_name: bool = False) -> None:
+        """Runs the deferred initialisers into this rank's part of every parameter
+        (zero/init.py: BMTrain's draw from the current generator, or `by_name`)."""
+        init_block(self, prefix, by_name)
 
     def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Gathered gradients by parameter name (None-grads skipped). Collective."""

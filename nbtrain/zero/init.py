@@ -1,14 +1,23 @@
-"""Deferred initialisation: each rank initialises only its own shard.
+"""Deferred initialisation: each rank keeps only its own shard.
 
-A parameter's initial value depends only on the seed given to `init_distributed`
-and the parameter's name, never on the world size. For the element-wise
-initialisers of `torch.nn.init` (normal, uniform, constants, truncated normal,
-and Kaiming/Xavier, whose scale comes from the full shape) the flattened
-parameter is cut into fixed chunks of CHUNK_NUMEL elements, each drawn from its
-own generator seeded by (seed, name, chunk index): a rank draws only the chunks
-that overlap its shard, and any world size reassembles the same tensor. Any
-other initialiser runs on one full-shape tensor at a time, of which the rank
-keeps its slice.
+`init_parameters(model)` draws as BMTrain does: every rank runs each parameter's
+`init_method` on a fresh full-shape tensor from the current torch generator of the
+parameter's device (what `torch.manual_seed` and `init_distributed(seed=...)` set),
+in the model's parameter order, and keeps its part. Every rank draws every parameter,
+those it holds no part of included (another stage's layers too), so every rank's
+generator stays in step and the same seed gives the same weights as a plain model
+initialised in that order, at any world size and in any container (DistributedModule,
+Block, TransformerBlockList, PipelineTransformerBlockList). Its cost: one full
+parameter at a time on each rank.
+
+`init_parameters(model, by_name=True)` never holds a full parameter: a value depends
+only on the seed given to `init_distributed` and the parameter's name. For the
+element-wise initialisers of `torch.nn.init` (normal, uniform, constants, truncated
+normal, and Kaiming/Xavier, whose scale comes from the full shape) the flattened
+parameter is cut into fixed chunks of CHUNK_NUMEL elements, each drawn from its own
+generator seeded by (seed, name, chunk index): a rank draws only the chunks that
+overlap its shard, and any world size reassembles the same tensor. Any other
+initialiser runs on one full-shape tensor at a time, of which the rank keeps its slice.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ import torch
 from torch import nn
 
 from ..comm.context import get_context
+from .tp_slices import slice_from_full
 
 CHUNK_NUMEL = 1 << 16  # 256 KiB of fp32 per draw: a rank overshoots its shard by < 2 chunks
 _INIT = nn.init
@@ -102,3 +112,88 @@ def init_range(name: str, shape, dtype, device, init_method, start: int, stop: i
             a, b = max(start, lo), min(stop, lo + values.numel())
             out[a - start : b - start] = values[a - lo : b - lo]
     return out
+
+
+# -- BMTrain's draw: the current generator, full tensors, every rank ------------------
+
+
+def draw_full(shape, dtype, device, init_method, tp_meta=None) -> torch.Tensor:
+    """`init_method` run on a fresh tensor of `shape` from the current generator of
+    `device`, flattened. For a tensor-parallel slice (`tp_meta` carries its
+    tp_full_shape and split), the full logical tensor is drawn and this rank's slice
+    kept, as BMTrain does, so every tp size draws the same weights. Local."""
+    full_shape = tuple(tp_meta.tp_full_shape) if tp_meta is not None else tuple(shape)
+    value = torch.empty(full_shape, dtype=dtype, device=device)
+    with torch.no_grad():
+        init_method(value)
+    if tp_meta is not None:
+        value = slice_from_full(value, tp_meta, tuple(shape))
+    return value.reshape(-1)
+
+
+def _block_items(block):
+    """(group, slot, entry, init) of each parameter a Block holds, in the module's
+    parameter order (the order BMTrain's block draws them in)."""
+    items = [
+        (group, slot, entry, init)
+        for group, inits in zip(block._groups, block._init_methods)
+        for slot, entry, init in zip(group.layout.slots, group.entries, inits)
+    ]
+    order = {id(e): i for i, e in enumerate(getattr(block, "_init_order", ()))}
+    return sorted(items, key=lambda item: order.get(id(item[2]), 0))
+
+
+def init_block(block, prefix: str = "", by_name: bool = False) -> None:
+    """Runs a Block's deferred initialisers into this rank's part of its shards (see
+    the module's notes for the two ways of drawing). Local."""
+    for group, slot, entry, init in _block_items(block):
+        if init is None:
+            continue
+        begin, end = group.layout.shard_range(group.rank)
+        part = slot.local_part(begin, end)
+        if by_name and part is None:
+            continue
+        dtype, device = group.shard.dtype, group.shard.device
+        if by_name:
+            lo, hi = part
+            values = init_range(
+                prefix + entry.names[0],
+                slot.shape,
+                dtype,
+                device,
+                init,
+                lo - slot.offset,
+                hi - slot.offset,
+            )
+        else:
+            full = draw_full(slot.shape, dtype, device, init, entry.tp)
+            if part is None:
+                continue  # drawn all the same: the generator stays in step with the others
+            lo, hi = part
+            values = full[lo - slot.offset : hi - slot.offset]
+        with torch.no_grad():
+            group.shard[lo - begin : hi - begin].copy_(values)
+
+
+class HeldElsewhere:
+    """The parameters of a layer another pipeline stage holds, for `init_parameters`:
+    their values are drawn and dropped here, so this rank's generator stays in step
+    with the stage that keeps them (in BMTrain every rank holds every layer and
+    draws them all)."""
+
+    def __init__(self, draws: list) -> None:
+        self.draws = draws  # (shape, dtype, device, init_method, tp_meta), in order
+
+    @classmethod
+    def of_block(cls, block) -> "HeldElsewhere":
+        draws = [
+            (slot.shape, group.shard.dtype, group.shard.device, init, entry.tp)
+            for group, slot, entry, init in _block_items(block)
+            if init is not None
+        ]
+        return cls(draws)
+
+    def draw(self) -> None:
+        """Draws every value and keeps none. Local."""
+        for shape, dtype, device, init, tp_meta in self.draws:
+            draw_full(shape, dtype, device, init, tp_meta)

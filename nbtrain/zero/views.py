@@ -8,7 +8,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from .block import Block
-from .init import init_range
+from .init import HeldElsewhere, draw_full, init_range
 from .parameter import DistributedParameter, group_of
 from .partition import shard_range
 from .placement import is_tp_slice
@@ -51,35 +51,65 @@ def _gather_grad(param: DistributedParameter) -> torch.Tensor:
     return flat[: param.full_numel].view(param.full_shape).clone()
 
 
-def init_parameters(model: nn.Module) -> None:
+def init_parameters(model: nn.Module, by_name: bool = False) -> None:
     """Runs every deferred `init_method` (BMTrain's `init_parameters`).
 
-    Every rank computes only its own shard (see the module docstring); the
-    gathered model is the same at every world size. Collective-free.
+    As BMTrain does, by default: each parameter's initialiser runs on a full tensor
+    from the current torch generator, in the model's parameter order, on every rank
+    (another pipeline stage's layers too), and each rank keeps its part; the same
+    seed gives a plain model's weights. `by_name=True` draws only this rank's part,
+    from generators seeded by the parameter's name (zero/init.py). Every rank calls
+    it, with its generator in the same state; nothing is communicated.
     """
     get_context()  # before init_distributed: its clear error, not one from deep inside
-    for prefix, module in model.named_modules():
-        base = prefix + "." if prefix else ""
+    for prefix, module in _init_walk(model, ""):
+        if isinstance(module, HeldElsewhere):
+            if not by_name:
+                module.draw()
+            continue
         if isinstance(module, Block):
-            module.init_parameters(base)
+            module.init_parameters(prefix, by_name=by_name)
             continue
         for name, param in module._parameters.items():
             if isinstance(param, DistributedParameter) and param.init_method is not None:
-                ranks = group_of(param)
-                begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
-                stop = min(end, param.full_numel)
-                if stop > begin:
-                    values = init_range(
-                        base + name,
-                        param.full_shape,
-                        param.dtype,
-                        param.device,
-                        param.init_method,
-                        begin,
-                        stop,
-                    )
-                    with torch.no_grad():
-                        param.data[: stop - begin].copy_(values)
+                _init_distributed_parameter(prefix + name, param, by_name)
+
+
+def _init_walk(module: nn.Module, prefix: str, seen=None):
+    """(prefix, module) in named_modules' order, a Block's insides left to the Block,
+    and a module with `_init_children()` (a pipeline's block list: every layer, the
+    other stages' as HeldElsewhere) walked through those."""
+    seen = set() if seen is None else seen
+    if id(module) in seen:
+        return
+    seen.add(id(module))
+    yield prefix, module
+    if isinstance(module, (Block, HeldElsewhere)):
+        return
+    children = getattr(module, "_init_children", None)
+    for name, child in children() if children is not None else module.named_children():
+        if child is not None:
+            yield from _init_walk(child, f"{prefix}{name}.", seen)
+
+
+def _init_distributed_parameter(name: str, param: DistributedParameter, by_name: bool) -> None:
+    ranks = group_of(param)
+    begin, end = shard_range(param.full_numel, ranks.size, ranks.rank)
+    stop = min(end, param.full_numel)
+    if by_name:
+        if stop <= begin:
+            return
+        values = init_range(
+            name, param.full_shape, param.dtype, param.device, param.init_method, begin, stop
+        )
+    else:  # every rank draws the whole parameter, its shard empty or not
+        tp_meta = param if is_tp_slice(param) else None
+        full = draw_full(param.full_shape, param.dtype, param.device, param.init_method, tp_meta)
+        if stop <= begin:
+            return
+        values = full[begin:stop]
+    with torch.no_grad():
+        param.data[: stop - begin].copy_(values)
 
 
 def state_keys(model: nn.Module) -> list[str]:
