@@ -8,7 +8,9 @@ and initialising only its own shards.
     nbtrain.init_parameters(model)            # draws this rank's elements
 
 `init_parameters` is the world-size-independent deferred initialisation (zero/init.py):
-any world size gathers the same model, and no rank ever holds a full copy. Instead of
+any world size gathers the same model; each rank holds one full parameter at a time
+while it draws (BMTrain's way), or none with `init_parameters(model, by_name=True)`
+(values seeded by each parameter's name, for parameters too large to draw whole). Instead of
 initialising, a checkpoint can be loaded into the shards (`nbtrain.load`, the runtime's
 Hugging Face loading).
 
