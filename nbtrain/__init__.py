@@ -103,6 +103,7 @@ _LAZY = {
     "loss": ("nbtrain.loss", None),
     "nn": ("nbtrain.nn", None),
     "nccl": ("nbtrain.nccl", None),
+    "store": ("nbtrain.store", None),
     "moe": ("nbtrain.moe", None),
     "context_parallel": ("nbtrain.context_parallel", None),
     "inspect": ("nbtrain.inspect", None),
