@@ -36,6 +36,7 @@ from .checkpoint.stream import units
 from .comm import collectives as C
 from .comm.context import get_context
 from .distributed.ops import DTYPES
+from .pipeline import PipelineTransformerBlockList
 from .zero import Block
 
 DTYPE_LIST = list(DTYPES)  # BMTrain's order of dtype codes, then nbtrain's additions
@@ -68,8 +69,8 @@ def _full_items(module: nn.Module, prefix: str, destination):
     iterates in step."""
     if hasattr(destination, "_metadata"):
         destination._metadata[prefix[:-1]] = {"version": module._version}
-    if getattr(module, "_nbtrain_pipeline_stage", False) and hasattr(module, "stage_state_dict"):
-        # a PipelineTransformerBlockList: its state_dict brings every stage's layers
+    if isinstance(module, PipelineTransformerBlockList):
+        # its state_dict brings every stage's layers, on every rank
         yield from module.state_dict(prefix=prefix).items()
         return
     if isinstance(module, Block):

@@ -27,7 +27,13 @@ from .shards import (
     is_sharded,
     shards,
 )
-from .views import full_items_by_parameter, full_named_grads, init_parameters, state_keys
+from .views import (
+    full_items_by_parameter,
+    full_named_grads,
+    init_distributed_parameter,
+    init_parameters,
+    state_keys,
+)
 from .wrap import wrap
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "ParameterInitializer",
     "init_parameters",
     "HeldElsewhere",
+    "init_distributed_parameter",
     "wrap",
     "full_named_grads",
     "ModelRoot",

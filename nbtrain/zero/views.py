@@ -75,6 +75,15 @@ def init_parameters(model: nn.Module, by_name: bool = False) -> None:
                 _init_distributed_parameter(prefix + name, param, by_name)
 
 
+def init_distributed_parameter(params) -> None:
+    """Runs the `init_method` of every DistributedParameter among `params` that has
+    one (BMTrain's `param_init.init_distributed_parameter`): drawn whole from the
+    current generator, this rank keeping its shard. Local; every rank calls it alike."""
+    for param in params:
+        if isinstance(param, DistributedParameter) and param.init_method is not None:
+            _init_distributed_parameter("", param, by_name=False)
+
+
 def _init_walk(module: nn.Module, prefix: str, seen=None):
     """(prefix, module) in named_modules' order, a Block's insides left to the Block,
     and a module with `_init_children()` (a pipeline's block list: every layer, the

@@ -1,0 +1,5 @@
+"""`nbtrain.layer`: BMTrain's module of the same name: `DistributedModule` (nbtrain.zero)."""
+
+from .zero import DistributedModule
+
+__all__ = ["DistributedModule"]
