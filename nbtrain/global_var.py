@@ -6,7 +6,8 @@
 answers rank 0 of 1 before initialisation; these raise a RuntimeError then.
 """
 
+from .comm.config import Config as ConfigMap  # BMTrain's name for config's type
 from .comm.config import config
 from .comm.context import rank, world_size
 
-__all__ = ["config", "rank", "world_size"]
+__all__ = ["ConfigMap", "config", "rank", "world_size"]

@@ -21,6 +21,7 @@ import torch
 from .comm.context import get_context, is_initialized, print_rank
 
 __all__ = [
+    "ALIGN",
     "ROW_WIDTH",
     "AverageRecorder",
     "check_torch_version",
@@ -35,6 +36,7 @@ __all__ = [
     "wait_loader",
 ]
 
+ALIGN = 4  # BMTrain's alignment of flat buffers, in elements (nbtrain pads by partition.py)
 ROW_WIDTH = 60  # characters of print_block's title line and print_dict's rows
 
 

@@ -54,6 +54,7 @@ DTYPES = (
     torch.bool,
     torch.uint8,
 )
+DTYPE_LIST = list(DTYPES)  # BMTrain's name
 HEADER_LEN = 50  # ndim, dtype code, then up to 48 sizes
 
 

@@ -1,0 +1,8 @@
+"""`nbtrain.nn.parallel_linear_func`: BMTrain's module of the same name: `OpParallelLinear`
+and `ReduceType` (nbtrain.nn.ops). Its helpers (preprocess_input and the async
+all-gather / reduce-scatter linear functions) are the steps inside OpParallelLinear,
+which nbtrain.nn.tp_comm does its own way."""
+
+from .ops import OpParallelLinear, ReduceType
+
+__all__ = ["OpParallelLinear", "ReduceType"]
