@@ -425,3 +425,351 @@ def test_bmtrain_model_wrapper_refuses_tied_layers(world_of_one):
     model.mixed = nn.ModuleList([shared, nn.ReLU(), nn.Sequential(shared)])
     with pytest.raises(ValueError, match="tied"):
         bmt.BMTrainModelWrapper(model)
+
+
+# -- BMTrain's whole package, module by module ------------------------------------------
+
+# Every module of BMTrain 1.x (bmtrain/**/*.py at the commit in the BMTrain suite's
+# SOURCE) and the public names it defines (a package: the names its __init__ imports
+# too), as data. nbtrain has each at the same path: nbtrain.X.name for bmtrain.X.name,
+# but for those listed below with the reason.
+BMTRAIN_MODULES = {
+    "": [
+        "BMTrainModelWrapper",
+        "Block",
+        "CheckpointBlock",
+        "DistributedModule",
+        "DistributedParameter",
+        "ParameterInitializer",
+        "PipelineTransformerBlockList",
+        "TransformerBlockList",
+        "config",
+        "debug",
+        "distributed",
+        "gather_result",
+        "grouped_parameters",
+        "init_distributed",
+        "init_parameters",
+        "inspect",
+        "load",
+        "load_nccl_pypi",
+        "loss",
+        "lr_scheduler",
+        "nn",
+        "optim",
+        "print_block",
+        "print_dict",
+        "print_rank",
+        "rank",
+        "save",
+        "see_memory",
+        "sum_loss",
+        "synchronize",
+        "wait_loader",
+        "world_size",
+    ],
+    "benchmark": ["all_gather", "reduce_scatter", "send_recv"],
+    "benchmark.all_gather": ["all_gather"],
+    "benchmark.reduce_scatter": ["reduce_scatter"],
+    "benchmark.send_recv": ["send_recv"],
+    "benchmark.shape": ["SHAPES"],
+    "benchmark.utils": ["format_size", "format_size_"],
+    "block_layer": ["Block", "TransformerBlockList", "storage_type_cuda"],
+    "debug": ["DEBUG_VARS", "append", "clear", "extend", "get", "set"],
+    "distributed": [
+        "all_gather",
+        "all_reduce",
+        "broadcast",
+        "recv_activations",
+        "reduce_scatter",
+        "send_activations",
+    ],
+    "distributed.ops": [
+        "DTYPE_LIST",
+        "OpAllGather",
+        "OpAllReduce",
+        "OpBroadcast",
+        "OpReduceScatter",
+        "all_gather",
+        "all_reduce",
+        "broadcast",
+        "recv_activations",
+        "recv_meta",
+        "reduce_scatter",
+        "send_activations",
+        "send_meta",
+    ],
+    "global_var": ["ConfigMap", "config", "rank", "world_size"],
+    "hook_func": [
+        "OneStepNoGradFunc",
+        "PostHookFunc",
+        "PreHookFunc",
+        "zero_post_backward",
+        "zero_post_forward",
+        "zero_pre_backward",
+        "zero_pre_forward",
+    ],
+    "init": ["init_distributed", "is_initialized", "topology"],
+    "inspect": ["format_summary", "inspect_model", "inspect_tensor", "record_tensor"],
+    "inspect.format": ["align_str", "format_line", "format_summary", "item_formater"],
+    "inspect.model": ["inspect_block", "inspect_model", "inspect_pipeline_transformer_block_list"],
+    "inspect.tensor": ["InspectTensor", "InspectTensorManager", "inspect_tensor", "record_tensor"],
+    "layer": ["DistributedModule"],
+    "loss": ["FusedCrossEntropy"],
+    "loss._function": [
+        "CHECK_INPUT",
+        "cross_entropy_backward_inplace",
+        "cross_entropy_forward",
+        "fused_softmax_inplace",
+        "fused_sumexp",
+        "has_inf_nan",
+    ],
+    "loss.cross_entropy": ["FusedCrossEntropy", "OpFusedCrossEntropy", "VPFusedCrossEntropy"],
+    "lr_scheduler": ["Cosine", "Exponential", "Linear", "NoDecay", "Noam", "WarmupLRScheduler"],
+    "lr_scheduler.cosine": ["Cosine"],
+    "lr_scheduler.exponential": ["Exponential"],
+    "lr_scheduler.linear": ["Linear"],
+    "lr_scheduler.no_decay": ["NoDecay"],
+    "lr_scheduler.noam": ["Noam"],
+    "lr_scheduler.warmup": ["WarmupLRScheduler"],
+    "nccl": [
+        "NCCLCommunicator",
+        "allGather",
+        "allReduce",
+        "broadcast",
+        "commCount",
+        "commDestroy",
+        "commInitRank",
+        "commRank",
+        "dtype2nccl",
+        "getUniqueId",
+        "groupEnd",
+        "groupStart",
+        "ncclAvg",
+        "ncclBFloat16",
+        "ncclBool",
+        "ncclChar",
+        "ncclDouble",
+        "ncclFloat",
+        "ncclFloat16",
+        "ncclFloat32",
+        "ncclFloat64",
+        "ncclHalf",
+        "ncclInt",
+        "ncclInt32",
+        "ncclInt64",
+        "ncclInt8",
+        "ncclMax",
+        "ncclMin",
+        "ncclProd",
+        "ncclSum",
+        "ncclUint32",
+        "ncclUint64",
+        "ncclUint8",
+        "op2nccl",
+        "recv",
+        "reduce",
+        "reduceScatter",
+        "send",
+    ],
+    "nccl.enums": [
+        "ncclAvg",
+        "ncclBFloat16",
+        "ncclBool",
+        "ncclChar",
+        "ncclDouble",
+        "ncclFloat",
+        "ncclFloat16",
+        "ncclFloat32",
+        "ncclFloat64",
+        "ncclHalf",
+        "ncclInt",
+        "ncclInt32",
+        "ncclInt64",
+        "ncclInt8",
+        "ncclMax",
+        "ncclMin",
+        "ncclProd",
+        "ncclSum",
+        "ncclUint32",
+        "ncclUint64",
+        "ncclUint8",
+    ],
+    "nn": [
+        "ColumnParallelLinear",
+        "Linear",
+        "OpLinear",
+        "OpParallelLinear",
+        "RowParallelLinear",
+        "VPEmbedding",
+    ],
+    "nn.column_parallel_linear": ["ColumnParallelLinear"],
+    "nn.linear": ["Linear", "OpLinear"],
+    "nn.parallel_embedding": ["VPEmbedding"],
+    "nn.parallel_linear_func": [
+        "OpParallelLinear",
+        "ReduceType",
+        "async_all_gather_linear_backward_func",
+        "async_all_gather_linear_func",
+        "async_reduce_scatter_linear_func",
+        "preprocess_input",
+    ],
+    "nn.row_parallel_linear": ["RowParallelLinear"],
+    "optim": ["AdamOffloadOptimizer", "AdamOptimizer", "OptimManager"],
+    "optim._distributed": ["state_dict_gather"],
+    "optim._function": [
+        "CHECK_INPUT",
+        "adam_bf16",
+        "adam_cpu",
+        "adam_fp16",
+        "bf16_from_fp32",
+        "fp16_from_fp32",
+    ],
+    "optim.adam": ["AdamOptimizer"],
+    "optim.adam_offload": ["AdamOffloadOptimizer"],
+    "optim.optim_manager": ["OptimManager", "check_overflow", "grad_rescale"],
+    "param_init": [
+        "grouped_parameters",
+        "init_distributed_parameter",
+        "init_parameters",
+        "iterate_parameters",
+    ],
+    "parameter": ["DistributedParameter", "OpAllGather", "ParameterInitializer"],
+    "pipe_layer": [
+        "PipePostFunction",
+        "PipePreFunction",
+        "PipelineTransformerBlockList",
+        "StagePostFunction",
+        "StagePreFunction",
+    ],
+    "store": [
+        "DTYPE_LIST",
+        "DistributedStateDictWrapper",
+        "DistributedTensorWrapper",
+        "allgather_objects",
+        "async_save_to_file",
+        "broadcast_object",
+        "load",
+        "save",
+    ],
+    "synchronize": ["gather_result", "sum_loss", "synchronize", "wait_loader"],
+    "utils": [
+        "ALIGN",
+        "AverageRecorder",
+        "ROW_WIDTH",
+        "check_torch_version",
+        "load_nccl_pypi",
+        "print_block",
+        "print_dict",
+        "print_rank",
+        "round_up",
+        "see_memory",
+        "tp_split_tensor",
+    ],
+    "wrapper": ["BMTrainModelWrapper", "make_distributed", "model_wrapper_dispatch"],
+    "zero_context": ["ZeroContext"],
+}
+
+_ONE_MODULE = "nbtrain.{0} is one module: BMTrain's names of {0}.* are nbtrain.{0}.NAME"
+ABSENT_MODULES = {
+    "benchmark": "BMTrain's NCCL bandwidth scripts; nbtrain.bench measures nbtrain's own",
+    "benchmark.all_gather": "BMTrain's NCCL bandwidth scripts",
+    "benchmark.reduce_scatter": "BMTrain's NCCL bandwidth scripts",
+    "benchmark.send_recv": "BMTrain's NCCL bandwidth scripts",
+    "benchmark.shape": "BMTrain's NCCL bandwidth scripts",
+    "benchmark.utils": "BMTrain's NCCL bandwidth scripts",
+    "hook_func": "the autograd hooks inside BMTrain's Block; nbtrain's Block has its own",
+    "zero_context": "the gather/release context inside BMTrain's Block; nbtrain's Block has its own",
+    "loss._function": "BMTrain's C++/CUDA binding",
+    "optim._function": "BMTrain's C++/CUDA binding",
+    "optim._distributed": "BMTrain's private helper of OptimManager.state_dict",
+    "inspect.format": _ONE_MODULE.format("inspect"),
+    "inspect.model": _ONE_MODULE.format("inspect"),
+    "inspect.tensor": _ONE_MODULE.format("inspect"),
+    "loss.cross_entropy": _ONE_MODULE.format("loss"),
+    "lr_scheduler.cosine": _ONE_MODULE.format("lr_scheduler"),
+    "lr_scheduler.exponential": _ONE_MODULE.format("lr_scheduler"),
+    "lr_scheduler.linear": _ONE_MODULE.format("lr_scheduler"),
+    "lr_scheduler.no_decay": _ONE_MODULE.format("lr_scheduler"),
+    "lr_scheduler.noam": _ONE_MODULE.format("lr_scheduler"),
+    "lr_scheduler.warmup": _ONE_MODULE.format("lr_scheduler"),
+}
+
+_INTERNAL = "an autograd function or helper inside the public one; call that instead"
+ABSENT_NAMES = {
+    "block_layer": {"storage_type_cuda": "CUDA storage types; nbtrain's buffers are tensors"},
+    "distributed.ops": {
+        "OpAllGather": _INTERNAL,
+        "OpAllReduce": _INTERNAL,
+        "OpBroadcast": _INTERNAL,
+        "OpReduceScatter": _INTERNAL,
+        "send_meta": "the header travels inside send_activations",
+        "recv_meta": "the header travels inside recv_activations",
+    },
+    "nn.parallel_linear_func": {
+        "preprocess_input": _INTERNAL,
+        "async_all_gather_linear_func": _INTERNAL,
+        "async_all_gather_linear_backward_func": _INTERNAL,
+        "async_reduce_scatter_linear_func": _INTERNAL,
+    },
+    "optim.optim_manager": {"check_overflow": _INTERNAL, "grad_rescale": _INTERNAL},
+    "parameter": {"OpAllGather": _INTERNAL},
+    "pipe_layer": {
+        "PipePreFunction": _INTERNAL,
+        "PipePostFunction": _INTERNAL,
+        "StagePreFunction": _INTERNAL,
+        "StagePostFunction": _INTERNAL,
+    },
+    "store": {
+        "DistributedStateDictWrapper": "BMTrain's load broadcasts rank 0's file; each rank reads its rows",
+        "DistributedTensorWrapper": "BMTrain's load broadcasts rank 0's file; each rank reads its rows",
+    },
+    "wrapper": {"make_distributed": _INTERNAL, "model_wrapper_dispatch": _INTERNAL},
+}
+
+
+def _nbtrain_module(sub: str):
+    return importlib.import_module(f"nbtrain.{sub}" if sub else "nbtrain")
+
+
+@pytest.mark.parametrize("sub", sorted(m for m in BMTRAIN_MODULES if m not in ABSENT_MODULES))
+def test_every_bmtrain_module_and_name_is_at_its_path(sub):
+    module = _nbtrain_module(sub)
+    absent = ABSENT_NAMES.get(sub, {})
+    missing = [n for n in BMTRAIN_MODULES[sub] if n not in absent and not hasattr(module, n)]
+    assert not missing, f"nbtrain.{sub} lacks BMTrain's {missing}"
+
+
+def test_what_is_listed_absent_is_absent():
+    # An entry that nbtrain gained since is taken off the list, so the list stays true.
+    present = []
+    for sub in ABSENT_MODULES:
+        try:
+            _nbtrain_module(sub)
+            present.append(sub)
+        except ImportError:
+            pass
+    for sub, names in ABSENT_NAMES.items():
+        assert set(names) <= set(BMTRAIN_MODULES[sub]), sub
+        present += [f"{sub}.{n}" for n in names if hasattr(_nbtrain_module(sub), n)]
+    assert not present, f"listed absent but present: {present}"
+    assert set(ABSENT_MODULES) <= set(BMTRAIN_MODULES)
+
+
+def test_bmtrains_modules_give_nbtrains_objects():
+    import nbtrain.nccl
+    import nbtrain.param_init
+    import nbtrain.store
+
+    module = importlib.import_module("nbtrain.synchronize")
+    assert module.synchronize is bmt.synchronize  # and bmt.synchronize stays the function
+    assert callable(bmt.synchronize) and module.gather_result is bmt.gather_result
+    assert nbtrain.param_init.init_parameters is bmt.init_parameters
+    assert nbtrain.store.save is bmt.save and nbtrain.store.load is bmt.load
+    assert (
+        _nbtrain_module("pipe_layer").PipelineTransformerBlockList
+        is bmt.PipelineTransformerBlockList
+    )
+    assert _nbtrain_module("block_layer").Block is bmt.CheckpointBlock
+    assert _nbtrain_module("init").init_distributed is bmt.init_distributed
+    assert nbtrain.nccl.ncclSum == 0 and nbtrain.nccl.op2nccl("avg") == nbtrain.nccl.ncclAvg
