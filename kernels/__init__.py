@@ -83,10 +83,14 @@ def adam_step_(
     step,
     model_copy=None,
     impl="auto",
+    decoupled=True,
 ):
-    """One in-place AdamW step (decoupled weight decay, bias correction).
+    """One in-place Adam step with bias correction and weight decay.
 
-    Matches `torch.optim.AdamW` for one step with the same hyper-parameters.
+    Matches `torch.optim.AdamW` (decoupled=True: p -= lr * wd * p) or `torch.optim.Adam`
+    (decoupled=False: L2, grad + wd * p feeds the moments) for one step with the same
+    hyper-parameters. nbtrain's AdamOptimizer picks per dtype, as BMTrain does: L2
+    for fp32 parameters, decoupled for fp16/bf16 ones.
 
     Args:
         param: master weights, fp32, any shape, contiguous; updated in place.
@@ -97,6 +101,7 @@ def adam_step_(
         model_copy: optional bf16/fp16 tensor of the same size, overwritten with the
             new `param` in the same pass.
         impl: "auto", "triton" or "torch" (see the module docstring).
+        decoupled: the weight decay's form (above).
 
     Raises:
         TypeError: an unsupported dtype (the message names it and what is supported).
@@ -117,6 +122,7 @@ def adam_step_(
         weight_decay=weight_decay,
         step=step,
         model_copy=model_copy,
+        decoupled=decoupled,
     )
 
 

@@ -1,4 +1,8 @@
-"""AdamW step over one flat fp32 shard, optionally writing a half-precision copy.
+"""Adam step over one flat fp32 shard, optionally writing a half-precision copy.
+
+Weight decay either decoupled (AdamW, `torch.optim.AdamW`; BMTrain's kernels for
+fp16/bf16 parameters: p -= lr * wd * p) or L2 (`torch.optim.Adam`; BMTrain's update
+of fp32 parameters: grad += wd * p before the moments), chosen by the caller.
 
 One pass reads param, grad, exp_avg and exp_avg_sq and writes the three fp32 states
 back (28 bytes per parameter with an fp32 grad), plus 2 bytes when the bf16/fp16
@@ -31,6 +35,8 @@ def _adam_kernel(
     eps,
     step_size,
     bias_correction2_sqrt,
+    l2_decay,
+    L2: tl.constexpr,
     HAS_COPY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -42,7 +48,10 @@ def _adam_kernel(
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
     exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
 
-    # Same order of operations as torch.optim.AdamW (decay first, then the update).
+    # Same order of operations as torch.optim.AdamW (decay first, then the update),
+    # or as torch.optim.Adam (the decay joins the gradient; decay is then 1).
+    if L2:
+        grad = grad + l2_decay * param
     param = param * decay
     exp_avg = beta1 * exp_avg + (1.0 - beta1) * grad
     exp_avg_sq = beta2 * exp_avg_sq + (1.0 - beta2) * grad * grad
@@ -56,15 +65,28 @@ def _adam_kernel(
         tl.store(copy_ptr + offsets, param.to(copy_ptr.dtype.element_ty), mask=mask)
 
 
-def _hyper(lr, beta1, beta2, weight_decay, step):
+def _hyper(lr, beta1, beta2, weight_decay, step, decoupled):
     """Host-side scalars in float64, so kernel and reference round the same way."""
     bias_correction1 = 1.0 - beta1**step
     bias_correction2 = 1.0 - beta2**step
-    return 1.0 - lr * weight_decay, lr / bias_correction1, math.sqrt(bias_correction2)
+    decay = 1.0 - lr * weight_decay if decoupled else 1.0
+    return decay, lr / bias_correction1, math.sqrt(bias_correction2)
 
 
 def adam_step_triton(
-    param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, model_copy=None
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    model_copy=None,
+    decoupled=True,
 ):
     """Launcher: one program per BLOCK elements; inputs already checked."""
     n_elements = param.numel()
@@ -73,7 +95,10 @@ def adam_step_triton(
     # 1024 x 4 warps saturates HBM on A100/H100 for a pure streaming kernel; under the
     # interpreter each program costs ~0.5 ms, so fewer, larger programs are faster.
     block = 4096 if INTERPRETED else 1024
-    decay, step_size, bias_correction2_sqrt = _hyper(lr, beta1, beta2, weight_decay, step)
+    decay, step_size, bias_correction2_sqrt = _hyper(
+        lr, beta1, beta2, weight_decay, step, decoupled
+    )
+    l2 = not decoupled and weight_decay != 0.0
     grid = (triton.cdiv(n_elements, block),)
     _adam_kernel[grid](
         param,
@@ -88,6 +113,8 @@ def adam_step_triton(
         eps,
         step_size,
         bias_correction2_sqrt,
+        weight_decay,
+        L2=l2,
         HAS_COPY=model_copy is not None,
         BLOCK=block,
         num_warps=4,
@@ -96,11 +123,28 @@ def adam_step_triton(
 
 @torch.no_grad()
 def adam_step_torch(
-    param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step, model_copy=None
+    param,
+    grad,
+    exp_avg,
+    exp_avg_sq,
+    *,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    model_copy=None,
+    decoupled=True,
 ):
-    """Reference: the single-tensor torch.optim.AdamW update, in place."""
-    decay, step_size, bias_correction2_sqrt = _hyper(lr, beta1, beta2, weight_decay, step)
+    """Reference: the single-tensor torch.optim.AdamW (decoupled) or torch.optim.Adam
+    (L2) update, in place."""
+    decay, step_size, bias_correction2_sqrt = _hyper(
+        lr, beta1, beta2, weight_decay, step, decoupled
+    )
     grad = grad.float()
+    if not decoupled and weight_decay != 0.0:
+        grad = grad.add(param, alpha=weight_decay)  # a new tensor: the caller's grad stays
     param.mul_(decay)
     exp_avg.mul_(beta1).add_(grad, alpha=1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)

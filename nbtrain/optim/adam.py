@@ -1,4 +1,4 @@
-"""AdamOptimizer: AdamW on the local shards, with fp32 master weights for half params.
+"""AdamOptimizer: Adam on the local shards, with fp32 master weights for half params.
 
 Each parameter the optimizer sees is this rank's shard (a Block's flat shard or a
 DistributedParameter's slice), so the update is purely local: no collective here.
@@ -14,6 +14,12 @@ reshard them element by element):
 Gradients: `param.main_grad` (fp32, from a Block with reduce_dtype=torch.float32)
 when present, else `param.grad`. The whole update goes through `adam_update`: the
 fused Triton kernel on CUDA, torch `_foreach` ops elsewhere.
+
+Weight decay follows BMTrain per parameter dtype: an fp32 parameter takes it as L2
+(BMTrain steps it with torch's functional Adam: grad + wd * p feeds the moments, as
+`torch.optim.Adam(weight_decay=...)`), an fp16/bf16 parameter decoupled (BMTrain's
+fused kernels: p -= lr * wd * p beside the Adam step, as `torch.optim.AdamW`).
+`decoupled_weight_decay=True` makes every parameter AdamW (False: every one L2).
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ def adam_update(
     beta2,
     eps,
     weight_decay,
+    decoupled: bool = True,
 ) -> None:
-    """One AdamW step over lists of flat fp32 tensors, in place.
+    """One Adam step over lists of flat fp32 tensors, in place.
 
     Args:
         params: fp32 master weights (contiguous).
@@ -59,6 +66,8 @@ def adam_update(
         exp_avgs, exp_avg_sqs: fp32 moments.
         model_copies: per entry None or a bf16/fp16 tensor to receive the new weights.
         steps: per entry the step number (>= 1) for bias correction.
+        decoupled: weight decay as AdamW's (p -= lr * wd * p, torch.optim.AdamW) or,
+            when False, as L2 (grad + wd * p, torch.optim.Adam).
 
     Local: no communication.
     """
@@ -80,6 +89,7 @@ def adam_update(
                 weight_decay=weight_decay,
                 step=s,
                 model_copy=None if c is None else c.view(-1),
+                decoupled=decoupled,
             )
         return
     by_step: dict[int, list[int]] = {}
@@ -97,6 +107,7 @@ def adam_update(
             beta2=beta2,
             eps=eps,
             weight_decay=weight_decay,
+            decoupled=decoupled,
         )
         for i in idx:
             if model_copies[i] is not None:
@@ -105,15 +116,18 @@ def adam_update(
 
 @torch.no_grad()
 def _foreach_adam(
-    params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps, weight_decay
+    params, grads, exp_avgs, exp_avg_sqs, step, *, lr, beta1, beta2, eps, weight_decay, decoupled
 ) -> None:
-    # The same operations, in the same order, as torch.optim.AdamW's single-tensor
-    # path, so a run matches it to rounding (and is bitwise reproducible).
+    # The same operations, in the same order, as the single-tensor path of
+    # torch.optim.AdamW (decoupled) or torch.optim.Adam (L2), so a run matches it to
+    # rounding (and is bitwise reproducible).
     bias_correction1 = 1.0 - beta1**step
     bias_correction2_sqrt = math.sqrt(1.0 - beta2**step)
     step_size = lr / bias_correction1
-    if weight_decay != 0.0:
+    if weight_decay != 0.0 and decoupled:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    elif weight_decay != 0.0:  # new tensors: the parameters' own gradients stay
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1.0 - beta2)
@@ -124,7 +138,7 @@ def _foreach_adam(
 
 
 class AdamOptimizer(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) over this rank's shards.
+    """Adam over this rank's shards, with BMTrain's weight decay per dtype.
 
     Args:
         params: iterable of parameters or param-group dicts (usually
@@ -132,9 +146,15 @@ class AdamOptimizer(torch.optim.Optimizer):
         lr: learning rate (a scheduler may overwrite it each step).
         betas: (beta1, beta2).
         eps: added to the denominator.
-        weight_decay: decoupled decay, applied as `p *= 1 - lr * weight_decay`.
+        weight_decay: as BMTrain applies it: L2 for fp32 parameters (grad + wd * p,
+            `torch.optim.Adam`), decoupled for fp16/bf16 ones (p -= lr * wd * p,
+            `torch.optim.AdamW`).
         hold_steps: BMTrain's: for a parameter's first `hold_steps` steps the moments
             are updated but the weights are not (lr 0), warming the moments up.
+        decoupled_weight_decay: nbtrain's: None (default) follows BMTrain's rule above;
+            True decouples the decay for every dtype (AdamW, equal to
+            `torch.optim.AdamW` for fp32 parameters); False makes it L2 for every
+            dtype. A param group may set its own.
 
     `step()` is local to this rank. Use it through `OptimManager` for loss
     scaling, the cross-rank overflow check and clipping.
@@ -148,15 +168,28 @@ class AdamOptimizer(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         hold_steps: int = 0,
+        *,
+        decoupled_weight_decay: bool | None = None,
     ):
         self._hold_steps = int(hold_steps)
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas={betas}: each must be in [0, 1)")
-        super().__init__(
-            params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        if decoupled_weight_decay not in (None, True, False):
+            raise ValueError(
+                f"decoupled_weight_decay={decoupled_weight_decay!r}: use None (BMTrain's "
+                "rule: L2 for fp32 parameters, decoupled for fp16/bf16), True (AdamW for "
+                "every dtype) or False (L2 for every dtype)"
+            )
+        defaults = dict(
+            lr=lr,
+            betas=tuple(betas),
+            eps=eps,
+            weight_decay=weight_decay,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
+        super().__init__(params, defaults)
 
     def _state_device(self, param: torch.Tensor) -> torch.device:
         """Where this parameter's optimizer state lives (overridden by offload)."""
@@ -208,21 +241,33 @@ class AdamOptimizer(torch.optim.Optimizer):
         return {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in entry.items()}
 
     @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step on every parameter that has a gradient. Local.
+    def step(self, closure=None, scale: float = 1.0):
+        """One Adam step on every parameter that has a gradient. Local.
 
-        Gradients must already be unscaled (OptimManager.step does that).
+        Args:
+            closure: as for any torch optimizer.
+            scale: BMTrain's: the loss scale the gradients still carry (they are
+                divided by it). OptimManager unscales them first and passes nothing.
         """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if scale <= 0:
+            raise ValueError(f"step(scale={scale}): the loss scale must be > 0")
         for group in self.param_groups:
-            self._step_group(group)
+            self._step_group(group, float(scale))
         return loss
 
-    def _step_group(self, group: dict) -> None:
-        by_hold = {False: ([], [], [], [], [], []), True: ([], [], [], [], [], [])}
+    @staticmethod
+    def decouples(group: dict, param: torch.Tensor) -> bool:
+        """Whether `param`'s weight decay is decoupled (AdamW) rather than L2. Local."""
+        choice = group.get("decoupled_weight_decay")
+        return param.dtype in _HALF if choice is None else bool(choice)
+
+    def _step_group(self, group: dict, scale: float = 1.0) -> None:
+        # One update per (held, decoupled) kind: lists of the adam_update arguments.
+        kinds: dict[tuple[bool, bool], tuple] = {}
         write_back = []
         for p in group["params"]:
             grad = param_grad(p)
@@ -236,27 +281,30 @@ class AdamOptimizer(torch.optim.Optimizer):
             master = state.get("master")
             target = p if master is None else master
             grad = grad.to(target.device)  # blocking: the host update reads it at once
+            if scale != 1.0:
+                grad = grad.float() / scale
             # The fused path writes the half copy itself when it lives on the same device.
             copy = (
                 p if master is not None and master.device == p.device and p.dtype in _HALF else None
             )
             if master is not None and copy is None:
                 write_back.append((p, master))
+            lists = kinds.setdefault((holding, self.decouples(group, p)), ([], [], [], [], [], []))
             for out, value in zip(
-                by_hold[holding],
-                (target, grad, state["exp_avg"], state["exp_avg_sq"], copy, state["step"]),
+                lists, (target, grad, state["exp_avg"], state["exp_avg_sq"], copy, state["step"])
             ):
                 out.append(value)
         beta1, beta2 = group["betas"]
-        for holding, lists in by_hold.items():
-            if lists[0]:  # held: the moments move, the weights do not (BMTrain's hold_steps)
-                adam_update(
-                    *lists,
-                    lr=0.0 if holding else group["lr"],
-                    beta1=beta1,
-                    beta2=beta2,
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                )
+        for (holding, decoupled), lists in kinds.items():
+            # held: the moments move, the weights do not (BMTrain's hold_steps)
+            adam_update(
+                *lists,
+                lr=0.0 if holding else group["lr"],
+                beta1=beta1,
+                beta2=beta2,
+                eps=group["eps"],
+                weight_decay=group["weight_decay"],
+                decoupled=decoupled,
+            )
         for p, master in write_back:
             p.copy_(master, non_blocking=True)

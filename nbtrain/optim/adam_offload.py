@@ -1,4 +1,4 @@
-"""AdamOffloadOptimizer: AdamW whose state and master weights live in CPU memory.
+"""AdamOffloadOptimizer: Adam whose state and master weights live in CPU memory.
 
 On a GPU machine each step copies the shard's gradient to the host (pinned buffers,
 so the copy is a DMA), runs the update there with torch `_foreach` ops, and copies
@@ -15,10 +15,12 @@ from .adam import AdamOptimizer
 
 
 class AdamOffloadOptimizer(AdamOptimizer):
-    """AdamW with state and fp32 master weights on the CPU.
+    """Adam with state and fp32 master weights on the CPU.
 
     Args: as AdamOptimizer (BMTrain's `AdamOffloadOptimizer(params, weight_decay=...)`
-    works as it is).
+    works as it is), weight decay included: L2 for fp32 parameters, decoupled for
+    fp16/bf16 ones, as BMTrain's; `decoupled_weight_decay` chooses otherwise.
+    BMTrain's `record_delta` is not taken.
 
     Local: `step()` talks to no other rank.
     """
@@ -31,9 +33,17 @@ class AdamOffloadOptimizer(AdamOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         hold_steps: int = 0,
+        *,
+        decoupled_weight_decay: bool | None = None,
     ):
         super().__init__(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, hold_steps=hold_steps
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            hold_steps=hold_steps,
+            decoupled_weight_decay=decoupled_weight_decay,
         )
 
     def _state_device(self, param: torch.Tensor) -> torch.device:

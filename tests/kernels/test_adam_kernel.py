@@ -1,4 +1,6 @@
-"""adam_step_: Triton against the torch reference and against torch.optim.AdamW."""
+"""adam_step_: Triton against the torch reference and against torch.optim.AdamW
+(decoupled weight decay) and torch.optim.Adam (L2), the two forms nbtrain's
+AdamOptimizer takes per dtype as BMTrain does."""
 
 import pytest
 import torch
@@ -19,11 +21,12 @@ def _state(n, grad_dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("n", [1, 1000, 4097, 3 * 7 * 129])
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("copy_dtype", [None, torch.float16])
-def test_matches_reference(n, grad_dtype, copy_dtype):
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_matches_reference(n, grad_dtype, copy_dtype, decoupled):
     ours, ref = _state(n, grad_dtype), _state(n, grad_dtype)
     copy = None if copy_dtype is None else torch.empty(n, dtype=copy_dtype, device=DEVICE)
-    K.adam_step_(*ours, step=3, model_copy=copy, impl="triton", **HYPER)
-    K.adam_step_(*ref, step=3, impl="torch", **HYPER)
+    K.adam_step_(*ours, step=3, model_copy=copy, impl="triton", decoupled=decoupled, **HYPER)
+    K.adam_step_(*ref, step=3, impl="torch", decoupled=decoupled, **HYPER)
     for name, a, b in zip(("param", "grad", "exp_avg", "exp_avg_sq"), ours, ref):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6, msg=name)
     if copy is not None:
@@ -42,13 +45,16 @@ def test_bf16_grad_and_copy_on_gpu():
 
 
 @pytest.mark.parametrize("impl", ["triton", "torch"])
-def test_three_steps_match_torch_adamw(impl):
+@pytest.mark.parametrize(
+    "decoupled,torch_cls", [(True, torch.optim.AdamW), (False, torch.optim.Adam)]
+)
+def test_three_steps_match_torch_adamw_and_adam(impl, decoupled, torch_cls):
     n = 1000
     param, grad, exp_avg, exp_avg_sq = _state(n)
     exp_avg.zero_()
     exp_avg_sq.zero_()
     torch_param = torch.nn.Parameter(param.clone())
-    opt = torch.optim.AdamW(
+    opt = torch_cls(
         [torch_param],
         lr=HYPER["lr"],
         betas=(HYPER["beta1"], HYPER["beta2"]),
@@ -60,9 +66,13 @@ def test_three_steps_match_torch_adamw(impl):
         g = grad * step
         torch_param.grad = g.clone()
         opt.step()
-        K.adam_step_(param, g, exp_avg, exp_avg_sq, step=step, impl=impl, **HYPER)
+        K.adam_step_(
+            param, g, exp_avg, exp_avg_sq, step=step, impl=impl, decoupled=decoupled, **HYPER
+        )
+        assert torch.equal(g, grad * step)  # L2 adds the decay to a copy, not to grad
     torch.testing.assert_close(param, torch_param.detach(), atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(exp_avg_sq, opt.state[torch_param]["exp_avg_sq"])
+    torch.testing.assert_close(exp_avg, opt.state[torch_param]["exp_avg"])
 
 
 def test_rejects_bad_inputs_with_clear_errors():

@@ -59,7 +59,8 @@ def plain():
     embed = torch.nn.Embedding(VOCAB, DIM)
     w_in, w_out = torch.nn.Linear(DIM, FFN), torch.nn.Linear(FFN, DIM)
     params = [embed.weight, w_in.weight, w_in.bias, w_out.weight, w_out.bias]
-    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=1e-2)
+    # BMTrain's AdamOptimizer on fp32 parameters: weight decay as L2, torch's Adam.
+    optimizer = torch.optim.Adam(params, lr=1e-2, weight_decay=1e-2)
     losses = []
     for ids, target in batches():
         optimizer.zero_grad()

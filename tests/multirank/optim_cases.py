@@ -31,11 +31,18 @@ def my_rows(rows: int = GLOBAL_BATCH) -> slice:
 
 
 def plain_train(
-    steps: int, clip: float | None = None, norm_type: float = 2.0, rows: int = GLOBAL_BATCH
+    steps: int,
+    clip: float | None = None,
+    norm_type: float = 2.0,
+    rows: int = GLOBAL_BATCH,
+    decoupled: bool = False,
 ):
-    """torch.optim.AdamW on the plain model, one process. Returns (losses, norms, state)."""
+    """torch.optim.Adam (L2 weight decay: AdamOptimizer's rule for fp32 parameters, as
+    BMTrain's) or, when `decoupled`, torch.optim.AdamW (its rule for bf16/fp16 ones) on
+    the plain fp32 model, one process. Returns (losses, norms, state)."""
     model = cases.plain_model()
-    opt = torch.optim.AdamW(model.parameters(), **HYPER)
+    cls = torch.optim.AdamW if decoupled else torch.optim.Adam
+    opt = cls(model.parameters(), **HYPER)
     xs, ys = global_batches(steps, rows)
     losses, norms = [], []
     for s in range(steps):

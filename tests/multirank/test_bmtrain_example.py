@@ -3,7 +3,7 @@
 1. It runs as a script under torchrun on 2 CPU ranks (tp_size=2) and writes BMTrain's
    checkpoint format: the full state dict, torch.load-able with weights_only=True.
 2. Its steps match a plain-PyTorch GPT on one process: the script's own main()
-   (AdamOffloadOptimizer, Noam, loss scale 2**20, clipping) against torch AdamW, and
+   (AdamOffloadOptimizer, Noam, loss scale 2**20, clipping) against torch Adam, and
    the same model with torch.optim.SGD(momentum=0.9) against plain SGD: every gradient
    exact, the tensor-parallel layers' and the replicated Layernorm's and position
    embedding's (partial on each tp rank, summed over tp: nbtrain.zero.tp_partial).
@@ -152,7 +152,7 @@ def _plain_steps(plain, batch, steps, optimizer, lr_at=None):
 
 
 def _adam_parity(folder):
-    """The script's own main() against plain AdamW with the same schedule."""
+    """The script's own main() against plain Adam with the same schedule."""
     import nbtrain as bmt
 
     train, _ = _example()
@@ -164,11 +164,12 @@ def _adam_parity(folder):
 
     os.chdir(folder)
     out = train.main()
-    # nbtrain's Adam defaults, spelt out: betas, eps, decoupled decay p *= 1 - lr * wd.
-    adamw = torch.optim.AdamW(
+    # BMTrain's Adam defaults, spelt out: betas, eps, and for these fp32 parameters
+    # weight decay as L2 (grad + wd * p), as BMTrain's torch.optim._functional.adam.
+    adam = torch.optim.Adam(
         plain.parameters(), lr=0.0, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2
     )
-    ref_losses, _, _ = _plain_steps(plain, batch, train.NUM_STEPS, adamw, _noam)
+    ref_losses, _, _ = _plain_steps(plain, batch, train.NUM_STEPS, adam, _noam)
     saved = torch.load(os.path.join(folder, out["checkpoint"]), weights_only=True)
     # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift
     # shared by a query's scores): in float32 it is rounding noise near 1e-9, which
@@ -279,7 +280,7 @@ def test_the_example_runs_under_torchrun_on_two_cpu_ranks(tmp_path):
     assert not [k for k in os.listdir(tmp_path) if k != "checkpoint.pt"]  # no parts left
 
 
-def test_the_example_trains_as_plain_pytorch_with_adamw(tmp_path):
+def test_the_example_trains_as_plain_pytorch_with_adam(tmp_path):
     for rank, (losses, ref, worst) in enumerate(
         run_ranks(_adam_parity, 2, str(tmp_path), backend="gloo", timeout_s=120)
     ):

@@ -8,7 +8,7 @@ ZeRO-2 and one recomputing its activations. The same classes built with
 on the whole batch while each rank trains on its slice.
 
 Checked at every step, with SGD (momentum), AdamW, and BMTrain's AdamOffloadOptimizer
-in an OptimManager:
+in an OptimManager (against torch's Adam: L2 weight decay for fp32, as BMTrain's):
   * the losses, and at the end every weight, equal the reference's;
   * `.grad` of every DistributedParameter holds this rank's part of the reference's
     gradient: in a Block, the part `_start_partition:_end_partition` of the
@@ -109,13 +109,16 @@ def batches(world):
 
 def make_optimizer(kind, params, dist=False):
     """ "sgd", "adamw", or "bmt": BMTrain's AdamOffloadOptimizer in an OptimManager on
-    the sharded model (the plain model: torch's AdamW, the same update)."""
+    the sharded model (the plain model: torch's Adam, the same update: BMTrain's weight
+    decay of fp32 parameters is L2)."""
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.2, momentum=0.9)
     if kind == "bmt" and dist:
         manager = bmt.optim.OptimManager(loss_scale=None)
         manager.add_optimizer(bmt.optim.AdamOffloadOptimizer(params, lr=0.02, weight_decay=0.1))
         return manager
+    if kind == "bmt":
+        return torch.optim.Adam(params, lr=0.02, weight_decay=0.1)
     return torch.optim.AdamW(params, lr=0.02, weight_decay=0.1)
 
 

@@ -2,7 +2,8 @@
 
 A BMTrain-style model with a plain nn.Embedding, nn.LayerNorm and nn.Linear head
 around sharded Blocks, trained on 2 and 3 ranks, equals one plain process on the
-concatenated batch: with torch.optim.AdamW, with OptimManager + AdamOptimizer, and
+concatenated batch: with torch.optim.AdamW, with OptimManager + AdamOptimizer (whose
+fp32 weight decay is L2, as BMTrain's: against torch.optim.Adam), and
 with SGD + momentum (which, unlike Adam, sees the gradient's scale: a sum where a
 mean belongs would fail here).
 """
@@ -23,6 +24,8 @@ def make_optimizer(kind: str, params):
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
     if kind == "manager":
         return AdamOptimizer(params, lr=1e-2, eps=1e-6, weight_decay=0.01)
+    if kind == "adam":  # AdamOptimizer's fp32 rule (BMTrain's): L2 weight decay
+        return torch.optim.Adam(params, lr=1e-2, eps=1e-6, weight_decay=0.01)
     return torch.optim.AdamW(params, lr=1e-2, eps=1e-6, weight_decay=0.01)
 
 
@@ -50,7 +53,7 @@ def train(model, kind: str, xs, ys, rows=slice(None), reduce=lambda loss: loss):
 def plain_run(world: int, kind: str):
     model = PlainLM()
     xs, ys = batches(world)
-    losses = train(model, "adamw" if kind == "manager" else kind, xs, ys)
+    losses = train(model, "adam" if kind == "manager" else kind, xs, ys)
     return losses, model.state_dict()
 
 

@@ -11,8 +11,8 @@ parameters frozen, trained on the whole batch while each rank trains on its slic
 Checked at every step: the loss equals the reference's, a frozen parameter's `.grad`
 is None and a training one's is not (a DistributedParameter's: its part of the
 reference's gradient); at the end every weight equals the reference's. With SGD
-(momentum) every schedule matches. With AdamW (torch's, and nbtrain's AdamOptimizer in
-an OptimManager) a flat shard keeps one step count, so its schedule only freezes
+(momentum) every schedule matches. With Adam (torch's AdamW, and nbtrain's AdamOptimizer
+in an OptimManager against torch's Adam: L2 decay for fp32, as BMTrain's) a flat shard keeps one step count, so its schedule only freezes
 parameters for good (one more each step): a thawed one's bias correction would differ
 (nbtrain/zero/freeze.py).
 """
@@ -77,6 +77,8 @@ def _optimizer(kind, params):
         manager = bmt.optim.OptimManager(loss_scale=None)
         manager.add_optimizer(bmt.optim.AdamOptimizer(params, lr=0.05, weight_decay=0.1))
         return manager
+    if kind == "adam":  # the reference for "bmt": L2 decay for fp32, as BMTrain's
+        return torch.optim.Adam(params, lr=0.05, weight_decay=0.1)
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
 
 
@@ -95,8 +97,9 @@ def _batches(world):
 
 def _train_plain(kind, schedule, world):
     model = nn.Sequential(*_layers(dist=False))
-    # nbtrain's AdamOptimizer makes AdamW's update: the reference for "bmt" is AdamW.
-    opt = _optimizer("sgd" if kind == "sgd" else "adamw", model.parameters())
+    # AdamOptimizer on fp32 parameters takes weight decay as L2 (BMTrain's rule): the
+    # reference for "bmt" is torch's Adam.
+    opt = _optimizer({"sgd": "sgd", "bmt": "adam"}.get(kind, "adamw"), model.parameters())
     xs, losses, grads = _batches(world), [], []
     for step in range(STEPS):
         for name, p in model.named_parameters():

@@ -1,4 +1,6 @@
-"""AdamOptimizer in one process: equals torch.optim.AdamW; fp32 master for bf16."""
+"""AdamOptimizer in one process: fp32 parameters equal torch.optim.Adam (L2 weight
+decay, BMTrain's rule) or, with decoupled_weight_decay=True, torch.optim.AdamW; bf16
+parameters decouple the decay and keep an fp32 master."""
 
 import pytest
 import torch
@@ -19,9 +21,14 @@ def _grads(step):
 
 
 @pytest.mark.parametrize("cls", [AdamOptimizer, AdamOffloadOptimizer])
-def test_matches_torch_adamw(cls):
+@pytest.mark.parametrize(
+    "decoupled,ref_cls",
+    [(None, torch.optim.Adam), (False, torch.optim.Adam), (True, torch.optim.AdamW)],
+)
+def test_fp32_matches_torch_adam_or_adamw(cls, decoupled, ref_cls):
     ours, ref = _params(), _params()
-    opt, ref_opt = cls(ours, **HYPER), torch.optim.AdamW(ref, **HYPER)
+    opt = cls(ours, decoupled_weight_decay=decoupled, **HYPER)
+    ref_opt = ref_cls(ref, foreach=False, **HYPER)
     for step in range(12):
         for p, q, g in zip(ours, ref, _grads(step)):
             p.grad, q.grad = g.clone(), g.clone()
@@ -72,14 +79,18 @@ def test_rejects_bad_hyperparameters():
         AdamOptimizer(_params(), betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="lr"):
         AdamOptimizer(_params(), lr=-1.0)
+    with pytest.raises(ValueError, match="decoupled_weight_decay='yes'"):
+        AdamOptimizer(_params(), decoupled_weight_decay="yes")
+    with pytest.raises(ValueError, match="scale=0"):
+        AdamOptimizer(_params()).step(scale=0)
 
 
 @pytest.mark.parametrize("cls", [AdamOptimizer, AdamOffloadOptimizer])
 def test_hold_steps_warm_the_moments_without_moving_the_weights(cls):
-    """BMTrain's hold_steps: torch's AdamW with lr 0 for those steps, then the lr."""
+    """BMTrain's hold_steps: torch's Adam with lr 0 for those steps, then the lr."""
     ours, ref = _params(), _params()
     start = [p.detach().clone() for p in ours]
-    opt, ref_opt = cls(ours, hold_steps=3, **HYPER), torch.optim.AdamW(ref, **HYPER)
+    opt, ref_opt = cls(ours, hold_steps=3, **HYPER), torch.optim.Adam(ref, **HYPER)
     for step in range(8):
         for p, q, g in zip(ours, ref, _grads(step)):
             p.grad, q.grad = g.clone(), g.clone()
