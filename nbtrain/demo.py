@@ -62,7 +62,10 @@ def _train(args: argparse.Namespace) -> None:
         )
     else:
         model = nbt.wrap(GPT(cfg).to(ctx.device), zero_level=3)
-    optimizer = nbt.optim.AdamOptimizer(model.parameters(), lr=args.lr, weight_decay=0.01)
+    # AdamW: decoupled weight decay for fp32 weights too (BMTrain's rule is L2 for them).
+    optimizer = nbt.optim.AdamOptimizer(
+        model.parameters(), lr=args.lr, weight_decay=0.01, decoupled_weight_decay=True
+    )
     scheduler = nbt.lr_scheduler.Cosine(
         optimizer, start_lr=args.lr, warmup_iter=max(1, args.steps // 20), end_iter=args.steps
     )

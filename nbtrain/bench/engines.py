@@ -239,7 +239,8 @@ def optimizer(engine: str, model: nn.Module, dtype: str = "fp32") -> torch.optim
     """The engine's AdamW (same hyperparameters everywhere): torch's in fp32; in bf16
     the engine's fp32-master recipe (see the module docstring). Local."""
     if dtype == "bf16" and engine in NBTRAIN_ENGINES:
-        return nbt.optim.AdamOptimizer(model.parameters(), **ADAMW)
+        # AdamW, as the other engines': decoupled decay (BMTrain's rule for bf16 too).
+        return nbt.optim.AdamOptimizer(model.parameters(), decoupled_weight_decay=True, **ADAMW)
     if dtype == "bf16" and engine == "ddp":
         return MasterAdamW(model.parameters(), **ADAMW)
     return torch.optim.AdamW(model.parameters(), **ADAMW)

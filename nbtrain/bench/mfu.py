@@ -140,7 +140,8 @@ def build(engine: str, cfg, seed: int, device, backend: str):
     if engine.startswith("nbtrain"):
         kw = {"compile": {"backend": backend}} if engine == "nbtrain_compile" else {}
         model = nbt.wrap(model, zero_level=3, reduce_dtype=torch.float32, **kw)
-        return model, nbt.optim.AdamOptimizer(model.parameters(), **ADAMW)
+        opt = nbt.optim.AdamOptimizer(model.parameters(), decoupled_weight_decay=True, **ADAMW)
+        return model, opt  # AdamW (decoupled decay), as torch's engines
     if engine == "torch_compile":
         compile_layers(model.model.layers, {"backend": backend})
     fused = {"fused": True} if torch.device(device).type == "cuda" else {}
