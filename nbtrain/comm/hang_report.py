@@ -14,7 +14,7 @@ before the timeout (a test runner's limit) still says where it stood.
 The fast path stays local: a counter and a dict entry per blocking wait (about 1 us,
 measured in tests/multirank/test_hang_report.py). Nothing touches the store unless a
 wait lasts past a grace period (5% of the timeout, 0.2 to 5 s), checked by one
-daemon thread four times a second.
+daemon thread four times a second, which ends once no wait blocks.
 
 Not covered: under NCCL a wait returns at once (the stream waits, not the host), so
 nothing here sees a hang; torch's NCCL watchdog reports the stuck collective by its
@@ -103,11 +103,19 @@ class CollectiveWatch:
         self._seqs: dict[int, list] = {}  # id(group) -> [group (kept alive), count]
         self._active: dict[int, Wait] = {}  # id(wait) -> blocking wait in progress
         self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
 
     def reset(self) -> None:
+        """Forgets every number and ends the watching thread (it starts again with
+        the next blocking wait)."""
         with self._lock:
             self._seqs.clear()
             self._active.clear()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            self._stop.set()
+            thread.join()
+            self._stop.clear()
 
     def issued(self, kind: str, label: str, group) -> Wait:
         """The next collective of `group` on this rank. Local, cheap."""
@@ -183,12 +191,21 @@ class CollectiveWatch:
                 self._thread.start()
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(POLL_S)
+        # The thread lives only while some wait blocks: no thread outlives the run.
+        while not self._stop.wait(POLL_S):
             try:
                 self._check(time.monotonic())
             except Exception:  # the group went away under us (teardown): nothing to say
-                continue
+                pass
+            with self._lock:
+                if self._active:
+                    continue
+                self._thread = None
+            if self._active:  # a wait entered between the check and the line above
+                self._start()
+            return
+        with self._lock:
+            self._thread = None
 
     def _check(self, now: float) -> None:
         waits = list(self._active.values())
