@@ -29,6 +29,9 @@ import math
 import torch
 
 _HALF = (torch.float16, torch.bfloat16)
+_MOMENTS = ("exp_avg", "exp_avg_sq", "master")
+# BMTrain's host staging buffers, which some of its state dicts carry: not state.
+_BMTRAIN_BUFFERS = ("_grad_fp32", "_param_fp16", "_grad_fp16")
 
 
 def param_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -238,7 +241,24 @@ class AdamOptimizer(torch.optim.Optimizer):
 
     def _restore_state(self, param: torch.Tensor, entry: dict) -> dict:
         device = self._state_device(param)
-        return {k: v.to(device, copy=True) if torch.is_tensor(v) else v for k, v in entry.items()}
+        entry = dict(entry)
+        # BMTrain's state: its fp32 master is `_param_fp32` (kept for fp32 parameters
+        # too by its offload optimizer, where nbtrain's parameter is its own master).
+        bmtrain_master = entry.pop("_param_fp32", None)
+        for key in _BMTRAIN_BUFFERS:
+            entry.pop(key, None)
+        state = {
+            k: v.to(device, dtype=torch.float32 if k in _MOMENTS else v.dtype, copy=True)
+            if torch.is_tensor(v)
+            else v
+            for k, v in entry.items()
+        }
+        needs_master = param.dtype != torch.float32 or device != param.device
+        if needs_master and "master" not in state:
+            master = bmtrain_master if bmtrain_master is not None else param.detach()
+            state["master"] = master.to(device=device, dtype=torch.float32, copy=True)
+            state["master"] = state["master"].reshape(param.shape)
+        return state
 
     @torch.no_grad()
     def step(self, closure=None, scale: float = 1.0):

@@ -176,6 +176,8 @@ class OptimManager:
             if g is None or getattr(p, "_nbtrain_norm_skip", False):
                 continue  # (a tied parameter's copy on a later pipeline stage)
             if is_sharded(p):
+                if getattr(p, "tp_replicated", False) and tp_rank != 0:
+                    continue  # sharded over dp, the same on every tp rank: counted once
                 part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
             elif slice_kind(p) == "ep":
                 if edp_rank != 0:
@@ -328,7 +330,10 @@ class OptimManager:
 
     def load_scalar_state(self, state: dict) -> None:
         self.loss_scale = float(state["loss_scale"])
-        self.steps_since_rescale = int(state["steps_since_rescale"])
+        # BMTrain's manager saves neither counter, but whether the scale is dynamic.
+        self.steps_since_rescale = int(state.get("steps_since_rescale", 0))
+        if "loss_scale_enabled" in state:
+            self.loss_scale_enabled = bool(state["loss_scale_enabled"])
         self.num_steps = int(state.get("num_steps", 0))
         self.num_skipped = int(state.get("num_skipped", 0))
         saved = state.get("lr_schedulers", [])
@@ -344,12 +349,28 @@ class OptimManager:
             if sched is not None:
                 sched.load_state_dict(sd)
 
-    def state_dict(self) -> dict:
+    def state_dict(self, gather_opt: bool = False) -> dict:
         """This rank's state: scale, schedules and each optimizer's local state dict.
 
-        Restores on the same world size; `nbtrain.save_checkpoint` reshards. Local.
+        BMTrain's default (`gather_opt=False`): each rank saves its own, and it restores
+        on the same world size; `nbtrain.save_checkpoint` reshards. Local.
+
+        Raises:
+            NotImplementedError: `gather_opt=True` (BMTrain gathers AdamOffload's state
+                whole on every rank); nbtrain saves it sharded instead.
         """
-        return {**self.scalar_state(), "optimizers": [opt.state_dict() for opt in self.optimizers]}
+        if gather_opt:
+            raise NotImplementedError(
+                "OptimManager.state_dict(gather_opt=True): nbtrain does not gather the "
+                "optimizer state whole; save it sharded with nbtrain.save_checkpoint(model, "
+                "folder, manager), which loads at any world size, or keep gather_opt=False "
+                "(each rank's own state, as BMTrain's default)"
+            )
+        return {
+            **self.scalar_state(),
+            "loss_scale_enabled": self.loss_scale_enabled,
+            "optimizers": [opt.state_dict() for opt in self.optimizers],
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Restores `state_dict()` output (same world size). Local."""

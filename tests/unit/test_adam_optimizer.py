@@ -118,3 +118,51 @@ def test_optim_manager_grad_scale_is_bmtrains_divisor():
     assert OptimManager().grad_scale == 1  # one process: the data-parallel size
     halved = OptimManager(loss_scale=8, grad_scale=2)  # BMTrain: loss * 8 / 2 summed over 1 rank
     assert halved.scale_loss(torch.tensor(1.0)).item() == 4.0
+
+
+@pytest.mark.parametrize("cls", [AdamOptimizer, AdamOffloadOptimizer])
+def test_loads_bmtrains_optimizer_state_layout(cls):
+    """BMTrain names the fp32 master `_param_fp32` (its offload optimizer keeps one for
+    fp32 parameters too, and may carry host staging buffers): loaded, training goes
+    on exactly as from nbtrain's own state dict."""
+    runs = []
+    for convert in (False, True):
+        params = _params(torch.bfloat16)[:2] + _params()[2:]
+        opt = cls(params, **HYPER)
+        for step in range(3):
+            for p, g in zip(params, _grads(step)):
+                p.grad = g.to(p.dtype)
+            opt.step()
+        saved = opt.state_dict()
+        if convert:
+            for index, entry in saved["state"].items():
+                param = params[index]
+                master = entry.pop("master", None)
+                entry["_param_fp32"] = master if master is not None else param.detach().float()
+                entry["_grad_fp32"] = torch.full_like(entry["_param_fp32"], float("nan"))
+        fresh = cls(params, **HYPER)
+        fresh.load_state_dict(saved)
+        for step in range(3, 5):
+            for p, g in zip(params, _grads(step)):
+                p.grad = g.to(p.dtype)
+            fresh.step()
+        runs.append([p.detach().clone() for p in params])
+        assert all("_grad_fp32" not in st for st in fresh.state.values())
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_optim_manager_loads_bmtrains_keys_and_refuses_gather_opt():
+    from nbtrain.optim import OptimManager
+
+    manager = OptimManager(loss_scale=1024)
+    manager.add_optimizer(AdamOptimizer(_params(), **HYPER))
+    state = manager.state_dict()
+    assert state["loss_scale_enabled"] is True
+    bmtrain_keys = {k: state[k] for k in ("optimizers", "lr_schedulers", "loss_scale")}
+    other = OptimManager()
+    other.add_optimizer(AdamOptimizer(_params(), **HYPER))
+    other.load_state_dict({**bmtrain_keys, "loss_scale": 512.0, "loss_scale_enabled": True})
+    assert other.loss_scale == 512.0 and other.loss_scale_enabled
+    with pytest.raises(NotImplementedError, match="gather_opt=True.*save_checkpoint"):
+        manager.state_dict(gather_opt=True)
