@@ -8,7 +8,9 @@ never make that choice themselves: a `GPT(cfg)` is plain whatever tp_size is.
 Each layer keeps its slice of the weight as a plain parameter tagged with the
 dimension it splits (`param.tp_split_dim`: 0 = rows, 1 = columns) and the full
 shape (`param.tp_full_shape`); replicated parameters (a row-parallel bias) have
-`tp_split_dim = None`. Layouts between layers (see nbtrain.nn.tp_comm):
+`tp_split_dim = None` and `tp_replicated = True` (as BMTrain's tp-mode parameter
+without a split dimension: sharded over data parallel only, counted once in a
+norm). Layouts between layers (see nbtrain.nn.tp_comm):
 
 =====================  ===================  =====================================
 layer, flags           input                output
@@ -20,8 +22,9 @@ ColumnParallelLinear   gather_input=True:   (all tokens, out/tp); gather_output=
                        (Megatron)
 RowParallelLinear      (all tokens, in/tp); all_reduce_output=False (default):
                        split_input=True:    token slice (seq. parallel);
-                       the whole `in`, this True: all tokens (Megatron)
-                       rank takes its slice
+                       token slice, whole   True: all tokens (Megatron)
+                       `in` (gathered, this
+                       rank takes its slice)
 VPEmbedding            ids: token slice     embeddings of this rank's ids
                        (sequence_parallel=
                        True) or all tokens
@@ -62,9 +65,14 @@ def slice_param(
     full: torch.Tensor, dim: int | None, size: int, rank: int, groups: int = 1
 ) -> nn.Parameter:
     """This rank's slice of `full` along `dim`. With `groups` > 1 the dimension is that
-    many equal parts (q, k and v of a fused projection) and each part is split."""
+    many equal parts (q, k and v of a fused projection) and each part is split. With
+    `dim` None the whole tensor, marked `tp_replicated`: the layer makes its gradient
+    whole on every tp rank, so ZeRO shards it over data parallel only
+    (nbtrain.zero.placement)."""
     param = nn.Parameter(cut(full, dim, size, rank, groups).contiguous().clone())
     param.tp_split_dim = dim
+    if dim is None:
+        param.tp_replicated = True
     param.tp_full_shape = tuple(full.shape)
     param.tp_groups = groups
     return param
@@ -262,10 +270,9 @@ class RowParallelLinear(_LinearSlices, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
-            sequence_parallel = not self.all_reduce_output  # the input is a token slice
-            if sequence_parallel:
-                x = tp_comm.gather_rows(x)
-            x = tp_comm.own_chunk_last(x, after_gather_rows=sequence_parallel)
+            # BMTrain's split_input: a token slice with every input feature; all
+            # tokens are gathered and this rank multiplies its features' columns.
+            x = tp_comm.own_chunk_last(tp_comm.gather_rows(x), after_gather_rows=True)
         partial = F.linear(x, self.weight)
         if self.all_reduce_output:
             y = tp_comm.reduce_to_tp(partial)

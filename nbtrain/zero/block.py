@@ -47,7 +47,7 @@ from .members import become_part, sync_requires_grad
 from .named_members import NamedMembers
 from .parameter import DistributedParameter, Placeholder
 from .partition import FlatLayout
-from .placement import copy_tp_meta, is_tp_slice, shard_group, slice_kind
+from .placement import copy_tp_meta, is_tp_slice, shard_group, shard_kind
 from .reducer import GradReducer
 from .tp_partial import TpLayout
 from .tp_slices import full_from_slice, slice_from_full
@@ -215,7 +215,7 @@ class Block(nn.Module):
     def _build_groups(self, entries: list[_ParamEntry], ctx, reduce_dtype=None) -> None:
         by_key: dict = {}
         for entry in entries:
-            key = (entry.param.dtype, entry.param.requires_grad, slice_kind(entry.param))
+            key = (entry.param.dtype, entry.param.requires_grad, shard_kind(entry.param))
             by_key.setdefault(key, []).append(entry)
         self._groups: list[FlatGroup] = []
         self._init_methods: list[list] = []
@@ -251,6 +251,8 @@ class Block(nn.Module):
             group.entries = group_entries
             if kind is None and ctx.topology.tp_size > 1:
                 group.tp_layout = TpLayout(len(group_entries), ranks.group)
+            if kind == "tp_replicated":  # the same shard on every tp rank: a norm's once
+                group.shard.tp_replicated = True
             self.register_parameter(f"flat_param_{i}", group.shard)
             self._groups.append(group)
             self._init_methods.append(inits)

@@ -20,7 +20,14 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from .partition import shard_range
-from .placement import ShardGroup, copy_tp_meta, is_tp_slice, shard_group, slice_kind
+from .placement import (
+    ShardGroup,
+    copy_tp_meta,
+    is_tp_replicated,
+    is_tp_slice,
+    shard_group,
+    shard_kind,
+)
 from .tp_partial import TpLayout
 
 
@@ -63,8 +70,9 @@ class DistributedParameter(nn.Parameter):
         init_method: callable applied to a full-shape tensor by
             `init_parameters(model)`; None keeps `data`.
         tp_slice_of: a tensor-parallel slice (a parameter of nbtrain.nn's parallel
-            layers) that `data` holds: the shards spread over the ranks holding that
-            slice (its data-parallel group) instead of the world, and the result keeps
+            layers) that `data` holds, or a tensor they replicate over tp
+            (`tp_replicated`): the shards spread over the ranks holding that slice
+            (its data-parallel group) instead of the world, and the result keeps
             the slice's tp attributes.
         stage: a parameter of one pipeline stage: sharded over that stage's ranks
             (otherwise over the world).
@@ -84,7 +92,7 @@ class DistributedParameter(nn.Parameter):
         stage: bool = False,
     ):
         ctx = get_context()
-        group = shard_group(slice_kind(tp_slice_of) if tp_slice_of is not None else None, stage)
+        group = shard_group(shard_kind(tp_slice_of) if tp_slice_of is not None else None, stage)
         local = _local_slice(
             data if data.is_meta else data.to(ctx.device), group.rank, group.size, ctx.device
         )
@@ -263,7 +271,8 @@ def _gather_full(param: DistributedParameter) -> torch.Tensor:
 def tp_layout(param: DistributedParameter):
     """A replicated parameter's TpLayout in a tensor-parallel model (else None)."""
     layout = param.__dict__.get("_nbtrain_tp_layout")
-    if layout is None and not is_tp_slice(param) and get_context().topology.tp_size > 1:
+    whole = is_tp_slice(param) or is_tp_replicated(param)  # never partial over tp
+    if layout is None and not whole and get_context().topology.tp_size > 1:
         layout = param._nbtrain_tp_layout = TpLayout(1, group_of(param).group)
     return layout
 

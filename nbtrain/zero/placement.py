@@ -7,6 +7,13 @@ pipeline). A tensor-parallel slice differs between the tp ranks: only the ranks 
 its data-parallel group hold copies of it, so its shards are spread over that group,
 and its gradient is reduced there. With tp_size 1 the two coincide.
 
+A tensor that a tensor-parallel layer holds whole on every tp rank and whose gradient
+the layer makes whole there too (RowParallelLinear's bias, `tp_replicated = True`;
+BMTrain's `tp_mode` parameter without a split dimension) is placed as a slice is: its
+shards spread over its data-parallel group only, its gradient is averaged there (not
+over tp: every tp rank already holds all of it), and a gradient norm counts it on the
+first tp rank only. Its state is the local tensor itself: nothing is gathered over tp.
+
 Experts (nbtrain.moe) are slices too, of a tensor cut along its first dimension over
 the expert-parallel group (`tp_slice_group = "ep"`): their shards spread over the
 ranks holding the same experts (the "edp" group). Their gradients already sum every
@@ -36,6 +43,11 @@ def is_tp_slice(param) -> bool:
     return getattr(param, "tp_split_dim", None) is not None
 
 
+def is_tp_replicated(param) -> bool:
+    """Whether `param` is whole on every tp rank, with a gradient whole there too."""
+    return bool(getattr(param, "tp_replicated", False)) and not is_tp_slice(param)
+
+
 def slice_kind(param) -> str | None:
     """ "tp" for a tensor-parallel slice, "ep" for an expert slice, None otherwise."""
     if not is_tp_slice(param):
@@ -43,10 +55,18 @@ def slice_kind(param) -> str | None:
     return getattr(param, "tp_slice_group", "tp")
 
 
+def shard_kind(param) -> str | None:
+    """How `param`'s shards are placed: `slice_kind`'s "tp" or "ep", "tp_replicated"
+    (`is_tp_replicated`: over data parallel, as a tp slice), None (over every holder)."""
+    if is_tp_replicated(param):
+        return "tp_replicated"
+    return slice_kind(param)
+
+
 def shard_group(tp_slice: bool | str | None = False, stage: bool = False) -> ShardGroup:
     """The ranks that shard a slice (`tp_slice`: True or "tp" for a tensor-parallel
-    slice, "ep" for experts) or a replicated tensor of a pipeline stage (`stage`) or of
-    every stage."""
+    slice, "tp_replicated" for a tensor replicated over tp, "ep" for experts) or a
+    replicated tensor of a pipeline stage (`stage`) or of every stage."""
     ctx = get_context()
     topo = ctx.topology
     if tp_slice == "ep":
@@ -66,7 +86,8 @@ def is_stage(module) -> bool:
 
 
 def copy_tp_meta(src, dst) -> None:
-    """Carries a tensor-parallel slice's split dimension, part count and full shape."""
-    for name in ("tp_split_dim", "tp_groups", "tp_full_shape", "tp_slice_group"):
+    """Carries a tensor-parallel slice's split dimension, part count and full shape
+    (and the mark of a tensor replicated over tp)."""
+    for name in ("tp_split_dim", "tp_groups", "tp_full_shape", "tp_slice_group", "tp_replicated"):
         if hasattr(src, name):
             setattr(dst, name, getattr(src, name))

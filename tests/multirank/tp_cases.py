@@ -59,7 +59,7 @@ def layer_errors():
             xr = X2.clone().requires_grad_()
             (ref(xr) * G).sum().backward()
             if split:
-                x_in, grad_ref = (X2, xr.grad) if aro else (rows(X2), rows(xr.grad))
+                x_in, grad_ref = rows(X2), rows(xr.grad)  # gathered, then split
             else:
                 x_in, grad_ref = cols(X2), cols(xr.grad)
             x = x_in.clone().requires_grad_()
