@@ -8,13 +8,12 @@ microsecond, and collectives that complete at once write nothing to the store.
 """
 
 import os
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from support import torchrun
 from support.ranks import run_ranks
 
 import nbtrain as bmt
@@ -115,24 +114,8 @@ def test_numbering_a_collective_costs_about_a_microsecond():
 
 def test_under_torchrun_a_skipped_synchronize_is_named_within_the_timeout():
     script = os.path.join(os.path.dirname(__file__), "hang_script.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            script,
-            str(TIMEOUT_S),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = torchrun(script, TIMEOUT_S)
     assert proc.returncode != 0, proc.stdout  # torchrun ends rank 1 once rank 0 failed
     waited = float(next(ln for ln in proc.stdout.splitlines() if ln.startswith("WAITED"))[7:])
     assert waited < TIMEOUT_S + 5

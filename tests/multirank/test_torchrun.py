@@ -2,12 +2,10 @@
 
 import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
-from support import cases, script_env
+from support import cases, script_env, torchrun
 
 STEPS = 3
 
@@ -15,22 +13,7 @@ STEPS = 3
 def test_torchrun_script_matches_plain_pytorch():
     script = os.path.join(os.path.dirname(__file__), "torchrun_train.py")
     env = script_env()  # the script imports support.cases
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            script,
-            str(STEPS),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = torchrun(script, STEPS, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("LOSSES"))
     result = json.loads(line.split(" ", 1)[1])
@@ -41,23 +24,8 @@ def test_torchrun_script_matches_plain_pytorch():
 
 def test_a_pipeline_stage_raising_fails_the_script_naming_the_stage():
     script = os.path.join(os.path.dirname(__file__), "pipeline_fail_script.py")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.monotonic()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc-per-node",
-            "2",
-            script,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-    )
+    proc = torchrun(script)
     assert proc.returncode != 0 and "NOT REACHED" not in proc.stdout
     assert time.monotonic() - start < 60  # stage 0 is not left waiting on its receive
     assert "ValueError: bad micro-batch on stage 1" in proc.stderr, proc.stderr[-3000:]

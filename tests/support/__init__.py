@@ -44,3 +44,17 @@ def script_env(**extra: str) -> dict:
     kept = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     path = os.pathsep.join([str(REPO_DIR), str(TESTS_DIR), *kept])
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra, "PYTHONPATH": path}
+
+
+def torchrun(
+    script: str, *args: str, nproc: int = 2, env: dict | None = None, timeout_s: int = 180
+):
+    """Runs `script` (a path) under `python -m torch.distributed.run --standalone` with
+    `nproc` ranks; the finished process (stdout and stderr captured as text)."""
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    command += ["--nproc-per-node", str(nproc), script, *map(str, args)]
+    env = env if env is not None else {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=env)
