@@ -6,6 +6,8 @@ DistributedParameter's slice), so the update is purely local: no collective here
 State per parameter (all tensors the shape of the parameter, so a checkpoint can
 reshard them element by element):
     step        int, steps taken by this parameter (bias correction counts from 1).
+    segment_step  only for a flat shard one of whose parameters was ever frozen:
+                int32 counts (host), each element its own parameter's (segment_steps.py).
     exp_avg     fp32 first moment.
     exp_avg_sq  fp32 second moment.
     master      fp32 copy of the parameter, present when the parameter is bf16/fp16
@@ -27,6 +29,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .segment_steps import SEGMENT_STEP, step_pieces
 
 _HALF = (torch.float16, torch.bfloat16)
 _MOMENTS = ("exp_avg", "exp_avg_sq", "master")
@@ -253,6 +257,8 @@ class AdamOptimizer(torch.optim.Optimizer):
             else v
             for k, v in entry.items()
         }
+        if SEGMENT_STEP in state:  # per-parameter counts live on the host, as int32
+            state[SEGMENT_STEP] = state[SEGMENT_STEP].to("cpu", torch.int32).reshape(param.shape)
         needs_master = param.dtype != torch.float32 or device != param.device
         if needs_master and "master" not in state:
             master = bmtrain_master if bmtrain_master is not None else param.detach()
@@ -296,7 +302,8 @@ class AdamOptimizer(torch.optim.Optimizer):
             if grad.is_sparse:
                 raise RuntimeError("AdamOptimizer does not support sparse gradients")
             state = self.state[p] if self.state.get(p) else self._init_state(p)
-            holding = state["step"] < self._hold_steps
+            # A flat shard one of whose parameters was frozen: a count per parameter.
+            pieces = step_pieces(p, state)
             state["step"] += 1
             master = state.get("master")
             target = p if master is None else master
@@ -309,11 +316,13 @@ class AdamOptimizer(torch.optim.Optimizer):
             )
             if master is not None and copy is None:
                 write_back.append((p, master))
-            lists = kinds.setdefault((holding, self.decouples(group, p)), ([], [], [], [], [], []))
-            for out, value in zip(
-                lists, (target, grad, state["exp_avg"], state["exp_avg_sq"], copy, state["step"])
-            ):
-                out.append(value)
+            tensors = (target, grad, state["exp_avg"], state["exp_avg_sq"], copy)
+            for lo, hi, before in pieces:
+                key = (before < self._hold_steps, self.decouples(group, p))
+                lists = kinds.setdefault(key, ([], [], [], [], [], []))
+                for out, value in zip(lists, tensors):
+                    out.append(value if value is None or lo is None else value.view(-1)[lo:hi])
+                lists[5].append(before + 1)
         beta1, beta2 = group["betas"]
         for (holding, decoupled), lists in kinds.items():
             # held: the moments move, the weights do not (BMTrain's hold_steps)

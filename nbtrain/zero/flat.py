@@ -92,6 +92,8 @@ class FlatGroup:
         self.trainable = [requires_grad] * len(layout.slots)
         self.slot_grads = SlotGrads(len(layout.slots))
         self.shard._nbtrain_frozen_spans = self.frozen_spans
+        self.shard._nbtrain_segments = self.segments
+        self.shard._nbtrain_partly_frozen = self.partly_frozen
         # A group of one rank (world 1, or this rank alone) holds the whole buffer in
         # its shard: `full` is the shard itself, and gathering, releasing and reducing
         # copy nothing. Not when offloaded: then the shard lives on the host.
@@ -185,13 +187,29 @@ class FlatGroup:
         reads None and optimizers leave it alone). Local."""
         return self.slot_grads.has(shard_grad(self.shard), slot)
 
+    def segments(self) -> list[tuple[int, int]]:
+        """This rank's [lo, hi) range in the shard of each parameter with elements here,
+        in order (what an optimizer may count steps for one by one: freeze.py). Local."""
+        begin, end = self.layout.shard_range(self.rank)
+        parts = (slot.local_part(begin, end) for slot in self.layout.slots)
+        return [(lo - begin, hi - begin) for lo, hi in filter(None, parts)]
+
+    def partly_frozen(self) -> bool:
+        """Whether some parameter of the group holds no gradient in the shard's, while
+        the shard has one: the same on every rank, wherever that parameter's elements
+        lie. Local."""
+        grad = shard_grad(self.shard)
+        return grad is not None and not all(
+            self.slot_grads.has(grad, i) for i in range(len(self.trainable))
+        )
+
     def frozen_spans(self) -> list[tuple[int, int]]:
         """This rank's [lo, hi) ranges in the shard of the parameters without a
         gradient, while the shard has one (what an optimizer's step must not touch:
         freeze.py). Local."""
-        grad = shard_grad(self.shard)
-        if grad is None or all(self.slot_grads.has(grad, i) for i in range(len(self.trainable))):
+        if not self.partly_frozen():
             return []
+        grad = shard_grad(self.shard)
         begin, end = self.layout.shard_range(self.rank)
         spans = []
         for i, slot in enumerate(self.layout.slots):

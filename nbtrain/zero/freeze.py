@@ -13,10 +13,13 @@ one parameter of it freezes that parameter alone, as in BMTrain and plain PyTorc
     gradient, values and per-element state (momentum, Adam's moments), as torch's
     optimizers skip a parameter whose `.grad` is None (`guard_optimizer_steps`).
 
-What a flat shard cannot copy: its optimizer state has one step count, so Adam's bias
-correction for a parameter that was frozen for some steps and then trains again counts
-every step of the shard, where a separate torch parameter counts only its own. And SGD
-with `dampening` starts a parameter's momentum at (1 - dampening) * grad, not grad.
+Adam's step count: nbtrain's AdamOptimizer (and AdamOffloadOptimizer) counts steps per
+parameter of a shard once one was frozen (optim/segment_steps.py), so a parameter
+frozen for some steps and thawed gets its own bias correction, as torch's. torch's own
+optimizers (torch.optim.Adam/AdamW) stepping a shard keep one count for the whole
+shard, which every step of the shard advances: there a thawed parameter's bias
+correction differs from a separate parameter's. And SGD with `dampening` starts a
+thawed parameter's momentum at (1 - dampening) * grad, not grad.
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ class _StepGuard:
     flat group trains only some of its parameters): before a step, the elements of
     every shard the step may touch that belong to parameters without a gradient are
     saved, values and same-shaped state; after it, put back (state the step created
-    there is zeroed: zero moments and momentum are what a fresh parameter starts from).
+    there is zeroed: zero moments and momentum are what a fresh parameter starts from;
+    integer state it created, such as AdamOptimizer's per-parameter step counts, is
+    the optimizer's own and stays).
     The saved copies live on the optimizer object for the length of its step."""
 
     def __init__(self):
@@ -101,8 +106,24 @@ def guard_optimizer_steps() -> None:
     _GUARD.install()
 
 
-def _frozen_spans(param) -> list:
+def frozen_spans(param) -> list:
+    """[lo, hi) ranges of a flat shard's parameters without a gradient now ([] for
+    any other tensor). Local."""
     spans_of = getattr(param, "_nbtrain_frozen_spans", None)
+    return spans_of() if spans_of is not None else []
+
+
+def partly_frozen(param) -> bool:
+    """Whether a flat shard's group has a parameter without a gradient now (on any
+    rank: the same answer on every rank; False for any other tensor). Local."""
+    frozen = getattr(param, "_nbtrain_partly_frozen", None)
+    return frozen is not None and frozen()
+
+
+def segment_spans(param) -> list:
+    """[lo, hi) range of each parameter with elements in a flat shard ([] for any
+    other tensor). Local."""
+    spans_of = getattr(param, "_nbtrain_segments", None)
     return spans_of() if spans_of is not None else []
 
 
@@ -111,7 +132,7 @@ def _save_frozen(optimizer, args, kwargs):
     saved = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            spans = _frozen_spans(p)
+            spans = frozen_spans(p)
             if not spans:
                 continue
             state = optimizer.state.get(p, {})
@@ -135,5 +156,5 @@ def _restore_frozen(optimizer, args, kwargs):
             for i, (lo, hi) in enumerate(spans):
                 if k in kept:
                     v[lo:hi].copy_(kept[k][i])
-                else:
+                elif v.is_floating_point():  # not the optimizer's own counts (integers)
                     v[lo:hi].zero_()

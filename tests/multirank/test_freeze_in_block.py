@@ -10,12 +10,20 @@ parameters frozen, trained on the whole batch while each rank trains on its slic
 
 Checked at every step: the loss equals the reference's, a frozen parameter's `.grad`
 is None and a training one's is not (a DistributedParameter's: its part of the
-reference's gradient); at the end every weight equals the reference's. With SGD
-(momentum) every schedule matches. With Adam (torch's AdamW, and nbtrain's AdamOptimizer
-in an OptimManager against torch's Adam: L2 decay for fp32, as BMTrain's) a flat shard keeps one step count, so its schedule only freezes
-parameters for good (one more each step): a thawed one's bias correction would differ
-(nbtrain/zero/freeze.py).
+reference's gradient); at the end every weight equals the reference's. SGD (momentum)
+and nbtrain's Adam optimizers (in an OptimManager: AdamOptimizer's default, L2 decay for
+fp32 as BMTrain's, against torch's Adam; AdamOptimizer and AdamOffloadOptimizer with
+decoupled_weight_decay=True against torch's AdamW) run the "thaw" schedule, where
+weights and biases of different Blocks are frozen and then trained again: nbtrain's
+Adam counts steps per parameter inside a shard, so each thawed parameter's bias
+correction is its own, as torch's. torch's AdamW stepping the shards keeps one count per
+shard, so its schedule only freezes parameters for good (nbtrain/zero/freeze.py).
+nbtrain's optimizers are also rebuilt mid-schedule from their saved state dicts (with
+per-parameter counts, and with the single count of a shard none of whose parameters
+was frozen yet).
 """
+
+import io
 
 import pytest
 import torch
@@ -25,14 +33,35 @@ from torch import nn
 
 import nbtrain as bmt
 
-DIM, ROWS_PER_RANK, STEPS = 6, 2, 5
+DIM, ROWS_PER_RANK = 6, 2
 NAMES = ["0.fc1.bias", "1.fc2.weight", "0.fc2.weight", "1.fc1.bias", "2.fc1.weight"]
 # step -> the parameters frozen for that step
 SCHEDULES = {
     "toggle": [set(), {NAMES[0]}, {NAMES[1]}, {NAMES[2], NAMES[3]}, {NAMES[4]}],
     "for_good": [set(), {NAMES[0]}, {NAMES[0], NAMES[1]}, set(NAMES[:3]), set(NAMES[:4])],
+    # frozen before the first step, or after some, then thawed: a bias and a weight in
+    # each of Blocks 0 (fc1.bias), 1 (fc2.weight, fc1.bias) and 2 (fc1.weight)
+    "thaw": [
+        {NAMES[4]},
+        {NAMES[0], NAMES[1], NAMES[4]},
+        {NAMES[0], NAMES[1]},
+        {NAMES[3]},
+        set(),
+        set(),
+    ],
 }
-RUNS = [("sgd", "toggle"), ("adamw", "for_good"), ("bmt", "for_good")]
+STEPS = len(SCHEDULES["thaw"])
+SCHEDULES = {k: v + v[-1:] * (STEPS - len(v)) for k, v in SCHEDULES.items()}  # as last set
+RUNS = [
+    ("sgd", "toggle"),
+    ("sgd", "thaw"),
+    ("adamw", "for_good"),
+    ("bmt", "thaw"),
+    ("bmt_adamw", "thaw"),
+    ("offload_adamw", "thaw"),
+]
+# nbtrain's optimizers (in an OptimManager) -> the torch optimizer they equal
+MANAGED = {"bmt": "adam", "bmt_adamw": "adamw", "offload_adamw": "adamw"}
 
 
 def _linear(dist: bool) -> nn.Module:
@@ -73,13 +102,41 @@ def _layers(dist):
 def _optimizer(kind, params):
     if kind == "sgd":
         return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-    if kind == "bmt":
+    if kind in MANAGED:
+        cls = (
+            bmt.optim.AdamOffloadOptimizer
+            if kind.startswith("offload")
+            else bmt.optim.AdamOptimizer
+        )
+        # None: BMTrain's rule (L2 for these fp32 parameters); True: AdamW's decay
+        decoupled = True if kind.endswith("adamw") else None
         manager = bmt.optim.OptimManager(loss_scale=None)
-        manager.add_optimizer(bmt.optim.AdamOptimizer(params, lr=0.05, weight_decay=0.1))
+        manager.add_optimizer(
+            cls(params, lr=0.05, weight_decay=0.1, decoupled_weight_decay=decoupled)
+        )
         return manager
     if kind == "adam":  # the reference for "bmt": L2 decay for fp32, as BMTrain's
         return torch.optim.Adam(params, lr=0.05, weight_decay=0.1)
     return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
+# nbtrain's optimizer is rebuilt from its saved state after this step: after step 2 the
+# shards hold per-parameter step counts; after step 0 blocks 0 and 1 hold one count
+# (the single-count state, as older nbtrain saved), block 2 already per parameter.
+RELOAD_AFTER = {"bmt": 2, "bmt_adamw": 2, "offload_adamw": 0}
+
+
+def _reloaded(kind, manager, model):
+    """A new manager whose optimizer loads `manager`'s state, saved through bytes."""
+    buffer = io.BytesIO()
+    torch.save(manager.optimizers[0].state_dict(), buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    counted = ["segment_step" in st for st in saved["state"].values()]  # per Block, every rank
+    assert counted == ([False, False, True] if kind == "offload_adamw" else [True] * 3), counted
+    fresh = _optimizer(kind, model.parameters())
+    fresh.optimizers[0].load_state_dict(saved)
+    return fresh
 
 
 def _holder(model, name):
@@ -99,7 +156,7 @@ def _train_plain(kind, schedule, world):
     model = nn.Sequential(*_layers(dist=False))
     # AdamOptimizer on fp32 parameters takes weight decay as L2 (BMTrain's rule): the
     # reference for "bmt" is torch's Adam.
-    opt = _optimizer({"sgd": "sgd", "bmt": "adam"}.get(kind, "adamw"), model.parameters())
+    opt = _optimizer(MANAGED.get(kind, kind), model.parameters())
     xs, losses, grads = _batches(world), [], []
     for step in range(STEPS):
         for name, p in model.named_parameters():
@@ -135,7 +192,7 @@ def _train_blocks():
                     _holder(model, name).requires_grad_(name not in SCHEDULES[schedule][step])
                 opt.zero_grad()
                 loss = (model(xs[step, rows]) ** 2).mean()
-                opt.backward(loss) if kind == "bmt" else loss.backward()
+                opt.backward(loss) if kind in MANAGED else loss.backward()
                 seen = {}
                 for name in NAMES:
                     p = _holder(model, name)
@@ -144,8 +201,10 @@ def _train_blocks():
                     seen[name] = (None if grad is None else grad.clone(), part)
                 grads.append(seen)
                 opt.step()
+                if step == RELOAD_AFTER.get(kind):
+                    opt = _reloaded(kind, opt, model)
                 losses.append(loss.item())
-            out[(level, kind)] = (losses, grads, model.state_dict())
+            out[(level, kind, schedule)] = (losses, grads, model.state_dict())
     return out
 
 
@@ -155,8 +214,8 @@ def test_parameters_frozen_one_at_a_time_in_a_block_train_as_plain_pytorch(world
     for kind, schedule in RUNS:
         ref_losses, ref_grads, ref_state = _train_plain(kind, schedule, world_size)
         for level in (2, 3):
-            what = f"zero {level}, {kind}, {world_size} ranks"
-            per_rank = [r[(level, kind)] for r in results]
+            what = f"zero {level}, {kind}, {schedule}, {world_size} ranks"
+            per_rank = [r[(level, kind, schedule)] for r in results]
             for step in range(STEPS):  # each rank's loss is its slice's: their mean is the batch's
                 mean = sum(r[0][step] for r in per_rank) / world_size
                 assert mean == pytest.approx(ref_losses[step], rel=1e-5, abs=1e-6), (what, step)
