@@ -20,7 +20,7 @@ correction is its own, as torch's. torch's AdamW stepping the shards keeps one c
 shard, so its schedule only freezes parameters for good (nbtrain/zero/freeze.py).
 nbtrain's optimizers are also rebuilt mid-schedule from their saved state dicts (with
 per-parameter counts, and with the single count of a shard none of whose parameters
-was frozen yet).
+was frozen yet), and a run saved by save_checkpoint at 2 ranks resumes at 3.
 """
 
 import io
@@ -152,12 +152,14 @@ def _batches(world):
     return torch.randn(STEPS, world * ROWS_PER_RANK, DIM, generator=g)
 
 
-def _train_plain(kind, schedule, world):
+def _train_plain(kind, schedule, world, resumed=(STEPS, 1)):
+    """The reference; `resumed` (step, world): from that step on, that world's batches."""
     model = nn.Sequential(*_layers(dist=False))
     # AdamOptimizer on fp32 parameters takes weight decay as L2 (BMTrain's rule): the
     # reference for "bmt" is torch's Adam.
     opt = _optimizer(MANAGED.get(kind, kind), model.parameters())
-    xs, losses, grads = _batches(world), [], []
+    xs, later = _batches(world), _batches(resumed[1])
+    xs, losses, grads = [later[s] if s >= resumed[0] else xs[s] for s in range(STEPS)], [], []
     for step in range(STEPS):
         for name, p in model.named_parameters():
             p.requires_grad_(name not in SCHEDULES[schedule][step])
@@ -240,3 +242,44 @@ def test_parameters_frozen_one_at_a_time_in_a_block_train_as_plain_pytorch(world
                     atol=1e-6,
                     msg=lambda m, k=k, what=what: f"{what} {k}: {m}",
                 )
+
+
+RESHARD_AT = 4  # steps of the "thaw" schedule before the checkpoint
+
+
+def _train_resharded(folder, steps):
+    """Steps `steps` of the "thaw" schedule at ZeRO-3 with AdamOptimizer (decoupled) on
+    this world: saved to `folder` after them when they start at 0, else resumed from it."""
+    rank, world = bmt.rank(), bmt.world_size()
+    model = bmt.TransformerBlockList([bmt.Block(layer, zero_level=3) for layer in _layers(True)])
+    opt = _optimizer("bmt_adamw", model.parameters())
+    if steps.start:
+        bmt.load_checkpoint(model, folder, opt)
+    xs, losses = _batches(world), []
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    for step in steps:
+        for name in NAMES:
+            _holder(model, name).requires_grad_(name not in SCHEDULES["thaw"][step])
+        opt.zero_grad()
+        loss = (model(xs[step, rows]) ** 2).mean()
+        opt.backward(loss)
+        opt.step()
+        losses.append(loss.item())
+    if not steps.start:
+        bmt.save_checkpoint(model, folder, opt)
+    return losses, model.state_dict()
+
+
+def test_per_parameter_adam_steps_reshard_through_a_checkpoint(tmp_path):
+    """Saved at 2 ranks mid-schedule (thawed parameters' counts behind their shards'),
+    resumed at 3: the per-parameter counts reshard with the moments, and the run goes on
+    as torch's AdamW on the plain model."""
+    folder = str(tmp_path / "checkpoint")
+    first = run_ranks(_train_resharded, 2, folder, range(RESHARD_AT), timeout_s=300)
+    second = run_ranks(_train_resharded, 3, folder, range(RESHARD_AT, STEPS), timeout_s=300)
+    ref_losses, _, ref_state = _train_plain("bmt_adamw", "thaw", 2, resumed=(RESHARD_AT, 3))
+    losses = [sum(r[0][i] for r in first) / 2 for i in range(RESHARD_AT)]
+    losses += [sum(r[0][i] for r in second) / 3 for i in range(STEPS - RESHARD_AT)]
+    assert losses == pytest.approx(ref_losses, rel=1e-5, abs=1e-6)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(second[0][1][k], v, rtol=1e-4, atol=1e-6, msg=k)
