@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+import torch
+
 from .context import get_context, is_initialized
 
 
@@ -58,6 +60,13 @@ class Config(Mapping):
             "num_micro_batches": ctx.num_micro_batches,
             "micros": ctx.num_micro_batches or topo.pipe_size,  # BMTrain's name, resolved
             "topology": topo,
+            # BMTrain gathers parameters on a side stream ("load_stream") and computes on
+            # "calc_stream". nbtrain issues its collectives on the current stream, so both
+            # keys are that stream (torch.cuda's on CUDA, torch.cpu's dummy on the CPU):
+            # a BMTrain script's `current_stream().wait_stream(config["load_stream"])`
+            # orders nothing more than it already is.
+            "calc_stream": _current_stream(ctx.device),
+            "load_stream": _current_stream(ctx.device),
         }
 
     def __getitem__(self, key: str):
@@ -86,6 +95,10 @@ class Config(Mapping):
             return f"nbtrain.config({self._values()})"
         except RuntimeError:
             return "nbtrain.config(<not initialised: call nbtrain.init_distributed()>)"
+
+
+def _current_stream(device):
+    return torch.get_device_module(device).current_stream()
 
 
 config = Config()

@@ -39,3 +39,16 @@ def test_print_rank_takes_prints_keywords(capsys):
     nbt.print_rank("a", "b", sep="-", flush=True)
     nbt.print_rank("not here", rank=1)
     assert capsys.readouterr().out == "a-b\n"
+
+
+def test_bmtrains_stream_keys_are_the_current_stream():
+    # a BMTrain training loop waits on config["load_stream"] before clipping: nbtrain
+    # gathers on the current stream, so both keys are that stream of the context's device
+    import torch
+
+    ctx = nbt.get_context()
+    current = torch.get_device_module(ctx.device).current_stream()
+    for key in ("calc_stream", "load_stream"):
+        stream = nbt.config[key]
+        assert type(stream) is type(current) and stream == current, key
+    current.wait_stream(nbt.config["load_stream"])  # what the BMTrain script calls
