@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..zero.freeze import frozen_spans, partly_frozen, segment_spans
+from ..zero import frozen_spans, partly_frozen, segment_spans
 
 SEGMENT_STEP = "segment_step"
 

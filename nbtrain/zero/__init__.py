@@ -11,6 +11,7 @@ parameter's private fields (tests/unit/test_zero_boundary.py holds it to that).
 from .accumulate import micro_batches
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
+from .freeze import frozen_spans, partly_frozen, segment_spans
 from .init import HeldElsewhere
 from .meta import assign_inits, empty_parameters, normal_inits, torch_default_inits
 from .module import DistributedModule
@@ -68,6 +69,11 @@ __all__ = [
     "is_tp_slice",
     "slice_kind",
     "micro_batches",
+    # which elements of a flat shard belong to which parameter, and which are frozen
+    # now (per-parameter optimizer state: nbtrain.optim.segment_steps)
+    "segment_spans",
+    "frozen_spans",
+    "partly_frozen",
 ]
 
 PUBLIC_MODULES = ("partition", "tp_slices")  # importable by path from outside the package
