@@ -58,7 +58,7 @@ DTYPE_LIST = list(DTYPES)  # BMTrain's name
 HEADER_LEN = 50  # ndim, dtype code, then up to 48 sizes
 
 
-def _resolve(comm):
+def resolve_comm(comm):
     """(group, size, rank within it) for `comm`."""
     ctx = get_context()  # a clear error before init_distributed
     if isinstance(comm, str):
@@ -70,7 +70,7 @@ def _resolve(comm):
     return comm, dist.get_world_size(comm), dist.get_rank(comm)
 
 
-def _global_rank(group, size: int, group_rank: int) -> int:
+def global_rank_of(group, size: int, group_rank: int) -> int:
     if not 0 <= group_rank < size:
         raise ValueError(f"rank {group_rank} is outside the group of {size} ranks")
     if group is ALONE:
@@ -142,7 +142,7 @@ def _scatter(x: torch.Tensor, op: str, group, size: int, rank: int) -> torch.Ten
 
 
 def _broadcast(x: torch.Tensor, root: int, group, size: int) -> torch.Tensor:
-    src = _global_rank(group, size, root)
+    src = global_rank_of(group, size, root)
     out = x.detach().clone(memory_format=torch.contiguous_format)
     if group is not ALONE and size > 1:
         C.broadcast(out, src=src, group=group, label="distributed broadcast")
@@ -225,7 +225,7 @@ def all_gather(x: torch.Tensor, comm=None) -> torch.Tensor:
     Gradient: this rank's slice of the output's gradient (see the module's notes).
     Collective.
     """
-    group, size, rank = _resolve(comm)
+    group, size, rank = resolve_comm(comm)
     return _on_context_device(x, lambda t: _AllGather.apply(t, group, size, rank))
 
 
@@ -237,7 +237,7 @@ def all_reduce(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
 
     Gradient: see the module's notes. Collective.
     """
-    group, size, _ = _resolve(comm)
+    group, size, _ = resolve_comm(comm)
     _check_op(op)
     return _on_context_device(x, lambda t: _AllReduce.apply(t, op, group, size))
 
@@ -251,7 +251,7 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
 
     Gradient: the all-gather of the output gradients. Collective.
     """
-    group, size, rank = _resolve(comm)
+    group, size, rank = resolve_comm(comm)
     _check_op(op)
     return _on_context_device(x, lambda t: _ReduceScatter.apply(t, op, group, size, rank))
 
@@ -263,7 +263,7 @@ def broadcast(src: torch.Tensor, root: int, comm=None) -> torch.Tensor:
     Gradient: the sum over the ranks of the output's gradient, on every rank.
     Collective.
     """
-    group, size, _ = _resolve(comm)
+    group, size, _ = resolve_comm(comm)
     return _on_context_device(src, lambda t: _Broadcast.apply(t, root, group, size))
 
 
@@ -275,8 +275,8 @@ def send_activations(hidden_state: torch.Tensor, next_rank: int, comm=None) -> N
     send does not wait for the receiver (a copy is sent: `hidden_state` may change at
     once). BMTrain's `comm` is required; here None means every rank.
     """
-    group, size, _ = _resolve(comm)
-    dst = _global_rank(group, size, next_rank)
+    group, size, _ = resolve_comm(comm)
+    dst = global_rank_of(group, size, next_rank)
     device = get_context().device
     if hidden_state.dim() > HEADER_LEN - 2:
         raise ValueError(
@@ -302,8 +302,8 @@ def send_activations(hidden_state: torch.Tensor, next_rank: int, comm=None) -> N
 def recv_activations(prev_rank: int, comm=None) -> torch.Tensor:
     """Receives the tensor that `prev_rank` of `comm` sent with `send_activations`, on
     the context's device (blocks until it arrives). Not differentiable."""
-    group, size, _ = _resolve(comm)
-    src = _global_rank(group, size, prev_rank)
+    group, size, _ = resolve_comm(comm)
+    src = global_rank_of(group, size, prev_rank)
     device = get_context().device
     header = torch.empty(HEADER_LEN, dtype=torch.int64, device=device)
     C.recv(header, src, label="distributed recv_activations header")

@@ -32,11 +32,11 @@ from __future__ import annotations
 import threading
 
 import torch
-import torch.distributed as dist
 
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
+from ..distributed.ops import global_rank_of, resolve_comm
 from .enums import *  # noqa: F403 (BMTrain's module re-exports every code)
 from .enums import (
     ncclAvg,
@@ -129,26 +129,16 @@ def commDestroy(comm) -> None:  # noqa: N802
 
 
 def _group(comm):
-    """(group, size, this rank's place) of a communicator."""
-    ctx = get_context()  # a clear error before init_distributed
+    """(group, size, this rank's place) of a communicator: nbtrain.distributed's rule,
+    with BMTrain's communicator objects unwrapped first."""
     if isinstance(comm, NCCLCommunicator):
         comm = comm.group
-    if isinstance(comm, str):
-        comm = ctx.topology.group(comm)
-    if comm is ALONE:
-        return ALONE, 1, 0
-    if comm is None:
-        return None, ctx.world_size, ctx.rank
-    return comm, dist.get_world_size(comm), dist.get_rank(comm)
+    return resolve_comm(comm)
 
 
 def _peer(group, size: int, rank: int) -> int:
     """The global rank of `group`'s rank `rank`."""
-    if not 0 <= rank < size:
-        raise ValueError(f"rank {rank} is outside the communicator of {size} ranks")
-    if group is ALONE:
-        return get_context().rank
-    return C.global_rank(group, rank)
+    return global_rank_of(group, size, rank)
 
 
 def _flat(buffer) -> torch.Tensor:
