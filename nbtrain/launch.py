@@ -28,6 +28,11 @@ import torch.multiprocessing as mp
 # on a loaded 2-core machine); FSDP2 by the benchmark. Preloaded once, in the server.
 PRELOAD = ("torch", "torch._dynamo", "torch.distributed.fsdp", "nbtrain")
 _CTX = None
+# Functions called after each run_ranks with where its wall time went, in seconds:
+# {"world_size", "start" (until the last rank began), "rendezvous" (the process group
+# and init_distributed), "work" (the function), "teardown" (results and exits)}.
+# The test suite's timing table (tests/timing.py) listens here.
+PHASE_LISTENERS: list = []
 
 
 def _context():
@@ -44,6 +49,7 @@ def default_world_size() -> int:
 
 
 def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, results):
+    entered = time.time()
     # One compute thread per rank: 2 ranks on 2 cores otherwise fight gloo's
     # threads for the cores.
     os.environ.update(
@@ -69,11 +75,12 @@ def _child(fn, rank, world_size, init_file, backend, seed, pg_timeout_s, args, r
             # would close its side of gloo's mesh while a peer still connects to it.
             dist.barrier()
         nbtrain.init_distributed(seed=seed)
+        ready = time.time()
         buf = io.BytesIO()
         torch.save(fn(*args), buf)
-        results.put((rank, "ok", buf.getvalue()))
+        results.put((rank, "ok", buf.getvalue(), (entered, ready, time.time())))
     except BaseException:  # report everything, KeyboardInterrupt included
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, "error", traceback.format_exc(), (entered, entered, time.time())))
     finally:
         # Local teardown, no barrier: a rank that raised must not wait for peers
         # (its result is already on the queue). The rank then leaves through
@@ -106,6 +113,7 @@ def run_ranks(
         RuntimeError / TimeoutError: a rank died, or the deadline passed.
     """
     pg_timeout_s = pg_timeout_s or min(timeout_s, 60.0)
+    began, stamps = time.time(), {}
     with tempfile.TemporaryDirectory(prefix="nbtrain-ranks-") as tmp:
         procs, results = spawn_ranks(
             fn,
@@ -117,13 +125,32 @@ def run_ranks(
             pg_timeout_s=pg_timeout_s,
         )
         try:
-            return _collect(procs, results, timeout_s)
+            return _collect(procs, results, timeout_s, stamps)
         finally:
             for p in procs:
                 p.join(timeout=5)
                 if p.is_alive():
                     p.kill()
                     p.join()
+            _report_phases(world_size, began, stamps)
+
+
+def _report_phases(world_size: int, began: float, stamps: dict) -> None:
+    if not PHASE_LISTENERS:
+        return
+    end = time.time()
+    entered, ready, done = (
+        (max(s[i] for s in stamps.values()) if stamps else end) for i in range(3)
+    )
+    phases = {
+        "world_size": world_size,
+        "start": max(0.0, entered - began),
+        "rendezvous": max(0.0, ready - max(entered, began)),
+        "work": max(0.0, done - max(ready, began)),
+        "teardown": max(0.0, end - max(done, began)),
+    }
+    for listener in PHASE_LISTENERS:
+        listener(phases)
 
 
 def spawn_ranks(
@@ -139,7 +166,9 @@ def spawn_ranks(
 
     The building block of `run_ranks`, for callers that watch or end ranks
     themselves (by their process handles). Each rank puts (rank, "ok", bytes of
-    torch.save(value)) or (rank, "error", traceback) on the queue.
+    torch.save(value), stamps) or (rank, "error", traceback, stamps) on the queue;
+    stamps are the rank's time.time() on entry, once rendezvous and
+    `init_distributed` are done, and once the function returned or raised.
     """
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one rank")
@@ -158,7 +187,7 @@ def spawn_ranks(
     return procs, results
 
 
-def _collect(procs, results, timeout_s: float) -> list:
+def _collect(procs, results, timeout_s: float, stamps: dict) -> list:
     world_size = len(procs)
     out, errors = {}, {}
     deadline = time.monotonic() + timeout_s
@@ -170,7 +199,7 @@ def _collect(procs, results, timeout_s: float) -> list:
                 f"did not finish within {timeout_s} s"
             )
         try:
-            rank, status, value = results.get(timeout=min(remaining, 1.0))
+            rank, status, value, stamps[rank] = results.get(timeout=min(remaining, 1.0))
         except queue_mod.Empty:
             dead = [
                 r

@@ -30,8 +30,8 @@ except ImportError:  # --import-mode=importlib leaves it off
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from collection_guard import CollectionGuard
 import module_order  # noqa: E402
+import timing  # noqa: E402
 from module_order import (  # noqa: E402,F401
-    pytest_addoption,
     pytest_collection_modifyitems,
     pytest_report_header,
     pytest_terminal_summary,
@@ -48,7 +48,13 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def pytest_addoption(parser):
+    module_order.pytest_addoption(parser)
+    timing.pytest_addoption(parser)
+
+
 def pytest_configure(config):
+    timing.install(config)
     CollectionGuard.install(config, tests_dir=Path(__file__).resolve().parent)
     StateGuard.install(config)
     module_order.configure(config)

@@ -22,4 +22,4 @@ export OMP_NUM_THREADS=1
 # Everything by default: the tests, and every tutorial and research notebook executed
 # by nbval (errors fail; outputs are not compared). Arguments narrow the run.
 if [ "$#" -eq 0 ]; then set -- tests tutorials notebooks; fi
-python3 -m pytest -q -ra --durations=25 --nbval-lax "$@"
+python3 -m pytest -q -ra --timing --nbval-lax "$@"
