@@ -14,7 +14,8 @@ Every test's wall time (setup + call + teardown, as pytest measures it) is split
 
 Only the outermost timed call counts (a sleep inside Cluster.start is start), and only
 on the main thread. The table is printed at the end of the run; `--timing=PATH` also
-writes every test's row as JSON (`python tests/timing.py PATH [PATH_AFTER]` prints the
+writes every test's row as JSON (so does `--timing` alone when $NBTRAIN_TEST_TIMING
+names a file; `python tests/timing.py PATH [PATH_AFTER]` prints the
 table again, or two runs side by side).
 
     python -m pytest tests --timing            # the table after the run
@@ -26,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -44,7 +46,7 @@ def pytest_addoption(parser) -> None:
     parser.addoption(
         "--timing",
         nargs="?",
-        const="",
+        const=os.environ.get("NBTRAIN_TEST_TIMING", ""),
         default=None,
         metavar="PATH",
         help="print where the wall time went (per folder, slowest tests); "
