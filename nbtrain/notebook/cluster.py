@@ -36,6 +36,9 @@ from .targets import one_rank, select_ranks
 from .watchdog import Watchdog
 
 _STOP_GRACE_S = 5.0
+# How long stop() waits for idle local engines to leave by themselves (exit_now)
+# before ipyparallel signals whatever is left.
+_EXIT_WAIT_S = 3.0
 # Request ids the ipyparallel Client keeps (`client.history` gains one per rank per cell,
 # status query or pull, for as long as the cluster runs): trimmed to this many.
 HISTORY_KEPT = 1000
@@ -205,6 +208,7 @@ class Cluster:
         ipp_cluster, client, self._ipp, self.client = self._ipp, self.client, None, None
         _LIVE.discard(self)
         if client is not None:
+            self._exit_idle_engines(client)
             client.close()
         try:
             ipp_cluster.stop_cluster_sync()
@@ -225,6 +229,23 @@ class Cluster:
         self.ranks, self._stuck, self._pending, self.job = [], None, None, None
         if watchdog is not None:
             watchdog.stop()
+
+    def _exit_idle_engines(self, client) -> None:
+        """Ask idle local engines to leave at once (engine_boot.exit_now) and wait a
+        moment for them: a clean and quick end, where ipyparallel's signal makes each
+        engine run the interpreter's shutdown. Busy engines are left to the signal."""
+        busy = self._pending is not None or (self._stuck is not None and not self._stuck.done())
+        local = [info["pid"] for info in self.ranks if info.get("local")]
+        if self.launcher != "local" or busy or not local or len(local) != len(self.ranks):
+            return
+        import psutil
+
+        try:
+            procs = [psutil.Process(pid) for pid in local]
+            client[:].apply_async(_engine_boot.exit_now)
+        except Exception:  # noqa: BLE001 - gone already, or the client broke: signal them
+            return
+        psutil.wait_procs(procs, timeout=_EXIT_WAIT_S)
 
     def restart(self, n: int | None = None) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 # Launchers that give each process its rank: (rank variable, local-rank variable).
 # With one of these present a rank equals its launcher rank (its MPI or Slurm rank);
@@ -184,3 +185,17 @@ def shutdown() -> None:
         dist_shutdown(barrier=False)  # engines stop one by one: no rank waits for another
     except Exception:  # the engine is going away; a broken group must not block that
         pass
+
+
+def exit_now() -> None:
+    """End this engine at once (Cluster.stop): destroy the process group here, then
+    leave through os._exit. Under ipyparallel's stop signal an engine instead runs the
+    interpreter's shutdown, which takes seconds a rank and prints the engine loop's and
+    the TCPStore's errors as the ranks go one by one."""
+    shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream must not keep the engine alive
+            pass
+    os._exit(0)
