@@ -57,7 +57,17 @@ def parse(value: str) -> tuple[str, int | None]:
 
 
 def configure(config: pytest.Config) -> None:
-    config._nbtrain_module_order = parse(config.getoption("module_order"))
+    worker = getattr(config, "workerinput", {})  # an xdist worker: the controller's order
+    if "nbtrain_module_order" in worker:
+        config._nbtrain_module_order = tuple(worker["nbtrain_module_order"])
+    else:
+        config._nbtrain_module_order = parse(config.getoption("module_order"))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node) -> None:
+    """xdist: every worker collects in the controller's order (one random seed for all)."""
+    node.workerinput["nbtrain_module_order"] = list(node.config._nbtrain_module_order)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

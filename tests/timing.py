@@ -35,6 +35,8 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
+import pytest
+
 PHASES = ("start", "rendezvous", "wait", "subprocess", "work")
 SLOWEST = 25
 _MAIN = threading.main_thread()
@@ -149,6 +151,11 @@ def _is_start_cell(item) -> bool:
 
 
 class TimingPlugin:
+    """Sums the probes per test where the test runs (this process, or an xdist worker)
+    and sends them with the test's teardown report, so the table is the same either way."""
+
+    KEY = "nbtrain_timing"
+
     def __init__(self, config) -> None:
         self.config = config
         self.path = config.getoption("timing")
@@ -156,29 +163,32 @@ class TimingPlugin:
         _install_probes()
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
-        self.rows[nodeid] = dict.fromkeys(PHASES, 0.0)
-        self.rows[nodeid]["total"] = 0.0
-        _state["current"] = self.rows[nodeid]
+        _state["current"] = dict.fromkeys(PHASES, 0.0)
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        report = outcome.get_result()
+        if call.when == "teardown" and _state["current"] is not None:
+            phases = dict(_state["current"])
+            if _is_start_cell(item):
+                phases = dict.fromkeys(PHASES, 0.0) | {"start": None}  # the whole cell
+            report.user_properties.append((self.KEY, phases))
+            _state["current"] = None
 
     def pytest_runtest_logreport(self, report) -> None:
-        row = self.rows.get(report.nodeid)
-        if row is not None:
-            row["total"] += report.duration
-
-    def pytest_runtest_logfinish(self, nodeid, location) -> None:
-        _state["current"] = None
-
-    def pytest_collection_modifyitems(self, items) -> None:
-        self.start_cells = {item.nodeid for item in items if _is_start_cell(item)}
+        row = self.rows.setdefault(report.nodeid, dict.fromkeys(("total", *PHASES), 0.0))
+        row["total"] += report.duration
+        for key, value in report.user_properties:
+            if key == self.KEY:
+                row.update(value)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         rows = {}
         for nodeid, row in self.rows.items():
             row = dict(row)
-            if nodeid in getattr(self, "start_cells", ()):
+            if row["start"] is None:
                 row["start"] = row["total"]
-                for phase in ("rendezvous", "wait", "subprocess"):
-                    row[phase] = 0.0
             timed = sum(row[p] for p in PHASES if p != "work")
             row["work"] = max(0.0, row["total"] - timed)
             rows[nodeid] = row

@@ -9,11 +9,12 @@ for _needed in ("nbformat", "nbclient", "ipyparallel"):
 
 from procs import wait_gone
 from support.kernels import START, new_client, pids_from, run_cells, text_of
+from support.notebook import Gate
 
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_magics_in_a_real_kernel():
+def test_magics_in_a_real_kernel(tmp_path):
     nb, client = new_client()
     with client.setup_kernel():
         pids = pids_from(run_cells(client, nb, START)[-1])
@@ -31,15 +32,14 @@ def test_magics_in_a_real_kernel():
         (value,) = run_cells(client, nb, ["%nbtrain pull scaled"])
         assert "[0.25, 0.5]" in text_of(value)
 
-        submitted, status, waited = run_cells(
+        gate = Gate(tmp_path)  # the ranks wait for it: the kernel is free meanwhile
+        submitted, status = run_cells(
             client,
             nb,
-            [
-                "%%distributed --noblock\nimport time\ntime.sleep(6)\nprint('slept')",
-                "%nbtrain status",  # the kernel is free while the ranks sleep
-                "%nbtrain wait",
-            ],
+            ["%%distributed --noblock\n" + gate.hold() + "print('slept')", "%nbtrain status"],
         )
+        gate.open()
+        (waited,) = run_cells(client, nb, ["%nbtrain wait"])
         assert "without blocking" in text_of(submitted)
         assert text_of(status).count("busy") == 2, text_of(status)
         assert text_of(waited).count("slept") == 2

@@ -13,7 +13,7 @@ import pytest
 for _needed in ("IPython", "ipyparallel"):
     pytest.importorskip(_needed)
 from IPython.utils.capture import capture_output
-from support.notebook import captured, nbtrain
+from support.notebook import Gate, captured, nbtrain
 
 from nbtrain import RankError
 from nbtrain.notebook import magics
@@ -49,16 +49,18 @@ def test_autodistribute_transformer_leaves_magics_and_shell_alone():
 
 
 # ------------------------------------------------------------- on the cluster
-def test_noblock_cell_frees_the_kernel_then_wait_collects_it(ipython, cluster):
+def test_noblock_cell_frees_the_kernel_then_wait_collects_it(ipython, cluster, tmp_path):
     ipython.user_ns.pop("slept", None)
+    # The ranks wait for the gate (60 s at most): a magic that waited for the cell
+    # would take that long, and then find it done.
+    gate = Gate(tmp_path)
     start = time.monotonic()
     _, out = captured(
         ipython,
         "distributed",
         "--noblock",
-        "import time\ntime.sleep(8)\nslept = nbt.rank() + 100\nprint('woke', nbt.rank())",
+        gate.hold() + "slept = nbt.rank() + 100\nprint('woke', nbt.rank())",
     )
-    # The cell sleeps 8 s: anything that waited for it would take that long.
     assert time.monotonic() - start < 6, "--noblock waited for the cell"
     assert "running on ranks 0, 1" in out and "%nbtrain wait" in out
     # the kernel is free: local code runs, and status answers without blocking
@@ -79,9 +81,11 @@ def test_noblock_cell_frees_the_kernel_then_wait_collects_it(ipython, cluster):
     t0 = time.monotonic()
     _, out = captured(ipython, "nbtrain", "result")
     assert time.monotonic() - t0 < 6 and "still running on ranks 0, 1" in out
+    assert not cluster.pending.done()  # everything above ran while the ranks waited
+    gate.open()
     _, out = captured(ipython, "nbtrain", "wait")
     assert "[rank 0] woke 0" in out and "[rank 1] woke 1" in out
-    assert time.monotonic() - start >= 8
+    assert time.monotonic() - start < 50, "the ranks waited out the gate's limit"
     assert nbtrain(ipython, "pull slept") == [100, 101]
     assert "slept" not in ipython.user_ns
     assert cluster.pending is None
@@ -89,11 +93,14 @@ def test_noblock_cell_frees_the_kernel_then_wait_collects_it(ipython, cluster):
     assert out.count("blocking again") == 2
 
 
-def test_wait_timeout_stops_waiting_and_the_cell_runs_on(ipython, cluster):
-    captured(ipython, "distributed", "--noblock -t 1", "import time\ntime.sleep(6)\nprint('late')")
+def test_wait_timeout_stops_waiting_and_the_cell_runs_on(ipython, cluster, tmp_path):
+    gate = Gate(tmp_path)
+    captured(ipython, "distributed", "--noblock -t 1", gate.hold() + "print('late')")
     t0 = time.monotonic()
     _, out = captured(ipython, "nbtrain", "wait --timeout 0.3")
     assert time.monotonic() - t0 < 4 and "still running on ranks 1" in out
+    assert not cluster.pending.done()
+    gate.open()
     _, out = captured(ipython, "nbtrain", "wait")
     assert "[rank 1] late" in out and "[rank 0]" not in out
 
@@ -137,17 +144,19 @@ def test_autodistributed_runs_plain_cells_on_the_ranks(ipython, cluster):
     assert not autodistributed_on(ipython)
 
 
-def test_dashboard_updates_while_a_noblock_cell_runs(ipython, cluster):
+def test_dashboard_updates_while_a_noblock_cell_runs(ipython, cluster, tmp_path):
     from nbtrain.notebook.dashboard import Dashboard
 
+    gate = Gate(tmp_path)  # the ranks step until it opens (at most 400 steps, 40 s)
     with capture_output():
         board = Dashboard().show()
         ipython.run_cell_magic(
             "distributed",
             "--noblock",
-            "import time\nfor i in range(40):\n"
+            f"import os, time\nfor i in range(400):\n    if os.path.exists({str(gate.path)!r}):\n"
+            "        break\n"
             "    nbt.telemetry.metric(loss=10.0 - i)\n"
-            "    nbt.telemetry.next_step()\n    time.sleep(0.25)",
+            "    nbt.telemetry.next_step()\n    time.sleep(0.1)",
         )
     try:
         deadline = time.monotonic() + 8
@@ -160,5 +169,6 @@ def test_dashboard_updates_while_a_noblock_cell_runs(ipython, cluster):
         assert not cluster.pending.done(), "the cell ended before the dashboard was checked"
         assert len(steps) == 2 and min(steps.values()) >= 3, steps  # fed while running
     finally:
+        gate.open()
         with capture_output():
             nbtrain(ipython, "wait")

@@ -35,3 +35,33 @@ def captured(ipython, magic: str, line: str, cell: str | None = None):
         else:
             value = ipython.run_cell_magic(magic, line, cell)
     return value, cap.stdout
+
+
+class Gate:
+    """A file that rank code waits for, in place of a fixed sleep: the cell
+    `gate.hold()` blocks on the ranks until the test calls `gate.open()` (or
+    `limit_s` passes, so a test that fails before opening it does not hang the
+    ranks). The ranks are on this machine and see the same file."""
+
+    def __init__(self, folder, limit_s: float = 60.0):
+        import uuid
+        from pathlib import Path
+
+        self.path = Path(folder) / f"gate-{uuid.uuid4().hex}"
+        self.limit_s = limit_s
+
+    def hold(self) -> str:
+        """Rank code that waits for the gate, at most limit_s."""
+        return (
+            "import os as _os, time as _time\n"
+            f"_until = _time.monotonic() + {self.limit_s}\n"
+            f"while not _os.path.exists({str(self.path)!r}) and _time.monotonic() < _until:\n"
+            "    _time.sleep(0.02)\n"
+        )
+
+    def open(self) -> None:
+        self.path.touch()
+
+    @property
+    def is_open(self) -> bool:
+        return self.path.exists()
