@@ -24,6 +24,8 @@ import signal  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import pytest  # noqa: E402
+
 try:
     from collection_guard import CollectionGuard  # tests/ is on sys.path (prepend mode)
 except ImportError:  # --import-mode=importlib leaves it off
@@ -32,7 +34,7 @@ except ImportError:  # --import-mode=importlib leaves it off
 import module_order  # noqa: E402
 import timing  # noqa: E402
 from module_order import (  # noqa: E402,F401
-    pytest_collection_modifyitems,
+    pytest_configure_node,
     pytest_report_header,
     pytest_terminal_summary,
 )
@@ -46,6 +48,35 @@ from state_guard import StateGuard  # noqa: E402
 # Child processes (ranks, engines, kernels) inherit the disposition, so set it first.
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+UNIT_DIR = Path(__file__).resolve().parent / "unit"
+QUICK_LIST = Path(__file__).resolve().parent / "quick.txt"
+
+
+def quick_ids() -> list[str]:
+    """The node ids tests/quick.txt lists (one multi-rank test per mechanism)."""
+    lines = QUICK_LIST.read_text().splitlines()
+    return [line.split()[0] for line in lines if line.strip() and not line.startswith("#")]
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_collection_modifyitems(config, items):
+    # `bash tests/run.sh --quick` runs `-m quick`: all of tests/unit, and the tests
+    # tests/quick.txt lists.
+    listed = set(quick_ids())
+    files = set()
+    for item in items:
+        files.add(item.nodeid.split("::")[0])
+        if item.nodeid in listed or UNIT_DIR in Path(str(item.path)).parents:
+            item.add_marker(pytest.mark.quick)
+    lost = sorted(i for i in listed - {item.nodeid for item in items} if i.split("::")[0] in files)
+    if lost and not any("::" in arg for arg in config.args):
+        raise pytest.UsageError(
+            "tests/quick.txt lists tests their files no longer have (renamed? give the new "
+            "node id): " + ", ".join(lost)
+        )
+    module_order.pytest_collection_modifyitems(config, items)
 
 
 def pytest_addoption(parser):

@@ -1,14 +1,27 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need, then runs them.
+#
+#   bash tests/run.sh            everything: lint, the tests, the tutorials (CI runs this)
+#   bash tests/run.sh --quick    the edit loop: lint, tests/unit and the tests marked
+#                                quick (one multi-rank test per mechanism), in minutes
+#   bash tests/run.sh ARGS...    pytest ARGS (a folder, a file, -k ...) after the install
+#
 # CPU torch first: `pip install torch==2.13.0` takes a local CPU build; a bare
 # `pip install torch` on a machine without torch may pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install -q "torch==2.13.0" || python3 -m pip install -q "torch>=2.4"
-python3 -m pip install -q -e ".[test]"
+quick=0
+if [ "${1:-}" = "--quick" ]; then quick=1; shift; fi
+if [ "$quick" = 1 ] && python3 -c "import nbtrain, pytest, nbval, ruff" 2>/dev/null \
+    && [ "$(python3 -c 'import nbtrain, os; print(os.path.dirname(os.path.dirname(nbtrain.__file__)))')" = "$PWD" ]; then
+    : # the edit loop: this checkout is installed already
+else
+    python3 -m pip install -q "torch==2.13.0" || python3 -m pip install -q "torch>=2.4"
+    python3 -m pip install -q -e ".[test]"
+fi
 # Optional system tools for the MPI launcher test and the browser screenshot test;
 # the tests that need them skip with a reason when these cannot be installed.
-if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+if [ "$quick" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
     if ! command -v mpiexec >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
         (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev chromium >/dev/null) \
             || echo "note: apt-get could not install openmpi/chromium; their tests will skip"
@@ -19,6 +32,10 @@ fi
 python3 -m ruff check nbtrain kernels tests
 python3 -m ruff format --check nbtrain kernels tests
 export OMP_NUM_THREADS=1
+if [ "$quick" = 1 ]; then
+    # tests/conftest.py marks every test of tests/unit quick.
+    exec python3 -m pytest -q -ra --timing -m quick "${@:-tests}"
+fi
 # Everything by default: the tests, and every tutorial and research notebook executed
 # by nbval (errors fail; outputs are not compared). Arguments narrow the run.
 if [ "$#" -eq 0 ]; then set -- tests tutorials notebooks; fi
