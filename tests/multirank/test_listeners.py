@@ -19,10 +19,22 @@ RANK_SCRIPT = textwrap.dedent("""
     nbt.init_distributed()
     x = torch.ones(1)
     nbt.comm.collectives.all_reduce(x, label="probe")  # the group's connections are up
-    print("LISTENING", sorted(listening(os.getpid())), flush=True)
+    # one file per rank: two ranks printing to one pipe interleave their lines
+    out = os.path.join(os.environ["LISTEN_OUT"], f"rank{os.environ['RANK']}.txt")
+    with open(out, "w") as f:
+        f.write(repr(sorted(listening(os.getpid()))))
     nbt.synchronize()
     nbt.comm.shutdown()
 """)
+
+
+def _seen(folder):
+    """Each rank's listening addresses, in rank order."""
+    return [
+        eval((folder / f"rank{r}.txt").read_text())
+        for r in range(2)
+        if (folder / f"rank{r}.txt").exists()
+    ]
 
 
 def test_ranks_listen_on_loopback_only(tmp_path):
@@ -39,6 +51,7 @@ def test_ranks_listen_on_loopback_only(tmp_path):
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "CUDA_VISIBLE_DEVICES": "",
+            "LISTEN_OUT": str(tmp_path),
         }
         procs.append(
             subprocess.Popen(
@@ -59,12 +72,7 @@ def test_ranks_listen_on_loopback_only(tmp_path):
                 p.kill()
                 p.wait()
     assert all(p.returncode == 0 for p in procs), outputs
-    seen = [
-        eval(line.split(" ", 1)[1])
-        for out in outputs
-        for line in out.splitlines()
-        if line.startswith("LISTENING ")
-    ]
+    seen = _seen(tmp_path)
     assert len(seen) == 2, outputs
     assert ("127.0.0.1", port) in seen[0], seen  # rank 0 serves the store, on loopback
     wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
@@ -77,7 +85,7 @@ def test_ranks_under_torchrun_listen_on_no_wildcard_address(tmp_path):
     nothing on a wildcard address."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    env = script_env(CUDA_VISIBLE_DEVICES="")
+    env = script_env(CUDA_VISIBLE_DEVICES="", LISTEN_OUT=str(tmp_path))
     proc = subprocess.run(
         [
             sys.executable,
@@ -99,11 +107,7 @@ def test_ranks_under_torchrun_listen_on_no_wildcard_address(tmp_path):
         env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    seen = [
-        eval(line.split(" ", 1)[1])
-        for line in proc.stdout.splitlines()
-        if line.startswith("LISTENING ")
-    ]
+    seen = _seen(tmp_path)
     assert len(seen) == 2, proc.stdout
     wild = [s for rank_seen in seen for s in rank_seen if s[0] in WILDCARDS]
     assert not wild, f"a rank listens on a wildcard address: {wild}"
