@@ -13,10 +13,10 @@ Every test's wall time (setup + call + teardown, as pytest measures it) is split
 - work: the rest, the test's own computing and the ranks' function.
 
 Only the outermost timed call counts (a sleep inside Cluster.start is start), and only
-on the main thread. The table is printed at the end of the run; `--timing=PATH` also
-writes every test's row as JSON (so does `--timing` alone when $NBTRAIN_TEST_TIMING
-names a file; `python tests/timing.py PATH [PATH_AFTER]` prints the
-table again, or two runs side by side).
+on the main thread. The table is printed at the end of the run; `--timing-json PATH`
+(or $NBTRAIN_TEST_TIMING) also writes every test's row as JSON;
+`python tests/timing.py PATH [PATH_AFTER]` prints the table again, or two runs side
+by side.
 
     python -m pytest tests --timing            # the table after the run
     bash tests/run.sh                          # the README's command prints it too
@@ -45,14 +45,19 @@ _sleep = time.sleep
 
 
 def pytest_addoption(parser) -> None:
+    # A flag, with the JSON path an option of its own: `--timing tests/x.py` once
+    # took the test file for the path and wrote the table over it.
     parser.addoption(
         "--timing",
-        nargs="?",
-        const=os.environ.get("NBTRAIN_TEST_TIMING", ""),
-        default=None,
+        action="store_true",
+        help="print where the wall time went (per folder, slowest tests)",
+    )
+    parser.addoption(
+        "--timing-json",
+        default=os.environ.get("NBTRAIN_TEST_TIMING") or None,
         metavar="PATH",
-        help="print where the wall time went (per folder, slowest tests); "
-        "with PATH also write each test's phases there as JSON",
+        help="with --timing, also write each test's phases to PATH as JSON "
+        "(default $NBTRAIN_TEST_TIMING); PATH must end in .json",
     )
 
 
@@ -158,7 +163,11 @@ class TimingPlugin:
 
     def __init__(self, config) -> None:
         self.config = config
-        self.path = config.getoption("timing")
+        self.path = config.getoption("timing_json")
+        if self.path and not self.path.endswith(".json"):
+            raise pytest.UsageError(
+                f"--timing-json {self.path}: the path must end in .json (it is overwritten)"
+            )
         self.rows: dict[str, dict] = {}
         _install_probes()
 
@@ -199,7 +208,7 @@ class TimingPlugin:
 
 
 def install(config) -> None:
-    if config.getoption("timing") is not None:
+    if config.getoption("timing"):
         config.pluginmanager.register(TimingPlugin(config), "nbtrain-timing")
 
 
