@@ -151,7 +151,15 @@ class Cluster:
             # with their output and published telemetry: the controller grew 35 KB per
             # 3-rank training cell of tests/stress/soak_session.py, and a cell that prints
             # much keeps much. nbtrain never reads results back from the hub.
-            controller_args=["--nodb"],
+            # The hub finishes an engine's registration at its next heartbeat: at the
+            # default 3 s period a start waited 3 s more than the engines took. Beats
+            # every 0.5 s, and 60 missed beats (30 s, the default's 10 x 3 s) before an
+            # engine counts as gone, so a loaded machine is judged as before.
+            controller_args=[
+                "--nodb",
+                "--HeartMonitor.period=500",
+                "--HeartMonitor.max_heartmonitor_misses=60",
+            ],
             config=engine_config(self.launcher, self.slurm),
             **kwargs,
         )
@@ -481,6 +489,20 @@ class Cluster:
                 "still running?); run `%nbtrain restart`"
             ) from None
 
+    def _hub_queues(self, settle_s: float = 1.0) -> dict:
+        """The hub's queue_status. The hub counts a request done when the engine's copy
+        of the reply reaches it, after the reply itself reached this client: just after
+        a cell, a rank may still be counted busy (1 in 200 a cell, unloaded). While this
+        client waits on nothing and the hub still counts a queue, it asks again, for up
+        to `settle_s` (a queue another client filled stays, and is reported)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            queues = self.client.queue_status()
+            queued = any(q.get("queue", 0) for k, q in queues.items() if isinstance(q, dict))
+            if not queued or self.client.outstanding or time.monotonic() > deadline:
+                return queues
+            time.sleep(0.02)
+
     def status(self) -> list[dict]:
         """Per rank: rank, engine_id, pid, host, address, node (Slurm's node name or None),
         local_rank, device, alive, busy, rss_bytes, cuda_bytes, step and loss (the
@@ -488,7 +510,7 @@ class Cluster:
         the Slurm job's id, state and nodes."""
         self._require_running()
         dead = set(self.dead_ranks(range(self.world_size)))
-        queues = self.client.queue_status() if len(dead) < self.world_size else {}
+        queues = self._hub_queues() if len(dead) < self.world_size else {}
         # A just-submitted cell may not be queued yet: its ranks' stats would wait.
         running = set(self.pending.busy()) if self.pending is not None else set()
         rows = []
