@@ -39,4 +39,8 @@ fi
 # Everything by default: the tests, and every tutorial and research notebook executed
 # by nbval (errors fail; outputs are not compared). Arguments narrow the run.
 if [ "$#" -eq 0 ]; then set -- tests tutorials notebooks; fi
-python3 -m pytest -q -ra --timing --nbval-lax "$@"
+# Two pytest-xdist workers, whole modules each (a notebook's cells, a module's shared
+# cluster stay in one process): most tests wait on ranks, kernels and clusters more than
+# they compute, so two workers on 2 cores halve the wall time.
+# NBTRAIN_TEST_WORKERS=0 runs in this one process.
+python3 -m pytest -q -ra --timing --nbval-lax -n "${NBTRAIN_TEST_WORKERS:-2}" --dist loadfile "$@"
