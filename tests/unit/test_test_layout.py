@@ -26,6 +26,8 @@ PATH_EDITS = {
     "outside tests/, imports tests/collection_guard.py",
     "unit/test_state_guard.py": "the conftest it writes for a project in tmp_path, "
     "outside tests/, imports tests/state_guard.py",
+    "unit/test_timing_option.py": "the conftest it writes for a project in tmp_path, "
+    "outside tests/, imports tests/timing.py",
     "multirank/test_bmtrain_example.py": "imports the tutorial example's modules as its "
     "script does, from the example's own folder",
     "stress/memory_growth.py": "a command run by path, outside pytest: this checkout's nbtrain",
