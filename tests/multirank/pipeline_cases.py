@@ -226,6 +226,10 @@ def gpt_pipe_by_data_parallel(pipe, cases):
         out["unwrapped"] = "not refused"
     except ValueError as exc:
         out["unwrapped"] = str(exc)
+    # stage_of's tie groups are no barrier, and the refusal is at once: a rank that
+    # returned, and exited, closed its side of a tie group's gloo mesh while its peer
+    # was still connecting ("Connection closed by peer", under load).
+    dist.barrier()
     return out
 
 
