@@ -141,13 +141,13 @@ def _rank(args) -> list[dict]:
     ref, mine = _configs(args)
     vocab = mine.backend_cfg.make_config(mine.hf_path).vocab_size
     data = synthetic_batches(2, args.rows, args.seq_len, vocab, args.seed)
-    return compare(ref, mine, steps=args.steps, data=data)
+    return compare(ref, mine, steps=args.steps, data=data, verbose=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from ..launch import default_world_size, run_ranks
-    from .compare import max_deviation
+    from .compare import format_table, max_deviation
 
     ranks = args.ranks or default_world_size()
     if ranks < 1 or args.steps < 1:
@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     rows = run_ranks(_rank, ranks, args, seed=args.seed, timeout_s=3600)[0]
+    # Printed here, not by rank 0: in this process's output, in order with the verdict.
+    print(format_table(rows, ("reference", "nbtrain")), flush=True)
     dev = max_deviation(rows)
     worst = max(dev["loss"], dev["grad_norm"])
     verdict = "within" if worst <= args.tolerance else "EXCEEDS"

@@ -9,10 +9,10 @@ rows and the FLOPs formula.
 
 import json
 import math
-import os
 import subprocess
 import sys
 
+from support.cli import run_cli
 from test_bench_smoke import _plain_losses
 
 from nbtrain.bench import mfu
@@ -22,19 +22,11 @@ SHORT = ("--rounds", "1", "--steps", "2", "--warmup", "1")
 
 
 def _bench(tmp_path, *flags):
-    """`nbtrain bench FLAGS --json FILE`: its JSON result and its stdout."""
+    """`nbtrain bench FLAGS --json FILE`, in this process: its JSON result and its stdout."""
     out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "nbtrain.cli", "bench", *flags, "--json", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text()), proc.stdout
+    run = run_cli("bench", *flags, "--json", out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(out.read_text()), run.stdout
 
 
 def _table_rows(stdout):
@@ -150,16 +142,21 @@ def test_mfu_peaks_and_flops():
 
 def test_modes_refuse_what_they_do_not_run():
     def refused(*flags):
-        proc = subprocess.run(
-            [sys.executable, "-m", "nbtrain.cli", "bench", *flags],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            check=False,
-        )
-        assert proc.returncode != 0, proc.stdout
-        return proc.stderr
+        run = run_cli("bench", *flags)
+        assert run.returncode != 0, run.stdout
+        return run.stderr
 
+    # The first as the real command line (its exit status and stderr), the rest in-process.
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtrain.cli", "bench", "--ranks", "2", "--tp-size", "2"]
+        + ["--dtype", "bf16"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode != 0, proc.stdout
+    assert "--dtype bf16: --mfu always runs bf16, and the --tp-size" in proc.stderr
     assert "--dtype bf16: --mfu always runs bf16, and the --tp-size" in refused(
         "--ranks", "2", "--tp-size", "2", "--dtype", "bf16"
     )

@@ -5,38 +5,20 @@ benchmark's speed and memory claims are numbers it prints, not test outcomes.
 """
 
 import json
-import os
 import subprocess
 import sys
+
+from support.cli import run_cli
 
 ENGINES = {"zero3", "zero2", "fsdp2", "ddp"}
 
 
 def _quick_bench(tmp_path, *flags):
-    """`nbtrain bench --quick --ranks 2 FLAGS`: its JSON result and its stdout."""
+    """`nbtrain bench --quick --ranks 2 FLAGS`, in this process: its JSON and its stdout."""
     out = tmp_path / "bench.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nbtrain.cli",
-            "bench",
-            "--quick",
-            "--ranks",
-            "2",
-            *flags,
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text()), proc.stdout
+    run = run_cli("bench", "--quick", "--ranks", "2", *flags, "--json", out)
+    assert run.returncode == 0, run.stdout + run.stderr
+    return json.loads(out.read_text()), run.stdout
 
 
 def test_quick_bench_runs_and_losses_agree(tmp_path):
@@ -93,7 +75,7 @@ def _plain_losses(settings, tie=True, rows=None):
 
 
 def test_quick_tp_bench_against_dtensor(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--tp-size", "2")
+    result, stdout = _quick_bench(tmp_path, "--tp-size", "2", "--rounds", "1")
     assert set(result["runs"]) == {"nbtrain_tp", "dtensor_tp"}
     ratios = result["ratios"]
     # Both engines move what the Megatron count says, and nbtrain holds 16 B/param / tp.
@@ -125,7 +107,7 @@ def test_tp_bench_needs_one_replica():
 
 
 def test_quick_pp_bench_against_torch_pipelining(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--pipe-size", "2")
+    result, stdout = _quick_bench(tmp_path, "--pipe-size", "2", "--rounds", "1")
     assert set(result["runs"]) == {"nbtrain_pp", "torch_pp"}
     ratios = result["ratios"]
     # every activation and gradient crosses the link once, nothing else

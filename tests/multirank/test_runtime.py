@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from support import script_env
+from support.cli import run_cli
 from support.ranks import run_ranks
 from support.runtime_cases import contract_example, packed_vs_alone, parity, resume
 
@@ -151,38 +152,16 @@ def test_contract_example_runs():
 
 
 def test_validate_command_prints_the_table():
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "nbtrain.cli",
-            "validate",
-            "--ranks",
-            "2",
-            "--pipe-size",
-            "2",
-            "--num-micro-batches",
-            "2",
-            "--steps",
-            "2",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    run = run_cli(
+        "validate", "--ranks", "2", "--pipe-size", "2", "--num-micro-batches", "2", "--steps", "2"
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "largest deviation" in proc.stdout and "within tolerance 1e-05" in proc.stdout
-    assert proc.stdout.count("\n   ") >= 2, proc.stdout  # one row per step
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "largest deviation" in run.stdout and "within tolerance 1e-05" in run.stdout
+    assert run.stdout.count("\n   ") >= 2, run.stdout  # one row per step
 
 
 def test_the_runtime_runs_as_a_script_under_torchrun():
     import json
-    import os
-    import subprocess
-    import sys
 
     script = os.path.join(os.path.dirname(__file__), "runtime_torchrun.py")
     proc = subprocess.run(

@@ -17,6 +17,7 @@
 
 import pytest
 from model_cases import hf_logits, hf_training, load_peak, save_hf_model, toy_parity
+from support.cli import run_cli
 from support.ranks import run_ranks
 
 STEPS = 10
@@ -139,33 +140,27 @@ def test_validate_command_takes_a_registered_model_and_a_folder(folders):
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]),
     }
-    for args in (
-        ["--model", "toy", "--import", "toy_lm.registered"],
-        ["--model", "llama", "--hf-path", folders["qwen2"], "--lr", "3e-4"],
+    common = ["validate", "--ranks", "2", "--tp-size", "2", "--steps", "3"]
+    # The registered model through the real command line (--import in a fresh process),
+    # the folder in this process (the same command, without a fresh interpreter's start).
+    toy = ["--model", "toy", "--import", "toy_lm.registered"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "nbtrain.cli", *common, *toy],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    llama = ["--model", "llama", "--hf-path", folders["qwen2"], "--lr", "3e-4"]
+    run = run_cli(*common, *llama)
+    for args, (code, out, err) in (
+        (toy, (proc.returncode, proc.stdout, proc.stderr)),
+        (llama, (run.returncode, run.stdout, run.stderr)),
     ):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "nbtrain.cli",
-                "validate",
-                "--ranks",
-                "2",
-                "--tp-size",
-                "2",
-                "--steps",
-                "3",
-                *args,
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            env=env,
-        )
-        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-        assert f"nbtrain validate: {args[1]}" in proc.stdout
-        assert "within tolerance 1e-05" in proc.stdout
-        assert proc.stdout.count("\n   ") >= 3, proc.stdout  # one row per step
+        assert code == 0, out + err[-3000:]
+        assert f"nbtrain validate: {args[1]}" in out
+        assert "within tolerance 1e-05" in out
+        assert out.count("\n   ") >= 3, out  # one row per step
 
 
 def test_the_quoted_example_runs_from_a_folder(folders):
