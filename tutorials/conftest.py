@@ -2,12 +2,20 @@
 for the kernels, and, when a notebook's cells are done, any cluster it left behind
 (a failing notebook never reaches its `%nbtrain stop`) is stopped by its cluster id,
 never by process name."""
+
 import os
 import tempfile
 
-_HOME = tempfile.mkdtemp(prefix="nbtrain-nbval-")
-for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "MPLCONFIGDIR"):
-    os.environ.setdefault(_var, os.path.join(_HOME, _var.lower()))
+# One home per pytest process. pytest-xdist's workers inherit the environment of the
+# process that started them, which has imported this file too: with that home kept,
+# two workers shared one IPYTHONDIR, and the teardown below in one stopped the cluster
+# of the notebook running in the other as a leftover. A home made in this process
+# already (by tests/support/homes.py) is kept.
+if os.environ.get("NBTRAIN_TEST_HOME_PID") != str(os.getpid()):
+    _HOME = tempfile.mkdtemp(prefix="nbtrain-nbval-")
+    for _var in ("IPYTHONDIR", "JUPYTER_RUNTIME_DIR", "MPLCONFIGDIR"):
+        os.environ[_var] = os.path.join(_HOME, _var.lower())
+    os.environ["NBTRAIN_TEST_HOME_PID"] = str(os.getpid())
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

@@ -22,5 +22,8 @@ def use_private_homes(prefix: str) -> str:
     home = tempfile.mkdtemp(prefix=prefix)
     for var in HOME_VARIABLES:
         os.environ[var] = os.path.join(home, var.lower())
+    # Made in this process: tutorials/conftest.py keeps it (a home inherited from the
+    # process that started a pytest-xdist worker it replaces).
+    os.environ["NBTRAIN_TEST_HOME_PID"] = str(os.getpid())
     os.environ["OMP_NUM_THREADS"] = "1"
     return home

@@ -7,12 +7,11 @@ project has its own pytest.ini, so pytest's default norecursedirs (which skip `d
 apply there, as they did to the old tests/dist/.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import pytester
+from support.pytester import write_project
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # holds collection_guard.py
 
@@ -30,29 +29,12 @@ def pytest_configure(config):
 
 
 def make_project(root: Path, files: dict, ini: str = "[pytest]\n") -> Path:
-    (root / "pytest.ini").write_text(ini)
-    for rel, text in {
-        "tests/conftest.py": CONFTEST,
-        "tests/test_a.py": "def test_a():\n    pass\n",
-        **files,
-    }.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+    base = {"tests/conftest.py": CONFTEST, "tests/test_a.py": "def test_a():\n    pass\n"}
+    return write_project(root, {**base, **files}, ini)
 
 
-def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # no nbval/timeout/...: fast and isolated
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def run_pytest(root: Path, *args: str):
+    return pytester.run_pytest(root, "-q", *args, timeout=120)
 
 
 HIDDEN = {"tests/dist/test_hidden.py": "def test_hidden():\n    pass\n"}

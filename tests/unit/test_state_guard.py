@@ -6,13 +6,12 @@ Each case runs pytest in a subprocess on a small project in tmp_path whose conft
 installs the same plugins the real tests/conftest.py installs.
 """
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from support import pytester
+from support.pytester import write_project
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # holds state_guard.py, module_order.py
 
@@ -88,29 +87,12 @@ def test_cleans_up_after_itself(monkeypatch):
 
 
 def make_project(root: Path, files: dict) -> Path:
-    (root / "pytest.ini").write_text("[pytest]\n")
-    for rel, text in {"tests/conftest.py": CONFTEST, **files}.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text)
-    return root
+    return write_project(root, {"tests/conftest.py": CONFTEST, **files})
 
 
-def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith("PYTEST_") and k != "NBTRAIN_TEST_ORDER"
-    }
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+def run_pytest(root: Path, *args: str):
+    # The leaking module's thread and child never end: wait 1 s for each, not 10.
+    return pytester.run_pytest(root, *args, NBTRAIN_STATE_GRACE_S="1")
 
 
 def test_a_leaking_module_fails_naming_each_leftover_and_the_next_starts_clean(tmp_path):

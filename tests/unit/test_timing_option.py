@@ -7,10 +7,9 @@ installs the timing plugin as tests/conftest.py does.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from support import pytester
 
 TESTS_DIR = Path(__file__).resolve().parents[1]  # holds timing.py
 
@@ -38,17 +37,8 @@ def test_sleeps():
 """
 
 
-def run_pytest(root: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "NBTRAIN_TEST"))}
-    env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", *args],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+def run_pytest(root: Path, *args: str):
+    return pytester.run_pytest(root, "-q", *args, timeout=120)
 
 
 def project(root: Path) -> Path:
