@@ -31,7 +31,7 @@ from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config, engine_launcher
 from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 from .pending import PendingCell, refuse_while_pending
-from .procs import pid_alive, rss_bytes
+from .procs import pid_alive, rss_bytes, wait_ended
 from .targets import one_rank, select_ranks
 from .watchdog import Watchdog
 
@@ -250,10 +250,22 @@ class Cluster:
 
         try:
             procs = [psutil.Process(pid) for pid in local]
+            nannies = {proc.pid: [c for c in proc.children() if _is_nanny(c)] for proc in procs}
             client[:].apply_async(_engine_boot.exit_now)
         except Exception:  # noqa: BLE001 - gone already, or the client broke: signal them
             return
-        psutil.wait_procs(procs, timeout=_EXIT_WAIT_S)
+        alive = wait_ended(procs, _EXIT_WAIT_S)
+        nannies = [nanny for proc in procs if proc not in alive for nanny in nannies[proc.pid]]
+        # Each engine's nanny (ipyparallel's, a child of the engine) then tells the hub
+        # the engine left and exits: 1-2 s of interpreter shutdown, and 3 s more (its
+        # socket's linger) when the hub is stopped first. The hub is being stopped, so
+        # the message is moot: the nannies of engines that left are ended by their pid.
+        for nanny in nannies:
+            try:
+                nanny.kill()
+            except psutil.Error:  # gone already
+                pass
+        wait_ended(nannies, _EXIT_WAIT_S)
 
     def restart(self, n: int | None = None) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty.
@@ -610,6 +622,13 @@ def _end_loop_thread(ipp_cluster) -> None:
     if not thread.is_alive():
         loop.close()
         ipp_cluster._async_thread = None  # a later `*_sync` call starts a fresh one
+
+
+def _is_nanny(proc) -> bool:
+    try:
+        return "ipyparallel.engine.nanny" in proc.cmdline()
+    except Exception:  # noqa: BLE001 - gone, or not ours to read
+        return False
 
 
 def _default_n() -> int:

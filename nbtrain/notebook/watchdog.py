@@ -86,13 +86,15 @@ class Watchdog:
     def reap(self, grace_s: float = _STOP_GRACE_S) -> None:
         """Wait up to `grace_s` for the watched processes to exit, then kill what remains
         of them and of the watched groups (engines blocked in a collective ignore SIGINT)."""
-        _, alive = psutil.wait_procs(self.procs, timeout=grace_s)
+        from .procs import wait_ended  # here: as a script this file imports no package
+
+        alive = wait_ended(self.procs, grace_s)
         for proc in alive:
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-        psutil.wait_procs(alive, timeout=grace_s)
+        wait_ended(alive, grace_s)
         for pgid, created in self.groups.items():
             kill_group(pgid, created)
 
