@@ -7,6 +7,14 @@ each module in their written order (module fixtures stay valid):
     pytest --module-order=reverse ...
     pytest --module-order=random ...        # a fresh seed, printed in the header
     pytest --module-order=random:1234 ...   # that order again
+    pytest --module-order=longest ...       # the slowest modules first
+
+`longest` is what tests/run.sh runs with its pytest-xdist workers: each worker takes
+the next module when it is done with one (pytest-xdist's own order, most tests
+first, is turned off there: it put the one-test soak, the slowest module, last and
+left one worker running it alone at the end). The seconds come from
+tests/module_seconds.json, measured (`python tests/timing.py --module-seconds
+RUN.json`); a module not in it counts as 0 s and runs last, in written order.
 
 `NBTRAIN_TEST_ORDER` gives the default, so `NBTRAIN_TEST_ORDER=reverse bash tests/run.sh`
 runs the whole README command in reverse.
@@ -20,19 +28,26 @@ pytest_configure (which checks the value before anything runs).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 
 import pytest
 
 ENV = "NBTRAIN_TEST_ORDER"
+# NBTRAIN_TEST_MODULE_SECONDS names another file (tests/unit/test_state_guard.py).
+SECONDS = os.environ.get(
+    "NBTRAIN_TEST_MODULE_SECONDS",
+    os.path.join(os.path.dirname(os.path.abspath(__file__)), "module_seconds.json"),
+)
+KINDS = ("written", "reverse", "random", "longest")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--module-order",
         default=os.environ.get(ENV, "written"),
-        metavar="written|reverse|random[:SEED]",
+        metavar="written|reverse|random[:SEED]|longest",
         help="the order of test modules (tests inside a module keep theirs); "
         f"default ${ENV} or 'written'",
     )
@@ -41,10 +56,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def parse(value: str) -> tuple[str, int | None]:
     """'reverse' -> ('reverse', None); 'random:7' -> ('random', 7); 'random' picks a seed."""
     kind, _, seed = value.partition(":")
-    if kind not in ("written", "reverse", "random") or (seed and kind != "random"):
+    if kind not in KINDS or (seed and kind != "random"):
         raise pytest.UsageError(
-            f"--module-order {value!r}: use written, reverse, random "
-            "or random:SEED (e.g. random:1234)"
+            f"--module-order {value!r}: use written, reverse, random, "
+            "random:SEED (e.g. random:1234) or longest"
         )
     if kind != "random":
         return kind, None
@@ -96,6 +111,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             modules.append(module)
     if kind == "reverse":
         modules.reverse()
+    elif kind == "longest":
+        with open(SECONDS) as f:
+            seconds = json.load(f)
+        modules.sort(key=lambda m: -seconds.get(m, 0.0))  # stable: ties keep written order
     else:
         random.Random(seed).shuffle(modules)
     rank = {module: i for i, module in enumerate(modules)}

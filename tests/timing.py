@@ -251,9 +251,24 @@ def table(rows: dict, before: dict | None = None) -> list[str]:
     return lines
 
 
+def module_seconds(rows: dict) -> dict[str, float]:
+    """Seconds per module (a file or a notebook), for tests/module_seconds.json."""
+    seconds: dict[str, float] = defaultdict(float)
+    for nodeid, row in rows.items():
+        seconds[nodeid.split("::")[0]] += row["total"]
+    return {m: round(t, 1) for m, t in sorted(seconds.items(), key=lambda kv: -kv[1])}
+
+
+USAGE = """usage: python tests/timing.py TIMING.json [TIMING_AFTER.json]
+       python tests/timing.py --module-seconds TIMING.json > tests/module_seconds.json"""
+
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
-        sys.exit("usage: python tests/timing.py TIMING.json [TIMING_AFTER.json]")
+    if len(sys.argv) == 3 and sys.argv[1] == "--module-seconds":
+        rows = json.loads(Path(sys.argv[2]).read_text())
+        print(json.dumps(module_seconds(rows), indent=0))
+        sys.exit(0)
+    if len(sys.argv) not in (2, 3) or sys.argv[1].startswith("-"):
+        sys.exit(USAGE)
     first = json.loads(Path(sys.argv[1]).read_text())
     if len(sys.argv) == 3:
         print("\n".join(table(json.loads(Path(sys.argv[2]).read_text()), before=first)))

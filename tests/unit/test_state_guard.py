@@ -141,6 +141,30 @@ def test_module_order_moves_whole_modules(tmp_path, order, expected):
     assert ran == [(m, i) for m in expected for i in "12"], result.stdout
 
 
+@pytest.mark.parametrize("workers", [None, "1"], ids=["one-process", "xdist"])
+def test_the_longest_modules_go_first(tmp_path, workers):
+    """`longest`, tests/run.sh's order: by tests/module_seconds.json, unknown modules last
+    in written order; under xdist too, with its own reorder (most tests first) off."""
+    pytest.importorskip("xdist")
+    files = {
+        f"tests/test_{m}.py": f"def test_{m}1():\n    pass\n\n\ndef test_{m}2():\n    pass\n"
+        for m in "abcd"
+    }
+    files["tests/test_a.py"] += "\n\ndef test_a3():\n    pass\n"  # most tests, 0 s
+    seconds = tmp_path / "seconds.json"
+    seconds.write_text('{"tests/test_c.py": 9.0, "tests/test_b.py": 5.0}')
+    args = ["-v", "--module-order=longest", "tests"]
+    if workers:  # without --no-loadscope-reorder xdist runs a, c, b, d
+        args = ["-p", "xdist", "-n", workers, "--dist", "loadfile", "--no-loadscope-reorder"] + args
+    result = pytester.run_pytest(
+        make_project(tmp_path, files), *args, NBTRAIN_TEST_MODULE_SECONDS=str(seconds)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    ran = re.findall(r"test_([abcd])\.py::test_\w\d", result.stdout)
+    order = [m for i, m in enumerate(ran) if m not in ran[:i]]
+    assert order == ["c", "b", "a", "d"], result.stdout
+
+
 def test_a_random_order_is_seeded_and_printed(tmp_path):
     files = {f"tests/test_{m}.py": f"def test_{m}():\n    pass\n" for m in "abcdefgh"}
     root = make_project(tmp_path, files)
