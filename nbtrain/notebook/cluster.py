@@ -26,12 +26,13 @@ from ..comm.topology import check_sizes
 from . import address, engine_pull, rendezvous
 from . import engine_boot as _engine_boot
 from . import slurm as _slurm
+from . import teardown as _teardown
 from .cell_run import rank_labels, run_cell, submit_cell
 from .errors import DistributedError, RankDiedError
 from .launchers import LAUNCHERS, engine_config, engine_launcher
 from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 from .pending import PendingCell, refuse_while_pending
-from .procs import pid_alive, rss_bytes, wait_ended
+from .procs import pid_alive, rss_bytes
 from .targets import one_rank, select_ranks
 from .watchdog import Watchdog
 
@@ -222,7 +223,7 @@ class Cluster:
             ipp_cluster.stop_cluster_sync()
         except Exception:  # a launcher already gone; the pids below still get checked
             pass
-        _end_loop_thread(ipp_cluster)
+        _teardown.end_loop_thread(ipp_cluster, _STOP_GRACE_S)
         if self.job is not None:
             self.job.cancel()  # by id (ipyparallel's scancel may not have run)
         watchdog, self._watchdog = self._watchdog, None
@@ -239,33 +240,13 @@ class Cluster:
             watchdog.stop()
 
     def _exit_idle_engines(self, client) -> None:
-        """Ask idle local engines to leave at once (engine_boot.exit_now) and wait a
-        moment for them: a clean and quick end, where ipyparallel's signal makes each
-        engine run the interpreter's shutdown. Busy engines are left to the signal."""
+        """Idle local engines leave at once (teardown.exit_engines); busy ones, and
+        engines of other hosts, are left to ipyparallel's signal."""
         busy = self._pending is not None or (self._stuck is not None and not self._stuck.done())
         local = [info["pid"] for info in self.ranks if info.get("local")]
         if self.launcher != "local" or busy or not local or len(local) != len(self.ranks):
             return
-        import psutil
-
-        try:
-            procs = [psutil.Process(pid) for pid in local]
-            nannies = {proc.pid: [c for c in proc.children() if _is_nanny(c)] for proc in procs}
-            client[:].apply_async(_engine_boot.exit_now)
-        except Exception:  # noqa: BLE001 - gone already, or the client broke: signal them
-            return
-        alive = wait_ended(procs, _EXIT_WAIT_S)
-        nannies = [nanny for proc in procs if proc not in alive for nanny in nannies[proc.pid]]
-        # Each engine's nanny (ipyparallel's, a child of the engine) then tells the hub
-        # the engine left and exits: 1-2 s of interpreter shutdown, and 3 s more (its
-        # socket's linger) when the hub is stopped first. The hub is being stopped, so
-        # the message is moot: the nannies of engines that left are ended by their pid.
-        for nanny in nannies:
-            try:
-                nanny.kill()
-            except psutil.Error:  # gone already
-                pass
-        wait_ended(nannies, _EXIT_WAIT_S)
+        _teardown.exit_engines(client, local, _EXIT_WAIT_S)
 
     def restart(self, n: int | None = None) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty.
@@ -603,32 +584,6 @@ class Cluster:
         if self.job is not None:
             state += f", job {self.job.job_id}"
         return f"<nbtrain.Cluster {self.cluster_id or ''} ({state})>"
-
-
-def _end_loop_thread(ipp_cluster) -> None:
-    """End the thread in which ipyparallel ran this cluster's `*_sync` calls.
-
-    Inside a running event loop (every Jupyter kernel) ipyparallel runs them in a
-    thread of the cluster's own, with a Tornado loop that it never stops: each start
-    or restart left a thread, its loop's file descriptors and the whole
-    ipyparallel Cluster behind.
-    """
-    loop = getattr(ipp_cluster, "_thread_loop", None)
-    thread = getattr(ipp_cluster, "_async_thread", None)
-    if loop is None or thread is None:
-        return
-    loop.add_callback(loop.stop)
-    thread.join(_STOP_GRACE_S)
-    if not thread.is_alive():
-        loop.close()
-        ipp_cluster._async_thread = None  # a later `*_sync` call starts a fresh one
-
-
-def _is_nanny(proc) -> bool:
-    try:
-        return "ipyparallel.engine.nanny" in proc.cmdline()
-    except Exception:  # noqa: BLE001 - gone, or not ours to read
-        return False
 
 
 def _default_n() -> int:

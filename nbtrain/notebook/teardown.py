@@ -1,0 +1,67 @@
+"""How `Cluster.stop` ends what a cluster started, quickly and leaving nothing.
+
+ipyparallel stops engines by signal, and each engine then runs the interpreter's
+shutdown (seconds a rank, with the engine loop's and the TCPStore's errors printed as
+the ranks go one by one). Idle local engines are asked to leave at once instead, and
+what ipyparallel leaves running in this process (its loop thread) is ended here.
+"""
+
+from __future__ import annotations
+
+import psutil
+
+from . import engine_boot
+from .procs import wait_ended
+
+
+def exit_engines(client, pids: list[int], timeout_s: float) -> None:
+    """Ask the engines `pids` (all the client's, idle, on this machine) to leave at once
+    (engine_boot.exit_now), wait up to `timeout_s` for them, then end the nannies of
+    those that left.
+
+    Each engine's nanny (ipyparallel's, a child of the engine) tells the hub that its
+    engine left and exits: 1-2 s of interpreter shutdown, and 3 s more (its socket's
+    linger) when the hub was stopped first. The hub is being stopped, so the message is
+    moot: the nannies are ended by their pid. An engine that did not leave keeps its
+    nanny and is left to ipyparallel's signal.
+    """
+    try:
+        procs = [psutil.Process(pid) for pid in pids]
+        nannies = {proc.pid: [c for c in proc.children() if _is_nanny(c)] for proc in procs}
+        client[:].apply_async(engine_boot.exit_now)
+    except Exception:  # noqa: BLE001 - gone already, or the client broke: signal them
+        return
+    alive = wait_ended(procs, timeout_s)
+    ended = [nanny for proc in procs if proc not in alive for nanny in nannies[proc.pid]]
+    for nanny in ended:
+        try:
+            nanny.kill()
+        except psutil.Error:  # gone already
+            pass
+    wait_ended(ended, timeout_s)
+
+
+def end_loop_thread(ipp_cluster, timeout_s: float) -> None:
+    """End the thread in which ipyparallel ran this cluster's `*_sync` calls.
+
+    Inside a running event loop (every Jupyter kernel) ipyparallel runs them in a
+    thread of the cluster's own, with a Tornado loop that it never stops: each start
+    or restart left a thread, its loop's file descriptors and the whole
+    ipyparallel Cluster behind.
+    """
+    loop = getattr(ipp_cluster, "_thread_loop", None)
+    thread = getattr(ipp_cluster, "_async_thread", None)
+    if loop is None or thread is None:
+        return
+    loop.add_callback(loop.stop)
+    thread.join(timeout_s)
+    if not thread.is_alive():
+        loop.close()
+        ipp_cluster._async_thread = None  # a later `*_sync` call starts a fresh one
+
+
+def _is_nanny(proc) -> bool:
+    try:
+        return "ipyparallel.engine.nanny" in proc.cmdline()
+    except psutil.Error:  # gone, or not ours to read
+        return False
