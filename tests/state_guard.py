@@ -108,6 +108,11 @@ def _nbtrain_context():
     return None if context is None else context._CONTEXT
 
 
+def _events_on() -> bool:
+    events = sys.modules.get("nbtrain.comm.events")
+    return events is None or events.HUB.enabled
+
+
 def _recovery_armed() -> bool:
     recovery = sys.modules.get("nbtrain.comm.recovery")
     return recovery is not None and recovery.armed()
@@ -126,6 +131,7 @@ class Snapshot:
         self.dist_group = _dist_group()
         self.context = _nbtrain_context()
         self.recovery_armed = _recovery_armed()
+        self.events_on = _events_on()
 
 
 class StateGuard:
@@ -169,6 +175,7 @@ class StateGuard:
         left += self._sigint(before)
         left += self._clusters(before)
         left += self._distributed(before)
+        left += self._events(before)
         left += self._environment(before)
         left += self._threads(before)
         left += self._processes(before)
@@ -227,6 +234,16 @@ class StateGuard:
 
             nbtrain.comm.shutdown(barrier=False)
         return left
+
+    @staticmethod
+    def _events(before: Snapshot) -> list[str]:
+        if _events_on() or not before.events_on:
+            return []
+        sys.modules["nbtrain.comm.events"].set_enabled(True)
+        return [
+            "nbtrain's events are switched off (telemetry.set_enabled(False)): no "
+            "telemetry, metric or dashboard update in this process"
+        ]
 
     @staticmethod
     def _environment(before: Snapshot) -> list[str]:

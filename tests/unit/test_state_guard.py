@@ -50,6 +50,7 @@ def test_leaks_everything():
     threading.Thread(target=stop.wait, name="leaky-thread", daemon=True).start()
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     nbtrain.init_distributed()  # a world of one: the default group and the context
+    nbtrain.telemetry.set_enabled(False)
 """
 
 # Runs after the leaky module: sees what a fresh process would.
@@ -64,6 +65,9 @@ def test_starts_clean():
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert "NBTRAIN_LEAKED" not in os.environ
     assert not dist.is_initialized()
+    import nbtrain
+
+    assert nbtrain.comm.events.HUB.enabled
 """
 
 TIDY = """\
@@ -114,6 +118,7 @@ def test_a_leaking_module_fails_naming_each_leftover_and_the_next_starts_clean(t
         "time.sleep(600)",
         "torch.distributed's default group is still initialised (backend gloo",
         "nbtrain's context is still set",
+        "nbtrain's events are switched off (telemetry.set_enabled(False))",
     ):
         assert leftover in out, (leftover, out)
 
