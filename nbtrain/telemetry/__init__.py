@@ -108,7 +108,10 @@ def record() -> None:
 
 
 def enabled() -> bool:
-    """True when events are being recorded on this rank."""
+    """True when events are being recorded on this rank: switched on (`set_enabled`)
+    and someone subscribed. To put the switch back after changing it, keep
+    `nbtrain.comm.events.HUB.enabled`, not this: in a process that never recorded this
+    is False, and `set_enabled(False)` then switches events off for good."""
     return events.active()
 
 

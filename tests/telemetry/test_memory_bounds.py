@@ -108,14 +108,19 @@ def test_recorder_and_step_log_defaults_are_bounded():
 
 
 def test_started_and_stopped_runs_leave_no_writer_behind(tmp_path):
-    was_enabled = telemetry.enabled()
+    from nbtrain.comm import events
+
+    # The switch itself: telemetry.enabled() is "switched on and someone subscribed",
+    # False in a process that never recorded, and putting that back switched events
+    # off for every later module of the process (tests/state_guard.py now says so).
+    was_on = events.HUB.enabled
     before = len(sinks._OPEN_WRITERS)
     try:
         for run in range(20):
             telemetry.start(tmp_path / f"run{run}")
             telemetry.stop()
     finally:
-        telemetry.set_enabled(was_enabled)
+        telemetry.set_enabled(was_on)
     import gc
 
     gc.collect()
