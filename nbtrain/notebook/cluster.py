@@ -277,7 +277,7 @@ class Cluster:
 
     def _boot(self, n: int) -> None:
         view = self.client[:]
-        infos = view.apply_async(_engine_boot.probe).get(timeout=self.start_timeout_s)
+        infos = self._answers(view.apply_async(_engine_boot.probe), "answer")
         self.ranks = rendezvous.assign_ranks(infos)
         if len(self.ranks) != n:
             raise DistributedError(f"expected {n} engines, {len(self.ranks)} registered")
@@ -304,9 +304,22 @@ class Cluster:
         )
         for info, booted in zip(
             sorted(self.ranks, key=lambda i: i["engine_id"]),
-            result.get(timeout=self.start_timeout_s),
+            self._answers(result, "join the process group"),
         ):
             info["device"] = booted["device"]
+
+    def _answers(self, result, what: str) -> list:
+        """`result`'s values within the start timeout, or an error naming who is late."""
+        try:
+            return result.get(timeout=self.start_timeout_s)
+        except TimeoutError:
+            n = len(result.msg_ids)
+            raise DistributedError(
+                f"{n - result.progress} of {n} engines registered but did not {what} "
+                f"within the start timeout ({self.start_timeout_s:g} s): their first task "
+                "imports torch, which takes long on a loaded machine; give more time "
+                "with --start-timeout-s (Cluster(start_timeout_s=...))"
+            ) from None
 
     # --------------------------------------------------------------- operations
     def _require_running(self) -> None:

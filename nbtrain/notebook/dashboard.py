@@ -23,6 +23,7 @@ import statistics
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..telemetry.panels import MAX_RANKS_SHOWN, png_bytes, step_times
 from ..telemetry.steplog import DEFAULT_HISTORY
@@ -37,6 +38,29 @@ _CURRENT: "Dashboard | None" = None
 def current() -> "Dashboard | None":
     """The dashboard that `%nbtrain dashboard` or `--dashboard` last displayed."""
     return _CURRENT
+
+
+# How long a new dashboard or `%nbtrain stop` waits for the last one's picture.
+SETTLE_S = 30.0
+
+
+def settle(timeout_s: float = SETTLE_S) -> None:
+    """Let the current dashboard finish the pictures asked for so far.
+
+    A cell's last picture is drawn after the cell returns (it never holds the
+    notebook up); `%nbtrain stop` and a new dashboard wait for it here, or the
+    notebook's saved state (and a kernel shut down next) kept an empty picture.
+    A drawing error is printed, not raised: the cluster's work is not the picture's.
+    """
+    board = _CURRENT
+    if board is None:
+        return
+    try:
+        board.wait_drawn(timeout_s)
+    except FutureTimeout:
+        print(f"nbtrain: the dashboard's last picture is not drawn after {timeout_s:g} s")
+    except Exception as err:  # noqa: BLE001 - shown, never lost, never fatal
+        print(f"nbtrain: the dashboard could not draw its picture: {err!r}")
 
 
 def _merge_by_step(old: list, new: list) -> list:
@@ -84,6 +108,8 @@ class Dashboard:
     def show(self) -> "Dashboard":
         """Display it and make it the one `%%distributed` cells feed."""
         global _CURRENT
+        if _CURRENT is not self:
+            settle()
         _CURRENT = self
         self._ipython_display_()
         return self

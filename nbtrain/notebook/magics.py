@@ -340,6 +340,9 @@ class NbtrainMagics(Magics):
         if _current is None:
             print("no nbtrain cluster is running")
             return
+        from . import dashboard
+
+        dashboard.settle()  # the last cell's picture, before the engines go
         _current.stop()
         _current = None
         print("nbtrain cluster stopped")

@@ -63,3 +63,37 @@ def test_a_failed_picture_does_not_stop_later_ones(monkeypatch):
     board.update({0: summary(2, 3.0)}, final=True)
     board.wait_drawn(30)
     assert len(calls) == 2 and board.redraws == 1
+
+
+def test_a_new_dashboard_and_stop_wait_for_the_last_picture(monkeypatch, capsys):
+    # `%nbtrain stop` right after a cell shut the engines (and, in a notebook run by
+    # nbclient, the kernel) down while the cell's last picture was still drawing: the
+    # saved notebook kept an empty image.
+    release = threading.Event()
+
+    def slow_png(summaries, dpi):
+        release.wait(30)
+        return b"\x89PNG" + bytes([summaries[0]["seq"]])
+
+    monkeypatch.setattr(dashboard, "png_bytes", slow_png)
+    monkeypatch.setattr(dashboard, "_CURRENT", None)
+    old = dashboard.Dashboard(redraw_s=0.0).show()
+    old.update({0: summary(7, 4.0)}, final=True)
+    threading.Timer(0.5, release.set).start()
+    began = time.monotonic()
+    new = dashboard.Dashboard(redraw_s=0.0).show()  # `%nbtrain dashboard` after the cell
+    assert time.monotonic() - began >= 0.4 and old.image.value == b"\x89PNG\x07"
+    assert dashboard.current() is new
+
+    release.clear()
+    new.update({0: summary(8, 3.0)}, final=True)
+    threading.Timer(0.5, release.set).start()
+    dashboard.settle()  # what `%nbtrain stop` does first
+    assert new.image.value == b"\x89PNG\x08"
+
+    release.clear()  # a picture that never finishes: settle gives up and says so
+    new.update({0: summary(9, 2.0)}, final=True)
+    dashboard.settle(0.3)
+    assert "last picture is not drawn after 0.3 s" in capsys.readouterr().out
+    release.set()
+    new.wait_drawn(30)

@@ -160,23 +160,41 @@ def test_a_job_cancelled_from_outside_is_reported_as_rank_died(ipython, slurm):
 
 
 def test_waiting_in_the_queue_is_shown_and_not_counted_against_the_timeout(ipython, slurm):
-    # Another job holds the only node for longer than the start timeout (12 s).
-    blocker = sleeper(slurm, 16, "--exclusive")
+    # Another job holds the only node until our job has waited in the queue longer than
+    # the start timeout; the engines then get the whole timeout to register and boot
+    # (a fixed 16 s blocker against a 12 s timeout left the engines too little of it
+    # on a loaded machine: their first task imports torch).
+    timeout_s = 20
+    blocker = sleeper(slurm, 300, "--exclusive")
     deadline = time.monotonic() + 20
     while "RUNNING" not in slurm.run("squeue", "-h", "-j", blocker, "-o", "%T").stdout:
         assert time.monotonic() < deadline, "the blocking job did not start"
         time.sleep(0.3)
+    done = threading.Event()
+
+    def release_the_node():
+        seen = None
+        while not done.wait(0.3):
+            ours = slurm.run("squeue", "-h", "-t", "PD", "-o", "%i").stdout.split()
+            if seen is None and ours:
+                seen = time.monotonic()
+            if seen is not None and time.monotonic() - seen > timeout_s + 2:
+                slurm.run("scancel", blocker)
+                return
+
+    threading.Thread(target=release_the_node, daemon=True).start()
     try:
-        out, _ = start(ipython, "-n 2 --launcher slurm --start-timeout-s 12")
+        out, _ = start(ipython, f"-n 2 --launcher slurm --start-timeout-s {timeout_s}")
         assert re.search(
             r"Slurm job \d+ PENDING \((Resources|Priority)\): waiting in the "
             r"queue",
             out,
         ), out
         queued = re.search(r"Slurm job \d+ RUNNING on \S+ after (\d+) s in the queue", out)
-        assert queued and int(queued.group(1)) > 12, out  # longer than the timeout, and started
+        assert queued and int(queued.group(1)) > timeout_s, out  # longer, and it started
         assert magics.current_cluster().world_size == 2
     finally:
+        done.set()
         slurm.run("scancel", blocker)
         if magics.current_cluster() is not None:
             stop_and_check_gone(ipython, slurm)

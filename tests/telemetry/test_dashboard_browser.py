@@ -111,6 +111,21 @@ def _check_panels(pixels):
     assert _line_pixels(pixels, VAL_LOSS_RGB) > 40, "the val_loss metric is not drawn"
 
 
+def _assert_picture_stored(nb, cell: int) -> None:
+    """The training cell's dashboard image has its PNG in the saved widget state."""
+    state = nb.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]["state"]
+    views = [
+        o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+        for o in nb.cells[cell].outputs
+        if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
+    ]
+    boards = [state[v] for v in views if state[v]["model_name"] == "VBoxModel"]
+    assert boards, f"no dashboard in cell {cell}'s outputs"
+    children = [state[c.removeprefix("IPY_MODEL_")] for c in boards[0]["state"]["children"]]
+    images = [m for m in children if m["model_name"] == "ImageModel"]
+    assert images and images[0].get("buffers"), "the cell's picture was not in the saved notebook"
+
+
 def test_dashboard_renders_in_chromium(dashboard_run, tmp_path):
     from matplotlib.image import imread
     from nbconvert import HTMLExporter
@@ -127,6 +142,7 @@ def test_dashboard_renders_in_chromium(dashboard_run, tmp_path):
     from dashboard_notebook import TRAIN_CELL
 
     nb = nbformat.read(str(dashboard_run[0]), as_version=4)
+    _assert_picture_stored(nb, TRAIN_CELL)  # else a blank page is the notebook's fault
     nb.cells = nb.cells[: TRAIN_CELL + 1]
     body, _ = HTMLExporter(config=config).from_notebook_node(nb)
     page = tmp_path / "dashboard.html"
