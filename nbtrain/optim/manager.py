@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..comm import collectives as C
-from ..comm import events
+from ..comm import events, step_inputs
 from ..comm.context import get_context
 from ..zero import is_sharded, slice_kind
 from .adam import clear_grad, param_grad
@@ -40,6 +40,9 @@ class OptimManager:
             ranks; None: the data-parallel size, which makes them means). nbtrain's
             gradients are already means, so only another value changes anything: the
             loss is multiplied by zero_size / grad_scale, as BMTrain's would be.
+        record_grad_norm: compute the global gradient norm at every `step` (in the
+            overflow check's all-reduce, so no collective more) and record it with
+            the step's telemetry; False skips that pass over the gradients.
 
     Collective: `step`, `clip_grad_norm` and `backward` (through the model's
     backward) must be called by every rank, in the same order.
@@ -53,6 +56,7 @@ class OptimManager:
         min_loss_scale: float = 1,
         max_loss_scale: float = 2**24,
         grad_scale: float | None = None,
+        record_grad_norm: bool = True,
     ):
         if loss_scale is not None and loss_scale <= 0:
             raise ValueError(f"loss_scale={loss_scale} must be > 0 (or None for no scaling)")
@@ -64,6 +68,7 @@ class OptimManager:
         if grad_scale is not None and grad_scale <= 0:
             raise ValueError(f"grad_scale={grad_scale} must be > 0 (or None)")
         self._grad_scale = grad_scale
+        self.record_grad_norm = bool(record_grad_norm)
         self.loss_scale_enabled = loss_scale is not None
         self.loss_scale = float(loss_scale) if loss_scale is not None else 1.0
         self.loss_scale_factor = float(loss_scale_factor)
@@ -113,6 +118,7 @@ class OptimManager:
         """Registers an optimizer and (optionally) the scheduler `step()` advances."""
         self.optimizers.append(optimizer)
         self.lr_schedulers.append(lr_scheduler)
+        step_inputs.offer(optimizer=optimizer)  # telemetry counts its state by default
 
     def _params(self):
         for opt in self.optimizers:
@@ -257,6 +263,8 @@ class OptimManager:
         return total
 
     def _check_overflow(self) -> bool:
+        """inf/nan on any rank; with `record_grad_norm`, the step's global gradient norm
+        travels in the same all-reduce (what the dashboard and telemetry show)."""
         if self._found_inf is not None:
             return self._found_inf
         ctx = get_context()
@@ -264,8 +272,12 @@ class OptimManager:
         finite = [torch.isfinite(g).all() for g in map(param_grad, self._params()) if g is not None]
         if finite:  # one device-side reduction: no host sync per parameter
             flag += (~torch.stack(finite).all()).float()
-        C.all_reduce(flag, op="max", label="overflow")  # inf/nan on ANY rank
-        return bool(flag.item() > 0)
+        if self.record_grad_norm:
+            flag = torch.cat([flag, self._local_sums(self._params(), 2.0)])
+        C.all_reduce(flag, op="sum", label="overflow")  # inf/nan on ANY rank: sum > 0
+        if self.record_grad_norm and flag[0].item() == 0:
+            self._grad_norm = float(flag[1:].sum()) ** 0.5
+        return bool(flag[0].item() > 0)
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> bool:

@@ -45,20 +45,35 @@ def meta() -> dict:
 
 # -- memory --------------------------------------------------------------------------
 class _Watched:
-    """Weak references to the model and optimizer whose state memory samples count."""
+    """Weak references to the model and optimizer whose state memory samples count:
+    those given to `telemetry.watch`, else the last wrapped model and the last
+    optimizer added to an OptimManager (`nbtrain.comm.step_inputs.offer`)."""
 
     def __init__(self):
         self.model = self.optimizer = None
         self.full_param_bytes: int | None = None
+        self._full_of: weakref.ref | None = None  # the model full_param_bytes counts
 
     def set(self, model, optimizer) -> None:
         self.model = weakref.ref(model) if model is not None else None
         self.optimizer = weakref.ref(optimizer) if optimizer is not None else None
-        # Counted once: the panels draw it beside this rank's shard, so sharding shows.
+        self._count_full(model)
+
+    def _count_full(self, model) -> None:
+        # Counted once per model: the panels draw it beside this rank's shard.
         self.full_param_bytes = full_param_bytes(model) if model is not None else None
+        self._full_of = weakref.ref(model) if model is not None else None
 
     def get(self):
-        return (self.model() if self.model else None, self.optimizer() if self.optimizer else None)
+        model = self.model() if self.model else None
+        optimizer = self.optimizer() if self.optimizer else None
+        if model is None and optimizer is None:
+            from ..comm import step_inputs
+
+            model, optimizer = step_inputs.offered()
+            if model is not None and (self._full_of is None or self._full_of() is not model):
+                self._count_full(model)
+        return model, optimizer
 
 
 def full_param_bytes(model) -> int:

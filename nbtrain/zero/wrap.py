@@ -14,6 +14,7 @@ from functools import partial
 
 from torch import nn
 
+from ..comm import step_inputs
 from ..comm.context import get_context
 from .block import Block, ZeroLevel
 from .blocklist import TransformerBlockList
@@ -200,6 +201,8 @@ def wrap(
         model.register_forward_hook(partial(_root_post_forward, root), always_call=True)
         model._nbtrain_root_hooks = True
     _join_data_parallel(model)
+    step_inputs.offer(model=model)  # telemetry counts its state and its tokens
+    step_inputs.count_batch_tokens(model, get_context().topology.tp_rank)
     return model
 
 

@@ -75,6 +75,17 @@ def _clip(norm_type):
     return dict(norms=norms, state=model.state_dict())
 
 
+def _recorded_norm():
+    """No clip_grad_norm call: the manager still records each step's global norm (of
+    the unscaled gradients, in the overflow check's all-reduce)."""
+    model, opt, manager = oc.sharded_setup(loss_scale=2.0**8)
+    norms = []
+    for s in range(3):
+        oc.sharded_train(model, manager, 1, start=s, total=3)
+        norms.append(nbt.telemetry.RECORDER.last_metric("grad_norm"))
+    return norms
+
+
 def _accumulate():
     model, opt, manager = oc.sharded_setup()
     rows = oc.GLOBAL_BATCH * ACCUM
@@ -148,6 +159,7 @@ def _suite():
         fp16=_half(torch.float16),
         clip2=_clip(2.0),
         clipinf=_clip(math.inf),
+        recorded_norm=_recorded_norm(),
         accum=_accumulate(),
         overflow=_overflow(),
         resume=_manager_state_dict(),
@@ -176,6 +188,7 @@ def references():
         plain_decoupled=oc.plain_train(STEPS, decoupled=True),
         clip2=oc.plain_train(3, clip=0.05),
         clipinf=oc.plain_train(3, clip=0.05, norm_type=math.inf),
+        unclipped=oc.plain_train(3, clip=math.inf),  # the norm, nothing clipped
         accum=oc.plain_train(3, rows=oc.GLOBAL_BATCH * ACCUM),
     )
 
@@ -218,6 +231,9 @@ def test_optimizer_manager_on_ranks(world_size, references):
         _, ref_norms, ref_clip_state = references[key]
         assert res[key]["norms"] == pytest.approx(ref_norms, rel=1e-5), key
         _assert_state_close(res[key]["state"], ref_clip_state, 1e-5, 1e-5, key)
+
+    # Without clipping, the norm the manager records (for the dashboard) is torch's.
+    assert res["recorded_norm"] == pytest.approx(references["unclipped"][1], rel=1e-5)
 
     # Four accumulated micro-batches equal one batch of four times the size.
     _assert_state_close(res["accum"], references["accum"][2], 1e-5, 1e-5, "accum")

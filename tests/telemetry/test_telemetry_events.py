@@ -1,5 +1,6 @@
 """Events of a real 2-rank TransformerBlockList step: order, nesting, step summary."""
 
+import torch
 from support import cases
 from support.ranks import run_ranks
 
@@ -78,3 +79,40 @@ def test_two_rank_step_events_in_order_and_nested():
         assert last["comm_bytes"] == sum(e["bytes"] for e in comm)
         assert len(last["compute"]) == 2 * len(labels)
         assert [m["step"] for m in summary["metrics"]] == [0, 1]
+
+
+def _tour_training():
+    """The README tour's training code, no telemetry call in it."""
+    from nbtrain.models import GPT, GPTConfig
+    from nbtrain.models.data import BatchSampler, stdlib_corpus
+
+    cfg = GPTConfig.preset("tiny")
+    model = nbt.wrap(GPT(cfg), zero_level=3)
+    opt = nbt.optim.AdamOptimizer(model.parameters(), lr=3e-3)
+    optim = nbt.optim.OptimManager(loss_scale=None)
+    optim.add_optimizer(opt)
+    sampler = BatchSampler(stdlib_corpus(1 << 16), seq_len=cfg.seq_len, global_batch=4)
+    telemetry.RECORDER.clear()
+    for step in range(3):
+        x, y = sampler.local_batch(step)
+        optim.zero_grad()
+        optim.backward(model.loss(x, y))
+        optim.step()
+        with torch.no_grad():  # an evaluation forward: no tokens trained on
+            model.loss(x, y)
+    full = sum(p.numel() for p in GPT(cfg).parameters()) * 4
+    return telemetry.RECORDER.summary(), x.numel(), full
+
+
+def test_the_tours_code_fills_the_panels_without_a_telemetry_call():
+    for summary, local_tokens, full in run_ranks(_tour_training, 2):
+        rows = [m for m in summary["metrics"] if "loss" in m]
+        assert len(rows) == 3
+        # Tokens from the batch each training forward saw (the no_grad one not counted).
+        assert [m.get("batch_tokens") for m in rows] == [local_tokens] * 3
+        # The gradient norm OptimManager.step computes without clip_grad_norm.
+        assert all(m["grad_norm"] > 0 for m in rows), rows
+        # The wrapped model and the added optimizer are counted in memory samples.
+        last = summary["memory_history"][-1]
+        assert last["optimizer_bytes"] > 0 and last["param_bytes"] > 0, last
+        assert last["full_param_bytes"] == full, (last, full)
