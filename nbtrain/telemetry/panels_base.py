@@ -44,6 +44,26 @@ def step_axis(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
+def ignore_warm_up(ax, per_rank: dict, scale: float = 1.0) -> None:
+    """Y limits from every step but each rank's first (compilation, allocation, the
+    first gathers: often several times the rest, it flattened the other steps); the
+    first step's point is still drawn, off the top when it is that far out."""
+    rest = [
+        v * scale for values in per_rank.values() for x, v in values.items() if x != min(values)
+    ]
+    firsts = [values[min(values)] * scale for values in per_rank.values() if values]
+    if len(rest) < 2 or max(firsts, default=0) <= max(rest) * 1.25:
+        return
+    lo, hi = min(rest), max(rest)
+    pad = 0.1 * (hi - lo or abs(hi) or 1.0)
+    ax.set_ylim(min(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)
+
+
+def no_offset(ax) -> None:
+    """Plain tick labels (370, 371, ...), never an offset ("+3.701e2") above the axis."""
+    ax.ticklabel_format(axis="y", useOffset=False, style="plain")
+
+
 def by_step(per_rank: dict) -> dict:
     """{step: [value of each rank]} from {rank: {step: value}}."""
     out: dict = {}

@@ -16,6 +16,7 @@ from .panels_base import (
     draw_series,
     empty,
     metric_by_rank,
+    no_offset,
     shown_ranks,
     step_axis,
 )
@@ -62,6 +63,7 @@ def draw_memory(ax, summaries: dict) -> None:
         draw_series(ax, rss, scale=1 / MIB)
         ax.set_ylabel("MiB (process RSS)")
         peak_key = "rss_bytes"
+    no_offset(ax)
     peaks = [s.get("peak_memory", {}).get(peak_key) or 0 for s in summaries.values()]
     title = f"memory per rank (peak {max(peaks) / MIB:,.0f} MiB"
     by_rank = metric_by_rank(summaries, "memory_planned_bytes")
@@ -155,12 +157,13 @@ def draw_comm(ax, summaries: dict) -> None:
     import numpy as np
 
     per_rank = {r: comm_by_kind(s) for r, s in summaries.items()}
-    kinds = sorted({k for v in per_rank.values() for k in v})
+    # A kind that moved no bytes anywhere (an all-reduce of nothing) is no column.
+    kinds = sorted({k for v in per_rank.values() for k, (n, _) in v.items() if n})
     ax.set_title(f"communication by kind (last {COMM_WINDOW_STEPS} steps)")
     if not kinds:
+        if any(per_rank.values()):
+            return empty(ax, "the collectives moved no bytes\n(one rank: nothing to exchange)")
         return empty(ax, "no communication yet")
-    if not any(n for v in per_rank.values() for n, _ in v.values()):
-        return empty(ax, "the collectives moved no bytes\n(one rank: nothing to exchange)")
     x = np.arange(len(kinds))
     twin = ax.twinx()
     for i, (target, offset, color) in enumerate(

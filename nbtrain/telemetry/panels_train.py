@@ -11,6 +11,7 @@ from .panels_base import (
     by_step,
     draw_series,
     empty,
+    ignore_warm_up,
     lead_rank,
     metric_by_rank,
     skew,
@@ -22,7 +23,17 @@ from .panels_moe import is_routing_metric
 # Metric names drawn by a panel of their own; any other number is a user metric (the
 # MoE layers' "moe.<i>.balance" / "moe.<i>.dropped" go to the routing panel, panels_moe).
 OWN_PANEL = frozenset(
-    ("loss", "lr", "loss_scale", "grad_norm", "skipped", "step_time_s", "tokens", "nonfinite")
+    (
+        "loss",
+        "lr",
+        "loss_scale",
+        "grad_norm",
+        "skipped",
+        "step_time_s",
+        "tokens",
+        "batch_tokens",
+        "nonfinite",
+    )
 )
 NONFINITE_COLOR = "red"
 
@@ -33,6 +44,7 @@ def draw_step_time(ax, summaries: dict) -> None:
     if not any(times.values()):
         return empty(ax, "no finished step yet")
     draw_series(ax, times, scale=1e3)
+    ignore_warm_up(ax, times, scale=1e3)
     ax.set_ylabel("ms per step")
     step_axis(ax)
     ratio = skew(times)
@@ -50,7 +62,10 @@ def draw_step_time(ax, summaries: dict) -> None:
 
 
 def draw_throughput(ax, summaries: dict) -> None:
+    # The user's own count (telemetry.metric(tokens=n)) wins over the wrapped model's.
     tokens = metric_by_rank(summaries, "tokens")
+    if not any(any(v.values()) for v in tokens.values()):
+        tokens = metric_by_rank(summaries, "batch_tokens")
     per_rank = {}
     for r, s in summaries.items():
         times = step_times(s)
@@ -64,10 +79,10 @@ def draw_throughput(ax, summaries: dict) -> None:
     if not any(per_rank.values()):
         return empty(ax, "no finished step yet")
     draw_series(ax, per_rank)
+    ignore_warm_up(ax, per_rank)
     ax.set_ylabel(unit)
     step_axis(ax)
-    last = {r: v[max(v)] for r, v in per_rank.items() if v}
-    ax.set_title(f"{unit} per rank (all ranks: {sum(last.values()):,.0f})")
+    ax.set_title(f"{unit} per rank ({_total(summaries, tokens, has_tokens)})")
     if not has_tokens:
         ax.text(
             0.5,
@@ -79,6 +94,34 @@ def draw_throughput(ax, summaries: dict) -> None:
             color="gray",
         )
     ax.legend(loc="upper left", fontsize="x-small")
+
+
+def smoothed(values: list, weight: float = 0.8) -> list:
+    """Exponential moving average, bias-corrected (the first points are not pulled to 0)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values, 1):
+        acc = weight * acc + (1 - weight) * v
+        out.append(acc / (1 - weight**i))
+    return out
+
+
+def _total(summaries: dict, tokens: dict, has_tokens: bool, window: int = 10) -> str:
+    """Over the last `window` steps: tokens/s of all ranks together (each rank's own
+    tokens), or the ranks' mean steps/s (they step together: a sum means nothing)."""
+    rates = []
+    for r, s in summaries.items():
+        times = step_times(s)
+        last = sorted(times)[-window:]
+        seconds = sum(times[x] for x in last)
+        if seconds <= 0:
+            continue
+        done = sum(tokens[r].get(x, 0) for x in last) if has_tokens else len(last)
+        rates.append(done / seconds)
+    if not rates:
+        return "no finished step yet"
+    if has_tokens:
+        return f"all ranks: {sum(rates):,.0f} tokens/s"
+    return f"mean of ranks: {sum(rates) / len(rates):,.1f} steps/s"
 
 
 # -- loss, metrics, grad norm, learning rate ------------------------------------------
@@ -93,7 +136,11 @@ def draw_loss(ax, summaries: dict) -> None:
     extra = user_metrics(summaries)
     if not any(loss.values()) and not extra:
         return empty(ax, "no loss yet")
-    draw_series(ax, loss)
+    draw_series(ax, loss, lw=0.8, alpha=0.5)  # raw, per rank
+    mean = {x: sum(v) / len(v) for x, v in by_step(loss).items()}
+    if len(mean) > 1:
+        xs = sorted(mean)
+        ax.plot(xs, smoothed([mean[x] for x in xs]), color="black", lw=1.8, label="mean, smoothed")
     ax.set_ylabel("loss")
     step_axis(ax)
     twin = None
@@ -123,7 +170,7 @@ def draw_grad_norm(ax, summaries: dict) -> None:
     if not any(norms.values()):
         return empty(
             ax,
-            "no grad_norm recorded\n(OptimManager.clip_grad_norm or\n"
+            "no grad_norm recorded\n(OptimManager.step records it, or\n"
             "telemetry.metric(grad_norm=...))",
         )
     draw_series(ax, norms)

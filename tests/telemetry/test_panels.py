@@ -86,8 +86,14 @@ def test_two_ranks_every_panel_draws_its_data(two):
     assert [pytest.approx(512 / (ms / 1e3)) for ms in rank0_ms] == list(rank0_tps)
     # Loss with the user metrics: val_loss on the loss axis, accuracy on its own.
     loss = ax["loss and metrics"]
-    assert _labels(loss) == ["rank 0", "rank 1", "val_loss"]
-    assert list(loss.lines[2].get_xdata()) == [3, 7, 11]
+    assert _labels(loss) == ["rank 0", "rank 1", "mean, smoothed", "val_loss"]
+    assert list(loss.lines[3].get_xdata()) == [3, 7, 11]
+    # Beside the raw lines, the ranks' mean smoothed (bias-corrected: it starts there).
+    raw = [loss.lines[r].get_ydata() for r in (0, 1)]
+    mean = [(a + b) / 2 for a, b in zip(*raw)]
+    smooth = loss.lines[2].get_ydata()
+    assert smooth[0] == pytest.approx(mean[0])
+    assert min(mean) <= smooth[-1] <= max(mean) and list(smooth) != mean
     assert _twin(fig, loss).get_ylabel() == "accuracy"
     # lr alone on a labelled linear axis (a loss scale of 1 draws nothing).
     lr = ax["learning rate"]

@@ -65,7 +65,7 @@ def test_report_draws_the_dashboard_panels_from_the_run(run_dir):
     assert lines["step time per rank"][:2] == ["rank 0", "rank 1"]
     assert "skew" in ax["step time per rank"].get_title()
     assert lines["tokens/s per rank"] == ["rank 0", "rank 1"]
-    assert lines["loss and metrics"] == ["rank 0", "rank 1", "val_loss"]
+    assert lines["loss and metrics"] == ["rank 0", "rank 1", "mean, smoothed", "val_loss"]
     assert lines["gradient norm"] == ["rank 0", "rank 1"]
     assert ax["learning rate"].get_ylabel() == "learning rate"
     state = ax["model state per rank"]

@@ -66,7 +66,12 @@ def test_routing_metrics_get_their_own_panel():
     assert list(twin.lines[1].get_ydata()) == [pytest.approx(5.0)] * STEPS
     # The loss panel lists the user metrics only; its twin axis is accuracy's.
     loss = ax["loss and metrics"]
-    assert [line.get_label() for line in loss.lines] == ["rank 0", "rank 1", "val_loss"]
+    assert [line.get_label() for line in loss.lines] == [
+        "rank 0",
+        "rank 1",
+        "mean, smoothed",
+        "val_loss",
+    ]
     assert _twin(fig, loss).get_ylabel() == "accuracy"
     assert not any(
         "moe." in line.get_label()
