@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import math
 import signal
-import sys
 import threading
 import time
 from collections import deque
@@ -351,8 +350,7 @@ def _on_interrupt(signum, frame):
     print(
         f"nbtrain: stopping at step {at}, a step boundary every rank agrees on "
         "(interrupt again to stop at once)",
-        file=sys.stderr,
-        flush=True,
+        flush=True,  # information: stdout (JupyterLab shows stderr as an error)
     )
 
 

@@ -183,8 +183,7 @@ def follow_cell(
                 print(
                     "nbtrain: interrupting the ranks (training loops in nbtrain.progress stop "
                     "at the next agreed step; interrupt again to stop at once)",
-                    file=sys.stderr,
-                    flush=True,
+                    flush=True,  # information, not an error: stdout
                 )
                 continue
             _on_interrupt(cluster, ar, ranks, printer)
@@ -198,7 +197,7 @@ def follow_cell(
     _raise_if_dead(cluster, ranks, printer)
     _finish_failed(cluster, ar, ranks)
     if interrupted:
-        print("nbtrain: every rank stopped cleanly; the cell finished", file=sys.stderr, flush=True)
+        print("nbtrain: every rank stopped cleanly; the cell finished", flush=True)
     return ar
 
 
