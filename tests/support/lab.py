@@ -1,0 +1,208 @@
+"""A real JupyterLab on loopback driven by Chromium through Playwright, as a user's.
+
+`JupyterLab(root)` starts `jupyter lab` on 127.0.0.1 with a random token and private
+homes (the caller's IPYTHONDIR and JUPYTER_* folders), and ends it by its PID.
+`open_notebook` opens a notebook in headless Chromium (the distribution's, as
+Playwright's own download is not reachable everywhere); `run_cell` runs one cell
+through the UI with Shift+Enter and waits for its prompt to show a number.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+BROWSERS = ("chromium", "chromium-browser", "google-chrome")
+
+
+def missing() -> str | None:
+    """Why the browser tests cannot run here (None: they can)."""
+    for module in ("playwright", "jupyterlab", "jupyterlab_widgets"):
+        try:
+            __import__(module)
+        except ImportError:
+            return f"{module} is not installed (pip install -e '.[test]')"
+    if chromium() is None:
+        return "no chromium (apt-get install chromium)"
+    return None
+
+
+def chromium() -> str | None:
+    return next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    """`jupyter lab` serving `root` on loopback; a context manager."""
+
+    def __init__(self, root: str, log_path: str, timeout_s: float = 90.0):
+        self.root, self.log_path, self.timeout_s = root, log_path, timeout_s
+        self.port, self.token = _free_port(), secrets.token_hex(16)
+        self.proc: subprocess.Popen | None = None
+
+    def url(self, path: str = "") -> str:
+        return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
+
+    def __enter__(self) -> "JupyterLab":
+        log = open(self.log_path, "w")  # noqa: SIM115 - kept open for the server's life
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "jupyterlab",
+                "--no-browser",
+                "--ip=127.0.0.1",
+                f"--port={self.port}",
+                "--ServerApp.port_retries=0",
+                f"--IdentityProvider.token={self.token}",
+                f"--ServerApp.root_dir={self.root}",
+                "--LabApp.news_url=",
+                "--ServerApp.terminals_enabled=False",
+                "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            ]
+            + (["--allow-root"] if os.geteuid() == 0 else []),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"jupyter lab exited: {self.log()[-2000:]}")
+            try:
+                with urllib.request.urlopen(self.url(f"api/status?token={self.token}"), timeout=2):
+                    return self
+            except OSError:
+                time.sleep(0.3)
+        self.__exit__(None, None, None)
+        raise RuntimeError(f"jupyter lab not up in {self.timeout_s:g} s: {self.log()[-2000:]}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)  # the server shuts its kernels down
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only its processes
+            self.proc.wait(10)
+
+
+def write_notebook(path: str, cells: list[str]) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(nb, path)
+
+
+def launch(playwright):
+    return playwright.chromium.launch(
+        executable_path=chromium(),
+        headless=True,
+        args=["--disable-gpu", "--disable-dev-shm-usage", "--no-sandbox"],
+    )
+
+
+def open_notebook(browser, lab: JupyterLab, name: str, errors: list, width=1400, height=1000):
+    """A page with `name` open and its kernel idle; console errors go to `errors`."""
+    page = browser.new_page(viewport={"width": width, "height": height})
+    page.on("pageerror", lambda err: errors.append(f"pageerror: {err}"))
+    page.on(
+        "console", lambda msg: errors.append(f"console: {msg.text}") if msg.type == "error" else 0
+    )
+    page.goto(lab.url(f"lab/tree/{name}?token={lab.token}"))
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    wait_kernel_idle(page)
+    return page
+
+
+def wait_kernel_idle(page, timeout_s: float = 90.0) -> None:
+    page.wait_for_function(
+        """() => {
+            const s = document.querySelector('.jp-Notebook-ExecutionIndicator');
+            return s && s.getAttribute('data-status') === 'idle';
+        }""",
+        timeout=timeout_s * 1000,
+    )
+
+
+def run_cell(page, index: int, timeout_s: float = 180.0, wait: bool = True) -> None:
+    """Select cell `index`, Shift+Enter; with `wait`, until its prompt has a new number.
+
+    A key press that reached no cell (focus still elsewhere while the page settles)
+    is pressed again once the prompt has not changed for 10 s.
+    """
+    prompt = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputArea-prompt")
+    before = prompt.text_content()
+    for attempt in range(2):
+        prompt.click()
+        page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function(
+                """([i, before]) => {
+                    const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+                    const p = cell && cell.querySelector('.jp-InputArea-prompt');
+                    return p && p.textContent !== before;
+                }""",
+                arg=[index, before],
+                timeout=10_000,
+            )
+            break
+        except Exception:  # noqa: BLE001 - playwright's TimeoutError: press again
+            if attempt:
+                raise
+    if wait:
+        wait_cell_done(page, index, timeout_s)
+
+
+def wait_cell_done(page, index: int, timeout_s: float = 180.0) -> None:
+    page.wait_for_function(
+        """(i) => {
+            const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+            const prompt = cell && cell.querySelector('.jp-InputArea-prompt');
+            return prompt && /\\[\\d+\\]/.test(prompt.textContent);
+        }""",
+        arg=index,
+        timeout=timeout_s * 1000,
+    )
+
+
+def cell_outputs(page, index: int) -> list[dict]:
+    """Each output of cell `index`: its text and whether JupyterLab shows it as stderr."""
+    return page.evaluate(
+        """(i) => {
+            const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[i];
+            return [...cell.querySelectorAll('.jp-OutputArea-output')].map(o => ({
+                text: o.innerText,
+                stderr: o.getAttribute('data-mime-type') === 'application/vnd.jupyter.stderr',
+            }));
+        }""",
+        index,
+    )
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)

@@ -1,0 +1,147 @@
+"""The README tour in a real JupyterLab in headless Chromium, run through the UI as a
+user runs it: Shift+Enter on each cell, the stop button, a kernel restart.
+
+What it asserts is what holds today; what it measures (the picture's first frame,
+updates per second, lag behind the table, the kernel's time per picture, the stop
+latency) is printed and kept in tests/artifacts/dashboard-lab.json with screenshots
+beside it (dashboard-lab-*.png). Skips, with the reason, where Playwright, JupyterLab
+or Chromium is missing.
+"""
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+from support import lab
+from support import lab_dashboard as ld
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "tests" / "artifacts"
+pytestmark = pytest.mark.timeout(600)
+
+START, MODEL, TRAIN, STOP = range(4)
+LONG, AFTER, PIDS = 4, 5, 6  # cells added after the tour's: a long run to stop
+
+
+def tour_cells() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = re.search(r"^## A 60-second tour\n(.*?)(?=^## )", readme, re.MULTILINE | re.DOTALL)
+    return re.findall(r"^```python\n(.*?)^```", section.group(1), re.MULTILINE | re.DOTALL)
+
+
+@pytest.fixture(scope="module")
+def page(tmp_path_factory):
+    reason = lab.missing()
+    if reason:
+        pytest.skip(reason)
+    from playwright.sync_api import sync_playwright
+
+    root = tmp_path_factory.mktemp("lab")
+    tour = tour_cells()
+    assert len(tour) == 4 and "range(30)" in tour[TRAIN], tour
+    cells = tour + [
+        tour[TRAIN].replace("range(30)", "range(100000)"),  # stopped with the button
+        "%%distributed\nprint('still here at step', step)",
+        "from nbtrain.notebook import dashboard, magics\n"
+        "print('pids', magics.current_cluster().pids())\n"
+        "print('draws', [round(s, 3) for s in dashboard.current().draw_seconds])",
+    ]
+    lab.write_notebook(str(root / "tour.ipynb"), cells)
+    errors: list[str] = []
+    with (
+        lab.JupyterLab(str(root), str(root / "lab.log")) as server,
+        sync_playwright() as p,
+    ):
+        browser = lab.launch(p)
+        try:
+            page = lab.open_notebook(browser, server, "tour.ipynb", errors)
+            ld.install_recorder(page)
+            page.errors = errors
+            yield page
+        finally:
+            browser.close()
+
+
+def _shot(page, name):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"dashboard-lab-{name}.png"))
+
+
+def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
+    figures = {}
+    lab.run_cell(page, START, timeout_s=240)
+    assert "nbtrain cluster ready: 2 ranks" in lab.cell_outputs(page, START)[-1]["text"]
+    lab.run_cell(page, MODEL)
+    for run in ("first", "second"):  # the tour's training cell, then again
+        began = ld.now_ms(page)
+        lab.run_cell(page, TRAIN)
+        ended = ld.now_ms(page)
+        page.wait_for_timeout(6000)  # the last picture, however late
+        figures[run] = ld.figures(ld.events(page, began), began, ended)
+        _shot(page, run)
+        outputs = lab.cell_outputs(page, TRAIN)
+        text = "\n".join(o["text"] for o in outputs)
+        assert re.search(r"loss \d\.\d+ after 30 steps", text), text
+        assert not [o for o in outputs if o["stderr"]], outputs  # nothing shown as an error
+        board = page.locator(".widget-vbox").filter(has_text="step time").last
+        assert board.locator("table tr").count() == 3  # a header and one row per rank
+        img = board.locator("img")
+        assert img.evaluate("i => i.complete && i.naturalWidth > 0"), "the picture is not drawn"
+        # A picture that shows this cell's last step arrived (the issue's goal is 1 s).
+        assert figures[run]["final_frame_after_end_s"] is not None, figures[run]
+
+    # The stop button: every rank stops at one step, nothing on stderr, namespaces kept.
+    lab.run_cell(page, LONG, wait=False)
+    page.wait_for_function(
+        "() => [...document.querySelectorAll('.widget-vbox table')].some("
+        "t => /\\n\\d+\\t[1-9]\\d*/.test(t.innerText))",
+        timeout=60_000,
+    )
+    page.wait_for_timeout(3000)
+    pressed = ld.now_ms(page)
+    page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
+    lab.wait_cell_done(page, LONG, timeout_s=60)
+    figures["stop_button_s"] = (ld.now_ms(page) - pressed) / 1e3
+    _shot(page, "stopped")
+    outputs = lab.cell_outputs(page, LONG)
+    text = "\n".join(o["text"] for o in outputs)
+    assert "every rank stopped cleanly" in text, outputs
+    assert not [o for o in outputs if o["stderr"]], outputs
+    lab.run_cell(page, AFTER)
+    steps = re.findall(
+        r"\[rank (\d)\] still here at step (\d+)", lab.cell_outputs(page, AFTER)[-1]["text"]
+    )
+    assert len(steps) == 2 and len({s for _, s in steps}) == 1, steps  # one agreed step
+
+    # Draw times the kernel paid (the issue's goal: at most 100 ms per update).
+    lab.run_cell(page, PIDS)
+    printed = lab.cell_outputs(page, PIDS)[-1]["text"]
+    pids = [int(p) for p in re.findall(r"\d+", printed.split("draws")[0])]
+    draws = [float(v) for v in re.findall(r"[\d.]+", printed.split("draws")[1])]
+    figures["kernel_s_per_picture"] = {"median": sorted(draws)[len(draws) // 2], "max": max(draws)}
+    began = ld.now_ms(page)
+    lab.run_cell(page, STOP)
+    figures["nbtrain_stop_s"] = (ld.now_ms(page) - began) / 1e3
+    assert "nbtrain cluster stopped" in lab.cell_outputs(page, STOP)[-1]["text"]
+    deadline = time.monotonic() + 10
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "processes left after stop"
+
+    # A kernel restart from the toolbar: the kernel comes back idle.
+    page.locator("jp-button[data-command='notebook:restart-kernel']").click()
+    page.locator(".jp-Dialog .jp-mod-accept").click()  # "Restart" in the confirmation
+    page.wait_for_function(
+        "() => document.querySelector('.jp-Notebook-ExecutionIndicator')"
+        ".getAttribute('data-status') !== 'idle'",
+        timeout=30_000,
+    )
+    lab.wait_kernel_idle(page)
+    figures["console_errors"] = list(page.errors)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    (ARTIFACTS / "dashboard-lab.json").write_text(json.dumps(figures, indent=1))
+    print("\ndashboard in JupyterLab:", json.dumps(figures, indent=1))
+    assert not page.errors, page.errors
