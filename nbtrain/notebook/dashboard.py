@@ -80,10 +80,14 @@ def _step(point):
 class Dashboard:
     """An ipywidgets dashboard fed with per-rank telemetry summaries."""
 
-    def __init__(self, redraw_s: float = 1.0):
+    def __init__(self, redraw_s: float = 1.0, since_cell: bool = False):
+        """`since_cell`: show only the steps of the cell it was made for (a re-run of a
+        training cell starts from its own data, not the previous run's tail)."""
         import ipywidgets as w
 
         self.redraw_s = redraw_s
+        self.since_cell = since_cell
+        self._first_step: dict[int, int] = {}
         self.summaries: dict[int, dict] = {}
         self.header = w.HTML(value="<i>waiting for telemetry from the ranks...</i>")
         self.image = w.Image(format="png", layout=w.Layout(max_width="100%"))
@@ -125,8 +129,13 @@ class Dashboard:
             self._seen[rank] = new.get("seq")
             old = self.summaries.get(rank, {})
             merged = dict(new)
+            first = self._first_step.setdefault(rank, self._cell_start(new))
             for key in ("metrics", "overlap", "steps", "memory_history"):
                 merged[key] = _merge_by_step(old.get(key, []), new.get(key, []))
+                if first:
+                    merged[key] = [p for p in merged[key] if _step(p) >= first]
+            if first and (merged.get("last_step") or {}).get("step", first) < first:
+                merged["last_step"] = None  # the previous cell's
             self.summaries[rank] = merged
             self._dirty = True
         if not self._dirty:
@@ -135,6 +144,10 @@ class Dashboard:
         now = time.monotonic()
         if final or now - self._last_redraw >= self.redraw_s:
             self._request_draw(final)
+
+    def _cell_start(self, summary: dict) -> int:
+        """The first step to show of a rank: its cell's first, with `since_cell`."""
+        return (summary.get("cell_first_step") or 0) if self.since_cell else 0
 
     def _request_draw(self, final: bool) -> None:
         """Draw the summaries in a thread; a cell's last picture waits for the current one.

@@ -476,7 +476,7 @@ class NbtrainMagics(Magics):
         from . import dashboard as widgets
 
         if args.dashboard:
-            widgets.Dashboard().show()
+            widgets.Dashboard(since_cell=True).show()  # this cell's steps only
         board = widgets.current()
         if args.noblock:
             pending = cluster.submit(

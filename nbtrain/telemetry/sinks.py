@@ -236,7 +236,9 @@ def start_publisher(recorder, interval_s: float) -> None:
     from ipyparallel.datapub import publish_data
     from IPython import get_ipython
 
-    state = {"last": recorder.last_seq, "lock": threading.Lock(), "count": 0}
+    from ..comm import events
+
+    state = {"last": recorder.last_seq, "lock": threading.Lock(), "count": 0, "cell_step": None}
 
     def publish_if_changed(full: bool = False):
         with state["lock"]:
@@ -249,6 +251,7 @@ def start_publisher(recorder, interval_s: float) -> None:
             state["count"] += 1
             summary = recorder.summary(PUBLISH_FULL_POINTS if full else PUBLISH_TAIL_POINTS)
             state["last"] = summary["seq"]
+            summary["cell_first_step"] = state["cell_step"]  # where this cell's steps begin
             publish_data({"nbtrain": summary})
 
     def loop():
@@ -262,6 +265,7 @@ def start_publisher(recorder, interval_s: float) -> None:
     _PUBLISHER["interval_s"] = interval_s
     # The final state of each cell, sent while the cell's parent header still holds.
     get_ipython().events.register("post_execute", lambda: publish_if_changed(full=True))
+    get_ipython().events.register("pre_execute", lambda: state.update(cell_step=events.HUB.step))
     thread = threading.Thread(target=loop, name="nbtrain-telemetry-publisher", daemon=True)
     _PUBLISHER["thread"] = thread
     thread.start()

@@ -97,3 +97,33 @@ def test_a_new_dashboard_and_stop_wait_for_the_last_picture(monkeypatch, capsys)
     assert "last picture is not drawn after 0.3 s" in capsys.readouterr().out
     release.set()
     new.wait_drawn(30)
+
+
+def test_a_dashboard_for_one_cell_shows_that_cells_steps_only(monkeypatch):
+    # A re-run of a training cell: the ranks' histories still hold the last run's steps
+    # (0-29); the cell began at step 30, which every publication of the cell carries.
+    monkeypatch.setattr(dashboard, "png_bytes", lambda summaries, dpi: b"\x89PNG")
+
+    def history(rank, steps, last):
+        return {
+            "seq": last,
+            "step": last + 1,
+            "cell_first_step": 30,
+            "metrics": [{"step": s, "loss": 5.0 - s / 100} for s in steps],
+            "overlap": [],
+            "steps": [{"step": s, "duration_s": 0.1} for s in steps],
+            "memory_history": [{"step": s, "rss_bytes": 1} for s in steps],
+            "last_step": {"step": last},
+        }
+
+    board = dashboard.Dashboard(redraw_s=0.0, since_cell=True)
+    board.update({0: history(0, range(0, 30), 29), 1: history(1, range(0, 31), 30)})
+    assert board.summaries[0]["metrics"] == [] and board.summaries[0]["last_step"] is None
+    assert [m["step"] for m in board.summaries[1]["metrics"]] == [30]
+    board.update({0: history(0, range(10, 34), 33)})
+    assert [m["step"] for m in board.summaries[0]["steps"]] == [30, 31, 32, 33]
+    board.wait_drawn(30)
+    whole = dashboard.Dashboard(redraw_s=0.0)  # `%nbtrain dashboard`: everything kept
+    whole.update({0: history(0, range(0, 30), 29)})
+    assert len(whole.summaries[0]["metrics"]) == 30
+    whole.wait_drawn(30)
