@@ -81,3 +81,18 @@ def test_a_collective_kind_that_moved_nothing_has_no_column(two):
             row.setdefault("comm", {})["all_reduce"] = [0, 0.001]  # e.g. a 0-byte barrier
     comm = _axes(two)["communication by kind"]
     assert [t.get_text() for t in comm.get_xticklabels()] == ["all\ngather", "reduce\nscatter"]
+
+
+def test_the_next_picture_of_the_same_panels_reuses_their_layout():
+    # Constrained layout was half of each dashboard picture's cost.
+    panels._LAYOUTS.clear()
+    panels.png_bytes(synthetic.summaries(2, 12), dpi=40)
+    ((positions, uses),) = panels._LAYOUTS.values()
+    assert uses == 0 and len(positions) >= 10
+    panels.png_bytes(synthetic.summaries(2, 20), dpi=40)  # more steps, other titles
+    assert [u for _, u in panels._LAYOUTS.values()] == [1]
+    fewer = synthetic.summaries(2, 12)
+    for m in _metric_rows(fewer):
+        m.pop("accuracy", None)  # no accuracy axis beside the loss: other axes
+    panels.png_bytes(fewer, dpi=40)
+    assert sorted(u for _, u in panels._LAYOUTS.values()) == [0, 1]
