@@ -33,6 +33,11 @@ from ..telemetry.steplog import DEFAULT_HISTORY
 # keeps itself. (5000 made ~1.3M rows at 64 ranks, deep-copied at every redraw.)
 MAX_HISTORY = DEFAULT_HISTORY
 
+# 960 x 680 px: with the table above it, the dashboard fits a 1400 x 1000 browser
+# window's notebook at 100% zoom (13 x 11 in at 72 dpi was 920 px tall with the table
+# in 879 px of notebook, and its legends were 6 px; at 80 dpi they are 7.7).
+PICTURE = {"dpi": 80, "width_in": 12.0, "height_in": 8.5}
+
 _CURRENT: "Dashboard | None" = None
 
 
@@ -183,7 +188,7 @@ class Dashboard:
     def _draw(self, summaries: dict) -> None:
         began = time.perf_counter()
         self._dirty = False
-        png = png_bytes(summaries, dpi=72)
+        png = png_bytes(summaries, **PICTURE)
         steps = [s.get("step", 0) for s in summaries.values() if s]
         with self.image.hold_sync():  # one message: the picture and the step it shows
             self.image.value = png

@@ -76,8 +76,20 @@ def _layout_key(fig, dpi) -> tuple:
     return (tuple(fig.get_size_inches()), dpi, cells)
 
 
+# Titles one step smaller than matplotlib's "large": a title with its numbers ("step
+# time per rank (skew 1.42x at step 39)") fits its panel at 80 dpi.
+PANEL_RC = {"axes.titlesize": "medium"}
+
+
 def png_bytes(summaries: dict, dpi: int = 80, reuse_layout: bool = True, **kwargs) -> bytes:
     """The panels as PNG; `reuse_layout` lays out like the last picture of these axes."""
+    import matplotlib
+
+    with matplotlib.rc_context(PANEL_RC):  # sizes resolve when drawn
+        return _png_bytes(summaries, dpi, reuse_layout, **kwargs)
+
+
+def _png_bytes(summaries: dict, dpi: int, reuse_layout: bool, **kwargs) -> bytes:
     fig = figure(summaries, **kwargs)
     key = _layout_key(fig, dpi) if reuse_layout else None
     cached = _LAYOUTS.get(key)

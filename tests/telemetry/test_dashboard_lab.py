@@ -92,6 +92,13 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         assert board.locator("table tr").count() == 3  # a header and one row per rank
         img = board.locator("img")
         assert img.evaluate("i => i.complete && i.naturalWidth > 0"), "the picture is not drawn"
+        # Table and picture fit the notebook of a 1400 x 1000 window at 100% zoom.
+        box, notebook = board.bounding_box(), page.locator(".jp-Notebook").bounding_box()
+        figures[run]["dashboard_px"] = [round(box["width"]), round(box["height"])]
+        assert box["height"] <= notebook["height"] and box["width"] <= notebook["width"], (
+            box,
+            notebook,
+        )
         # A picture that shows this cell's last step arrived (the goal is 1 s).
         assert figures[run]["final_frame_after_end_s"] is not None, figures[run]
 
