@@ -16,6 +16,7 @@ PartitionTimeLimit: a job that can never start).
 
 from __future__ import annotations
 
+import atexit
 import os
 import resource
 import shutil
@@ -144,6 +145,7 @@ class SlurmCluster:
             stdin=subprocess.DEVNULL,
             env=self.env(),
             preexec_fn=_no_core_dumps,
+            start_new_session=True,  # Ctrl-C reaches pytest, which ends them in order
         )
         log.close()
 
@@ -158,6 +160,7 @@ class SlurmCluster:
 
     def up(self, timeout_s: float = 60.0) -> "SlurmCluster":
         """Start the daemons and wait until the node is idle. Raises RuntimeError."""
+        atexit.register(self._end_daemons)  # whatever ends this process, but SIGKILL
         self._write_files()
         d = self.dir
         self._start(
@@ -218,6 +221,20 @@ class SlurmCluster:
         """Ids of the jobs the controller still lists (any state)."""
         return self.run("squeue", "-h", "-o", "%i", timeout=10).stdout.split()
 
+    def _end_daemons(self) -> None:
+        """End the daemons this cluster started, by their PIDs. Also run at exit: a
+        test run stopped with Ctrl-C left munged, slurmctld and slurmd behind."""
+        for name in reversed(_DAEMONS):
+            proc = self.procs.pop(name, None)
+            if proc is None:
+                continue
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
     def down(self) -> None:
         """Cancel every job of this cluster, then stop the daemons by their PIDs."""
         if "slurmctld" in self.procs and self.procs["slurmctld"].poll() is None:
@@ -229,16 +246,7 @@ class SlurmCluster:
                 and time.monotonic() < deadline
             ):
                 time.sleep(0.3)
-        for name in reversed(_DAEMONS):
-            proc = self.procs.pop(name, None)
-            if proc is None:
-                continue
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        self._end_daemons()
         if self._old_conf is None:
             os.environ.pop("SLURM_CONF", None)
         else:
