@@ -97,5 +97,16 @@ def figures(notes: list[dict], began_ms: float, ended_ms: float) -> dict:
     return out
 
 
+def wait_final_frame(page, began_ms: float, ended_ms: float, timeout_s: float = 60.0) -> dict:
+    """Wait until a picture shows the cell's last step (on a loaded machine a picture
+    takes seconds); the cell's figures then."""
+    deadline = now_ms(page) + timeout_s * 1e3
+    while True:
+        found = figures(events(page, began_ms), began_ms, ended_ms)
+        if found["final_frame_after_end_s"] is not None or now_ms(page) > deadline:
+            return found
+        page.wait_for_timeout(250)
+
+
 def steps_in(text: str) -> list[int]:
     return [int(v) for v in re.findall(r"(\d+)/\d+ \[", text)]

@@ -81,8 +81,7 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         began = ld.now_ms(page)
         lab.run_cell(page, TRAIN)
         ended = ld.now_ms(page)
-        page.wait_for_timeout(6000)  # the last picture, however late
-        figures[run] = ld.figures(ld.events(page, began), began, ended)
+        figures[run] = ld.wait_final_frame(page, began, ended)  # however late
         _shot(page, run)
         outputs = lab.cell_outputs(page, TRAIN)
         text = "\n".join(o["text"] for o in outputs)
