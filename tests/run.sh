@@ -17,7 +17,7 @@ if [ "$quick" = 1 ] && python3 -c "import nbtrain, pytest, nbval, ruff" 2>/dev/n
     : # the edit loop: this checkout is installed already
 else
     python3 -m pip install -q "torch==2.13.0" || python3 -m pip install -q "torch>=2.4"
-    python3 -m pip install -q -e ".[test]"
+    python3 -m pip install -q -e ".[test,notebook]"  # notebook: JupyterLab, for its test
 fi
 # Optional system tools for the MPI launcher test and the browser screenshot test;
 # the tests that need them skip with a reason when these cannot be installed.

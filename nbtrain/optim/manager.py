@@ -208,7 +208,7 @@ class OptimManager:
                 continue
             # One multi-tensor kernel per part, accumulated in float32 whatever the
             # gradients' dtype (as torch.nn.utils.clip_grad_norm_ computes it).
-            norms = torch.stack(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+            norms = torch.stack(_norms(grads, norm_type))
             out[part] = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
         if ctx.rank != 0:
             out[1] = 0.0  # replicated parameters: every rank holds the same gradient
@@ -394,3 +394,12 @@ class OptimManager:
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)
         self.load_scalar_state(state)
+
+
+def _norms(grads: list, norm_type: float) -> list:
+    """Each gradient's norm in float32, float64 ones computed in float64 (torch refuses
+    to narrow them in the norm) and then rounded."""
+    wide = [g for g in grads if g.dtype == torch.float64]
+    rest = [g for g in grads if g.dtype != torch.float64]
+    out = list(torch._foreach_norm(rest, norm_type, dtype=torch.float32)) if rest else []
+    return out + [n.float() for n in torch._foreach_norm(wide, norm_type)] if wide else out

@@ -46,8 +46,10 @@ def test_the_notebook_extra_brings_jupyterlab_and_the_widget_frontend():
     assert {"jupyterlab", "ipywidgets", "jupyterlab-widgets", "ipykernel"} <= _requirement_names(
         extras["notebook"]
     )
-    # CI installs the test extra only: JupyterLab stays out of it.
+    # The test extra has no JupyterLab of its own: CI installs both extras
+    # (tests/run.sh), a user who only runs tests needs no JupyterLab.
     assert "jupyterlab" not in _requirement_names(extras["test"])
+    assert '-e ".[test,notebook]"' in (ROOT / "tests" / "run.sh").read_text()
 
 
 def test_every_extra_the_docs_name_exists_and_environment_yml_matches_pyproject():
