@@ -132,7 +132,7 @@ def test_error_names_the_rank_and_shows_user_frames(ipython, cluster):
     cell = "def check(r):\n    if r == 1:\n        raise ValueError('bad shard on this rank')\ncheck(nbt.rank())"
     with pytest.raises(RankError) as info:
         ipython.run_cell_magic("distributed", "", cell)
-    assert info.value.ranks == [1]
+    assert info.value.ranks == [1], str(info.value)
     assert "rank 1 raised" in str(info.value) and "ValueError: bad shard" in str(info.value)
     rendered = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(info.value._render_traceback_()))
     assert "check(nbt.rank())" in rendered and "raise ValueError" in rendered
