@@ -25,7 +25,7 @@ def summary(seq: int, loss: float) -> dict:
 def test_final_update_returns_before_the_picture_and_the_last_one_is_drawn(monkeypatch):
     release, drawn = threading.Event(), []
 
-    def slow_png(summaries, dpi):
+    def slow_png(summaries, **picture):
         release.wait(30)  # a picture that takes as long as the test wants
         drawn.append(summaries[0]["metrics"][-1]["loss"])
         return b"\x89PNG"
@@ -49,8 +49,8 @@ def test_final_update_returns_before_the_picture_and_the_last_one_is_drawn(monke
 def test_a_failed_picture_does_not_stop_later_ones(monkeypatch):
     calls = []
 
-    def flaky_png(summaries, dpi):
-        calls.append(dpi)
+    def flaky_png(summaries, **picture):
+        calls.append(picture["dpi"])
         if len(calls) == 1:
             raise ValueError("a bad figure")
         return b"\x89PNG"
@@ -71,7 +71,7 @@ def test_a_new_dashboard_and_stop_wait_for_the_last_picture(monkeypatch, capsys)
     # saved notebook kept an empty image.
     release = threading.Event()
 
-    def slow_png(summaries, dpi):
+    def slow_png(summaries, **picture):
         release.wait(30)
         return b"\x89PNG" + bytes([summaries[0]["seq"]])
 
@@ -102,7 +102,7 @@ def test_a_new_dashboard_and_stop_wait_for_the_last_picture(monkeypatch, capsys)
 def test_a_dashboard_for_one_cell_shows_that_cells_steps_only(monkeypatch):
     # A re-run of a training cell: the ranks' histories still hold the last run's steps
     # (0-29); the cell began at step 30, which every publication of the cell carries.
-    monkeypatch.setattr(dashboard, "png_bytes", lambda summaries, dpi: b"\x89PNG")
+    monkeypatch.setattr(dashboard, "png_bytes", lambda summaries, **picture: b"\x89PNG")
 
     def history(rank, steps, last):
         return {
@@ -127,3 +127,18 @@ def test_a_dashboard_for_one_cell_shows_that_cells_steps_only(monkeypatch):
     whole.update({0: history(0, range(0, 30), 29)})
     assert len(whole.summaries[0]["metrics"]) == 30
     whole.wait_drawn(30)
+
+
+def test_no_picture_is_drawn_before_the_first_step(monkeypatch):
+    # A picture of empty panels cost a whole draw (seconds on a loaded machine) before
+    # the first one with data could start.
+    drawn = []
+    monkeypatch.setattr(dashboard, "png_bytes", lambda s, **picture: drawn.append(s) or b"P")
+    board = dashboard.Dashboard(redraw_s=0.0)
+    empty = {**summary(1, 4.0), "metrics": []}
+    board.update({0: empty})
+    board.wait_drawn(30)  # (the warm-up only)
+    assert drawn == [] and board.redraws == 0 and "<td>0</td>" in board.header.value
+    board.update({0: summary(2, 3.0)})
+    board.wait_drawn(30)
+    assert len(drawn) == 1 and board.image.value == b"P"
