@@ -20,6 +20,9 @@ and relative error. A module whose tensors have other shapes than the reference'
 column-parallel layer's output slice, a sequence-parallel token slice) is skipped and
 listed in `report.skipped`; the root module is never compared (its children are).
 
+Activation checkpointing is fine: a forward recomputed in backward is the same call
+again and is not recorded twice.
+
 Memory: every module's outputs and input gradients of one step are kept (as clones),
 so run it on a small model for a few steps.
 """
@@ -162,6 +165,8 @@ class _Recorder:
 
     def _forward(self, name):
         def hook(module, args, out):
+            if _in_backward():  # activation checkpointing recomputing this call
+                return
             self.outputs.setdefault(name, []).append([t.detach().clone() for t in _tensors(out)])
 
         return hook
@@ -179,6 +184,13 @@ class _Recorder:
     def remove(self):
         for h in self.handles:
             h.remove()
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread. A module's forward
+    called then is a recompute (`torch.utils.checkpoint`, a Block's `use_checkpoint`):
+    the same call again, not another micro-batch, so it is not recorded."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _tensors(out) -> list[torch.Tensor]:

@@ -192,3 +192,23 @@ def pipeline_cases():
         out[case] = _summary(report)
     out["rank"] = dist.get_rank()
     return out
+
+
+def checkpoint_cases():
+    """Blocks that recompute their forward in backward (`use_checkpoint=True`, BMTrain's
+    default) at ZeRO-2 and ZeRO-3: correct, then rank 1's shard of one parameter
+    scaled after step 1. A recomputed forward must not count as a second call."""
+    import torch.distributed as dist
+
+    import nbtrain
+
+    nbtrain.init_distributed()
+    rows = 2 * dist.get_world_size()  # every data-parallel rank gets 2 rows
+    out = {}
+    for level in (2, 3):
+        model = nbtrain.wrap(_gpt(), zero_level=level, use_checkpoint=True)
+        out[f"correct{level}"] = _summary(_locate(model, _gpt(), _gpt_batches(rows)))
+        model = nbtrain.wrap(_gpt(), zero_level=level, use_checkpoint=True)
+        bad = _ScaleShardAfter(model.parameters(), model, "layers.1.mlp.0.weight", at=1)
+        out[f"scaled{level}"] = _summary(_locate(model, _gpt(), _gpt_batches(rows), optimizer=bad))
+    return out

@@ -4,7 +4,7 @@ step, direction and rank (a tp layer whose backward forgets its all-reduce, a wr
 scale on rank 1's shard, a pipeline stage that drops a micro-batch)."""
 
 import pytest
-from locate_cases import STEPS, pipeline_cases, tp_cases, zero_cases
+from locate_cases import STEPS, checkpoint_cases, pipeline_cases, tp_cases, zero_cases
 from support.ranks import run_ranks
 
 
@@ -70,3 +70,25 @@ def test_pipeline_stage_dropping_a_micro_batch_is_named(pipeline_runs):
     # first off, at step 0, and the forward agrees until the parameters moved.
     assert found["first"] == (0, "backward", "3", 1, "input grad"), found["table"]
     assert found["steps"][0][0] is None and found["steps"][0][2] is not None, found["table"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_checkpointed_blocks_compare_every_module_once(world):
+    """use_checkpoint=True recomputes each Block's forward in backward: the recompute is
+    not a second call of the module (it was joined to the first along dim 0, and every
+    correct model diverged at the first module inside the first Block; at world 3 the
+    joined shapes were skipped as "other shapes")."""
+    runs = run_ranks(checkpoint_cases, world, timeout_s=240)
+    for level in (2, 3):
+        correct = runs[0][f"correct{level}"]
+        assert all(r[f"correct{level}"] == correct for r in runs)
+        _agrees(correct)
+        assert correct["skipped"] == [] and correct["compared"]["forward"] == 24, correct
+        assert correct["compared"]["backward"] == 24, correct
+        found = runs[0][f"scaled{level}"]
+        assert all(r[f"scaled{level}"] == found for r in runs)
+        assert found["first"] == (1, "params", "layers.1.mlp.0", 1, "layers.1.mlp.0.weight"), found[
+            "table"
+        ]
+        assert found["steps"][0] == [None, None, None], found["table"]
+        assert found["steps"][2][0][:3] == (2, "forward", "layers.1.mlp.0"), found["table"]
