@@ -32,6 +32,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm import events
 from ..comm.context import get_context
+from .locate import _in_backward
 
 DIRECTION_ORDER = {"forward": 0, "backward": 1}
 
@@ -41,7 +42,8 @@ class NonFiniteOrigin:
     """Where a non-finite value first appeared.
 
     Attributes:
-        step: the training step (the detector's counter).
+        step: the training step, counted from the detector's start (0: the first step
+            it watched), however many steps the process trained before.
         module: the module's name in `model.named_modules()` ("" is the model itself).
         rank: the global rank that made it.
         direction: "forward" (the module's output) or "backward" (the gradient with
@@ -89,7 +91,9 @@ class NonFiniteDetector:
     def __init__(self, model: nn.Module, enabled: bool = True):
         self.model, self.enabled = model, bool(enabled)
         self.origins: list[NonFiniteOrigin] = []
-        self.current_step = events.HUB.step  # OptimManager's step, when one trains
+        self.current_step = 0  # from this watch's start, not the process's first step
+        # The events carry the process's step, the one the dashboard's loss axis shows.
+        self._first_step = events.HUB.step
         self._handles: list = []
         self._counts = {"forward": 0, "backward": 0}
         self._seen_step: int | None = None
@@ -104,6 +108,8 @@ class NonFiniteDetector:
 
     def _forward_hook(self, name):
         def hook(module, args, out):
+            if _in_backward():  # activation checkpointing's recompute: checked already
+                return
             self._check(name, "forward", _tensors(out))
 
         return hook
@@ -130,11 +136,16 @@ class NonFiniteDetector:
                 "label": name,
                 "direction": direction,
                 "rank": rank,
-                "step": origin.step,
+                "step": self._first_step + origin.step,
             }
         )
         events.publish(
-            {"type": "metric", "t": time.perf_counter(), "nonfinite": 1.0, "step": origin.step}
+            {
+                "type": "metric",
+                "t": time.perf_counter(),
+                "nonfinite": 1.0,
+                "step": self._first_step + origin.step,
+            }
         )
 
     def _on_step_end(self) -> None:

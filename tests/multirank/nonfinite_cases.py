@@ -111,3 +111,40 @@ def _hooks(model):
         len(m._forward_hooks) + len(m._backward_hooks) + len(m._forward_pre_hooks)
         for m in model.modules()
     )
+
+
+def after_training():
+    """A watch opened after 4 steps an OptimManager already took (a notebook that
+    trained before): an Inf at the watch's step 1 is reported at step 1, and its events
+    carry the process's step (5), the one the dashboard's loss axis shows."""
+    import nbtrain
+    from nbtrain.comm import events
+    from nbtrain.optim import OptimManager
+
+    nbtrain.init_distributed()
+    model = nbtrain.wrap(_model(ForwardBomb(-1)), zero_level=3)
+    manager = OptimManager()
+    manager.add_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    gen = torch.Generator().manual_seed(dist.get_rank())
+
+    def step():
+        x, y = torch.randn(6, 4, generator=gen), torch.randn(6, 3, generator=gen)
+        manager.backward(F.mse_loss(model(x), y))
+        manager.step()
+        manager.zero_grad()
+
+    for _ in range(4):
+        step()
+    seen = []
+    events.subscribe(seen.append)
+    model[2].at = _Clock.step = 1
+    with nbtrain.debug.detect_nonfinite(model) as watch:
+        for watch_step in range(3):
+            _Clock.step = watch_step
+            step()
+    events.unsubscribe(seen.append)
+    return {
+        "origin": _as_tuple(watch.report()),
+        "marks": [e["step"] for e in seen if e["type"] == "metric" and "nonfinite" in e],
+        "process_step": events.HUB.step,
+    }

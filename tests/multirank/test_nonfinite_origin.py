@@ -4,7 +4,7 @@ direction on every rank; switched off, no hook is installed; the origin reaches
 telemetry, and the dashboard's loss panel marks its step."""
 
 import pytest
-from nonfinite_cases import origins
+from nonfinite_cases import after_training, origins
 from support.ranks import run_ranks
 
 
@@ -62,3 +62,11 @@ def test_loss_panel_marks_the_step():
     marks = [line for line in ax.get_lines() if line.get_color() == NONFINITE_COLOR]
     assert [tuple(line.get_xdata()) for line in marks] == [(3, 3)]
     plt.close(fig)
+
+
+def test_steps_count_from_the_watch_not_the_process():
+    runs = run_ranks(after_training, 2, timeout_s=180)
+    for out in runs:
+        assert out["origin"] == (1, "2", 1, "forward"), out
+        assert out["process_step"] == 7, out
+    assert runs[1]["marks"][0] == 5, runs[1]  # the dashboard's step of the same origin
