@@ -434,16 +434,17 @@ class Cluster:
         """The non-blocking cell not yet collected, if any."""
         return self._pending
 
-    def post_mortem(self, rank: int | None = None, frame: int = -1):
+    def post_mortem(self, rank: int | None = None, frame: int = -1, all_frames: bool = False):
         """The frames of the last cell that raised on `rank` (default: the lowest failing
-        rank), as `%debug` on one process; see `nbtrain.notebook.post_mortem`.
+        rank), as `%debug` on one process, torch's and nbtrain's own frames hidden unless
+        `all_frames`; see `nbtrain.notebook.post_mortem`.
 
         Raises:
             ValueError: no rank keeps a failure, `rank` does not, or `frame` is out of range.
         """
         from .post_mortem import post_mortem
 
-        return post_mortem(self, rank, frame)
+        return post_mortem(self, rank, frame, all_frames)
 
     def push(self, namespace: dict, targets=None) -> None:
         """Copy the values of `namespace` into the namespace of the target ranks."""

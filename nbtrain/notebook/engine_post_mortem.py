@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import io
 import linecache
+import os
 import re
 import reprlib
 import sys
@@ -102,16 +103,39 @@ def _describe_frame(frame, line: int) -> dict:
         "line": line,
         "function": frame.f_code.co_name,
         "source": linecache.getline(filename, line).strip(),
+        "library": _is_library(filename),
     }
 
 
 def _code_name(filename: str) -> str:
-    """`Cell In[3]` for a cell's code, as IPython's tracebacks say; else the path."""
+    """`Cell In[3]` for a cell's code, as IPython's tracebacks say; a file under the
+    working folder relative to it; else the path."""
     from IPython import get_ipython
 
     shell = get_ipython()
     named = shell.compile.format_code_name(filename) if shell is not None else None
-    return " ".join(named) if named else filename
+    if named:
+        return " ".join(named)
+    here = os.getcwd()
+    if os.path.isabs(filename) and os.path.commonpath([here, filename]) == here:
+        return os.path.relpath(filename, here)
+    return filename
+
+
+def _library_folders() -> tuple[str, ...]:
+    """torch's and nbtrain's package folders, and every installed-packages folder."""
+    folders = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]  # nbtrain/
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "__file__", None):
+        folders.append(os.path.dirname(os.path.abspath(torch.__file__)))
+    folders += [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+    return tuple(os.path.join(f, "") for f in folders)
+
+
+def _is_library(filename: str) -> bool:
+    """A frame of torch, nbtrain or an installed package: `%nbtrain debug` hides it
+    unless asked (`--all-frames`), so the user's failing layer is near the top."""
+    return os.path.abspath(filename).startswith(_library_folders())
 
 
 def frame_locals(index: int) -> dict[str, str]:

@@ -210,6 +210,11 @@ class NbtrainMagics(Magics):
         help="debug: the frame to open, 0 the outermost, -1 the innermost (the default)",
     )
     @argument(
+        "--all-frames",
+        action="store_true",
+        help="debug: also list the frames of torch, nbtrain and installed packages",
+    )
+    @argument(
         "-i",
         "--interactive",
         action="store_true",
@@ -252,8 +257,10 @@ class NbtrainMagics(Magics):
                      (--rank R, default the lowest failing): its frames and the
                      locals of the innermost (--frame N, 0 the outermost); with
                      EXPR (after the flags) evaluate it in that frame there; -i for
-                     a prompt; --clear frees the kept failure. The other ranks are
-                     untouched; a rank keeps its failure until its next cell
+                     a prompt; --clear frees the kept failure; torch's, nbtrain's
+                     and packages' frames are hidden (--all-frames lists them).
+                     The other ranks are untouched; a rank keeps its failure
+                     until its next cell
 
         Targets (-t/--targets): 0, -1 (the last rank), 0,2, 0:2, ::2, 1:.
         """
@@ -401,7 +408,7 @@ class NbtrainMagics(Magics):
                 ranks = clear_failures(cluster, args.rank)
                 print(f"cleared the failure of rank(s) {', '.join(map(str, ranks)) or 'none'}")
                 return
-            debugger = post_mortem(cluster, args.rank, args.frame)
+            debugger = post_mortem(cluster, args.rank, args.frame, args.all_frames)
         except ValueError as err:
             raise UsageError(f"%nbtrain debug: {err}") from None
         if args.interactive:

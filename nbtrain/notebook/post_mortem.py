@@ -70,9 +70,12 @@ def clear_failures(cluster, rank: int | None = None) -> list[int]:
     return [r for r, had in zip(ranks, answers) if had]
 
 
-def post_mortem(cluster, rank: int | None = None, frame: int = -1) -> "PostMortem":
+def post_mortem(
+    cluster, rank: int | None = None, frame: int = -1, all_frames: bool = False
+) -> "PostMortem":
     """Open the failure of the last cell that raised on `rank` (default: the lowest
-    failing rank), at user frame `frame` (0 the outermost, -1 the innermost).
+    failing rank), at user frame `frame` (0 the outermost, -1 the innermost). Frames
+    of torch, nbtrain and installed packages are hidden unless `all_frames`.
 
     Raises:
         ValueError: no rank keeps a failure, `rank` does not, or `frame` is out of range.
@@ -86,7 +89,9 @@ def post_mortem(cluster, rank: int | None = None, frame: int = -1) -> "PostMorte
             "`%%distributed` cell raises, before the next cell runs on that rank"
         )
     chosen = min(found) if rank is None else rank
-    return PostMortem(cluster, chosen, found[chosen], frame, failing=sorted(found))
+    return PostMortem(
+        cluster, chosen, found[chosen], frame, failing=sorted(found), all_frames=all_frames
+    )
 
 
 def _other_failures(cluster) -> str:
@@ -97,10 +102,24 @@ def _other_failures(cluster) -> str:
 class PostMortem:
     """The frames of one rank's failed cell; one of them is current (`frame`)."""
 
-    def __init__(self, cluster, rank: int, failure: dict, frame: int = -1, failing=()):
+    def __init__(
+        self,
+        cluster,
+        rank: int,
+        failure: dict,
+        frame: int = -1,
+        failing=(),
+        all_frames: bool = False,
+    ):
         self.cluster, self.rank = cluster, rank
         self.summary: str = failure["summary"]
-        self._frames: list[dict] = failure["frames"]
+        every = failure["frames"]
+        # The engine numbers every frame; these are the ones shown (library frames out).
+        self._engine_index = [
+            i for i, f in enumerate(every) if all_frames or not f.get("library")
+        ] or list(range(len(every)))
+        self._frames: list[dict] = [every[i] for i in self._engine_index]
+        self.hidden = len(every) - len(self._frames)
         self.failing: list[int] = list(failing) or [rank]
         if not self._frames:
             raise ValueError(f"rank {rank}'s failure ({self.summary}) has no frame of user code")
@@ -136,7 +155,7 @@ class PostMortem:
     def locals(self) -> dict[str, str]:
         """The current frame's locals: name -> type and short repr (tensors: shape,
         dtype, device). Runs on this rank only."""
-        return self._ask(_engine.frame_locals, self.frame)
+        return self._ask(_engine.frame_locals, self._engine_index[self.frame])
 
     def eval(self, source: str):
         """`source` evaluated in the current frame on this rank (statements are
@@ -145,7 +164,7 @@ class PostMortem:
         Raises:
             DistributedError: the expression raised on the rank.
         """
-        answer = self._ask(_engine.evaluate, source, self.frame, True)
+        answer = self._ask(_engine.evaluate, source, self._engine_index[self.frame], True)
         if answer["output"]:
             print(answer["output"], end="")
         if answer["error"] is not None:
@@ -155,7 +174,7 @@ class PostMortem:
     def show(self, source: str) -> str:
         """What `%nbtrain debug EXPR` prints: the output and result of `source` (a
         short summary for a large tensor), or `*** Error: ...` as pdb prints it."""
-        answer = self._ask(_engine.evaluate, source, self.frame, False)
+        answer = self._ask(_engine.evaluate, source, self._engine_index[self.frame], False)
         parts = [answer["output"].rstrip("\n")] if answer["output"] else []
         if answer["error"] is not None:
             parts.append(f"*** {answer['error']}")
@@ -168,7 +187,10 @@ class PostMortem:
         lines = [f"rank {self.rank} raised {self.summary}"]
         if self.failing != [self.rank]:
             lines[0] += f" (failing ranks: {', '.join(map(str, self.failing))}; --rank R picks)"
-        lines.append("frames, outermost first (--frame N picks one):")
+        hidden = f"; {self.hidden} of torch, nbtrain and packages hidden, --all-frames shows"
+        lines.append(
+            f"frames, outermost first (--frame N picks one{hidden if self.hidden else ''}):"
+        )
         for i, f in enumerate(self._frames):
             mark = ">" if i == self.frame else " "
             lines.append(f"{mark} {i}  {f['file']}, line {f['line']}, in {f['function']}")
@@ -210,7 +232,7 @@ class PostMortem:
 
 
 _FLAG_WITH_VALUE = {"--rank", "--frame"}
-_FLAG_ALONE = {"-i", "--interactive", "--clear", "-h", "--help"}
+_FLAG_ALONE = {"-i", "--interactive", "--clear", "-h", "--help", "--all-frames"}
 
 
 def split_expression(line: str) -> tuple[str, str]:

@@ -123,8 +123,60 @@ def test_the_next_cell_or_clear_drops_the_failure(ipython, cluster):
         ("debug --rank 1 x['a b']", "debug --rank 1", "x['a b']"),
         ("debug --frame -1 --rank=1 f(1, 2)", "debug --frame -1 --rank=1", "f(1, 2)"),
         ("debug -i", "debug -i", ""),
+        ("debug --all-frames x", "debug --all-frames", "x"),
         ("pull x", "pull x", ""),
     ],
 )
 def test_split_expression_keeps_it_verbatim(line, flags, expr):
     assert split_expression(line) == (flags, expr)
+
+
+LAYER_FILE = """\
+import torch
+
+
+class Scale(torch.nn.Module):
+    def forward(self, x):
+        factor = 3
+        return torch.nn.functional.linear(x * factor, torch.ones(4, 7))
+"""
+
+LAYER_CELL = """\
+import importlib, os, sys
+with open("nbt_pm_layer.py", "w") as f:
+    f.write(LAYER_FILE)
+sys.path.insert(0, os.getcwd())
+importlib.invalidate_caches()
+import nbt_pm_layer
+try:
+    model = torch.nn.Sequential(torch.nn.Identity(), nbt_pm_layer.Scale())
+    if nbt.rank() == 1:
+        model(torch.ones(2, 5))
+finally:
+    sys.path.remove(os.getcwd())
+"""
+
+
+def test_torch_frames_are_hidden_and_paths_relative(ipython, cluster):
+    """A shape error raised inside torch, under nn.Sequential, from a layer in a file
+    of the working folder: the layer is frame 1 of 2 (of 7 with torch's own), its path
+    is relative, and its locals are those of frame 1, not of a hidden frame."""
+    cluster.push({"LAYER_FILE": LAYER_FILE})
+    try:
+        with pytest.raises(RankError, match="shapes cannot be multiplied"):
+            run(ipython, LAYER_CELL)
+        debugger = cluster.post_mortem()
+        assert [f["function"] for f in debugger.frames()] == ["<module>", "forward"]
+        assert debugger.frame == 1 and debugger.frames()[1]["file"] == "nbt_pm_layer.py"
+        assert debugger.eval("factor") == 3 and debugger.up().eval("LAYER_FILE") == LAYER_FILE
+        shown = _debug(ipython, "debug")
+        assert "> 1  nbt_pm_layer.py, line 7, in forward" in shown, shown
+        assert "hidden, --all-frames shows" in shown and "  factor  int 3" in shown, shown
+        every = _debug(ipython, "debug --all-frames")
+        assert "torch/nn/modules/module.py" in every and "in _call_impl" in every, every
+        assert "hidden" not in every, every
+        # Under --all-frames the innermost frame is still the layer's.
+        assert _debug(ipython, "debug --all-frames factor").strip() == "3"
+    finally:
+        run(ipython, "import os; os.remove('nbt_pm_layer.py') if nbt.rank() == 0 else None")
+        run(ipython, "sys.modules.pop('nbt_pm_layer', None); del model, LAYER_FILE")
