@@ -57,6 +57,10 @@ class Finding:
         max_abs: max |model - reference| over the tensor's elements on that rank.
         max_rel: max_abs / max |reference|.
         tensor: the parameter's name ("params"), else "output" or "input grad".
+        ratio: the least-squares factor f with model ~ f * reference over that
+            tensor (1.0: no common factor). Near-equal ratios over every module of a
+            direction mean one scale went wrong upstream (a summed loss: every input
+            gradient times the rows; docs/debugging.md), not one module.
     """
 
     step: int
@@ -66,6 +70,7 @@ class Finding:
     max_abs: float
     max_rel: float
     tensor: str
+    ratio: float = 1.0
 
 
 @dataclass
@@ -116,9 +121,10 @@ class DivergenceReport:
                     lines.append(f"{s.step:>4}  {d:<9}  {'-':<28}  {'':>4}  agrees")
                     continue
                 name = f.module if d != "params" else f.tensor
+                ratio = f"  (= reference x {f.ratio:.4g})" if abs(f.ratio - 1) > 1e-3 else ""
                 lines.append(
                     f"{s.step:>4}  {d:<9}  {name:<28}  {f.rank:>4}  "
-                    f"{f.max_abs:.3e}  {f.max_rel:.3e}"
+                    f"{f.max_abs:.3e}  {f.max_rel:.3e}{ratio}"
                 )
         lines.append(f"tolerance: atol {self.atol:g}, rtol {self.rtol:g}")
         if self.skipped:
@@ -219,13 +225,14 @@ def _joined(calls: list[list]) -> list:
 
 
 def _error(mine, theirs, atol, rtol):
-    """(max abs, max rel, exceeds) over paired tensors, or None when shapes differ."""
+    """(max abs, max rel, exceeds, ratio) over paired tensors, or None when shapes
+    differ; ratio: the least-squares factor of the worst tensor (see Finding)."""
     pairs = [(a, b) for a, b in zip(mine, theirs) if a is not None and b is not None]
     if len(mine) != len(theirs):
         return None
     if not pairs:  # no input that takes a gradient (token ids): nothing to compare
-        return 0.0, 0.0, False
-    worst_abs, worst_rel, exceeds = 0.0, 0.0, False
+        return 0.0, 0.0, False, 1.0
+    worst_abs, worst_rel, exceeds, ratio = 0.0, 0.0, False, 1.0
     for a, b in pairs:
         if a.shape != b.shape:
             return None
@@ -236,9 +243,12 @@ def _error(mine, theirs, atol, rtol):
         bad = ~(diff <= atol + rtol * b.abs())  # NaN counts as bad
         top = float(diff.max()) if torch.isfinite(diff).all() else math.inf
         scale = max(float(b.abs().max()), 1e-30)
+        if top >= worst_abs:
+            norm = float((b * b).sum())
+            ratio = float((a * b).sum()) / norm if norm > 0 else 1.0
         worst_abs, worst_rel = max(worst_abs, top), max(worst_rel, top / scale)
         exceeds = exceeds or bool(bad.any())
-    return worst_abs, worst_rel, exceeds
+    return worst_abs, worst_rel, exceeds, ratio
 
 
 def _data_rows(t: torch.Tensor) -> torch.Tensor:
@@ -321,16 +331,18 @@ def _agree(step: int, local: dict) -> StepReport:
         errors: dict[int, tuple[str, float]] = {}
         best = None
         for rank, rows in enumerate(everyone):
-            for order, module, max_abs, max_rel, exceeds, tensor in rows[d]:
+            for order, module, max_abs, max_rel, exceeds, ratio, tensor in rows[d]:
                 key = (order, module if tensor is None else tensor)
                 errors[key] = max(errors.get(key, 0.0), max_abs)
                 if exceeds and (best is None or (order, rank) < best[:2]):
-                    best = (order, rank, module, max_abs, max_rel, tensor)
+                    best = (order, rank, module, max_abs, max_rel, tensor, ratio)
         report.errors[d] = {name: e for (_, name), e in sorted(errors.items())}
         if best is not None:
-            order, rank, module, max_abs, max_rel, tensor = best
+            order, rank, module, max_abs, max_rel, tensor, ratio = best
             default = "output" if d == "forward" else "input grad"
-            finding = Finding(step, d, module, rank, max_abs, max_rel, tensor or default)
+            finding = Finding(
+                step, d, module, rank, max_abs, max_rel, tensor or default, round(ratio, 6)
+            )
             setattr(report, d, finding)
     return report
 

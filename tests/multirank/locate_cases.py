@@ -106,6 +106,16 @@ def zero_cases():
     bad = _ScaleShardAfter(model.parameters(), model, "layers.1.mlp.0.weight", at=1)
     report = _locate(model, reference, _gpt_batches(), optimizer=bad)
     out["scaled"] = _summary(report)
+
+    def summed(model, batch):  # the loss summed over this rank's tokens, not averaged
+        ids, target = batch
+        logits = model(ids)
+        F.cross_entropy(logits.reshape(-1, 32), target.reshape(-1), reduction="sum").backward()
+
+    model = nbtrain.wrap(_gpt(), zero_level=3)
+    found = _locate(model, _gpt(), _gpt_batches(), forward_backward=summed)
+    out["summed"] = _summary(found)
+    out["summed_ratio"] = found.steps[0].backward.ratio
     import matplotlib
 
     matplotlib.use("Agg")

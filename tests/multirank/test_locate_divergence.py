@@ -92,3 +92,16 @@ def test_checkpointed_blocks_compare_every_module_once(world):
         ]
         assert found["steps"][0] == [None, None, None], found["table"]
         assert found["steps"][2][0][:3] == (2, "forward", "layers.1.mlp.0"), found["table"]
+
+
+def test_a_summed_loss_is_named_nearest_the_loss_with_its_factor(zero_runs):
+    """A loss summed where a mean belongs: the forward agrees, the first backward
+    finding is the module nearest the loss, and its ratio to the reference is the
+    number of tokens a rank sums (2 rows x 8), the mark of one scale gone wrong
+    upstream rather than one wrong module (docs/debugging.md)."""
+    found = zero_runs[0]["summed"]
+    assert found == zero_runs[1]["summed"]
+    assert found["steps"][0][0] is None, found["table"]
+    assert found["steps"][0][1] == (0, "backward", "head", 0, "input grad"), found["table"]
+    assert zero_runs[0]["summed_ratio"] == pytest.approx(16, rel=1e-4), found["table"]
+    assert "(= reference x 16)" in found["table"], found["table"]
