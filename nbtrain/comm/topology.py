@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from .layout import Layout
 from .topology_names import BMTrainTopologyNames
 
 GROUPS = ("tp", "dp", "zero", "pipe", "ep", "edp", "cp")
@@ -59,36 +60,9 @@ ALONE = _Alone()
 def check_sizes(
     world_size: int, tp_size: int, pipe_size: int, ep_size: int = 1, cp_size: int = 1
 ) -> int:
-    """The data-parallel size, or a ValueError naming the numbers that do not fit."""
-    for name, value in (
-        ("tp_size", tp_size),
-        ("pipe_size", pipe_size),
-        ("ep_size", ep_size),
-        ("cp_size", cp_size),
-    ):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r}: give a positive integer")
-    if world_size % (tp_size * pipe_size):
-        raise ValueError(
-            f"world size {world_size} is not divisible by tp_size {tp_size} x "
-            f"pipe_size {pipe_size} = {tp_size * pipe_size}: choose sizes whose "
-            "product divides the number of ranks"
-        )
-    dp_size = world_size // (tp_size * pipe_size)
-    for name, value in (("ep_size", ep_size), ("cp_size", cp_size)):
-        if dp_size % value:
-            raise ValueError(
-                f"{name}={value} does not divide the data-parallel size "
-                f"{dp_size} (world {world_size} / tp_size {tp_size} / pipe_size "
-                f"{pipe_size}): {name} ranks are carved from the data-parallel "
-                f"ranks, choose a divisor of {dp_size}"
-            )
-    if ep_size > 1 and tp_size > 1:
-        raise ValueError(
-            f"ep_size={ep_size} with tp_size={tp_size}: experts are not split "
-            "by tensor parallelism; use tp_size=1 with expert parallelism"
-        )
-    return dp_size
+    """The data-parallel size, or a ValueError naming the numbers that do not fit
+    (the rule is `layout.Layout.check`'s)."""
+    return Layout(tp_size, pipe_size, ep_size, cp_size).check(world_size)
 
 
 def coordinates(rank: int, tp_size: int, dp_size: int) -> tuple[int, int, int]:

@@ -22,7 +22,7 @@ import signal
 import sys
 import time
 
-from ..comm.topology import check_sizes
+from ..comm.layout import Layout
 from . import address, engine_pull, rendezvous
 from . import engine_boot as _engine_boot
 from . import slurm as _slurm
@@ -137,7 +137,7 @@ class Cluster:
 
         started = time.monotonic()
         n = self.n if self.n is not None else _default_n()
-        check_sizes(n, self.tp_size, 1)  # before any engine starts
+        Layout(tp_size=self.tp_size).check(n, who="Cluster")  # before any engine starts
         if self.launcher == "slurm":
             _slurm.refuse_loopback(self.controller_ip, partition=self.slurm.get("partition", ""))
         kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}

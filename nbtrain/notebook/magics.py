@@ -18,6 +18,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from ..comm.layout import Layout
 from ..comm.renamed import RenamedFlag, warn_renamed
 from .autodistribute import autodistributed_on, set_autodistributed
 from .cluster import Cluster, _default_n
@@ -278,7 +279,7 @@ class NbtrainMagics(Magics):
             n = args.n if args.n is not None else _default_n()
             if args.launcher == "slurm":
                 n = slurm_layout(args)[0]
-            if tp < 1 or n % tp:
+            if not Layout(tp_size=max(tp, 1)).fits(n) or tp < 1:  # the one layout rule
                 raise UsageError(
                     f"--tp-size {tp} must divide the number of ranks ({n}), "
                     f"e.g. -n {2 * max(tp, 1)} --tp-size {max(tp, 1)}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field, fields
 
+from ..comm.layout import Layout as CommLayout
 from .estimate import Layout, RankPlan, rank_plans
 from .shape import ModelShape, shape_of
 
@@ -149,25 +150,18 @@ def _seq_len(source) -> int:
 
 
 def candidate_layouts(world_size: int, moe: bool = False, pipe_max: int = 8) -> list[dict]:
-    """Layouts over `world_size` ranks: every tp x pp dividing it, ZeRO-2 and 3, cp and
-    (a MoE model) ep carved from the dp ranks that are left."""
-    out = []
-    for tp in _divisors(world_size):
-        for pp in _divisors(world_size // tp):
-            if pp > pipe_max:
-                continue
-            dp = world_size // (tp * pp)
-            for zero in (2, 3):
-                out.append(dict(tp_size=tp, pipe_size=pp, zero_level=zero))
-                for cp in _divisors(dp)[1:] if tp == 1 else []:
-                    out.append(dict(tp_size=tp, pipe_size=pp, zero_level=zero, cp_size=cp))
-                for ep in _divisors(dp)[1:] if moe else []:
-                    out.append(dict(tp_size=tp, pipe_size=pp, zero_level=zero, ep_size=ep))
-    return out
+    """Layouts over `world_size` ranks, each ZeRO-2 and ZeRO-3: every layout
+    nbtrain.comm.layout's `Layout.every` gives (the layouts init_distributed accepts: tp x pp
+    dividing the world, cp and, for a MoE model, ep carved from the dp ranks left)."""
+    return [
+        dict(tp_size=lay.tp_size, pipe_size=lay.pipe_size, zero_level=zero, **_carved(lay))
+        for lay in CommLayout.every(world_size, moe=moe, pipe_max=pipe_max)
+        for zero in (2, 3)
+    ]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def _carved(layout: CommLayout) -> dict:
+    return {k: v for k, v in (("cp_size", layout.cp_size), ("ep_size", layout.ep_size)) if v > 1}
 
 
 def plan_layouts(

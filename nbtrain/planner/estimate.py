@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..comm.layout import Layout as CommLayout
 from .shape import ModelShape
 
 # Saved for backward per token of one GPT layer, in units of hidden elements (fp32 on
@@ -48,19 +49,9 @@ class Layout:
     checkpointing: bool = False
 
     def __post_init__(self):
-        model_ranks = self.tp_size * self.pipe_size
-        if self.world_size % model_ranks:
-            raise ValueError(
-                f"plan: tp_size={self.tp_size} x pipe_size={self.pipe_size} does not divide "
-                f"world_size={self.world_size}: choose sizes whose product divides it"
-            )
-        dp = self.world_size // model_ranks
-        for name in ("cp_size", "ep_size"):
-            if dp % getattr(self, name):
-                raise ValueError(
-                    f"plan: {name}={getattr(self, name)} does not divide the data-parallel "
-                    f"size {dp}: {name} ranks are carved from the data-parallel ranks"
-                )
+        CommLayout(self.tp_size, self.pipe_size, self.ep_size, self.cp_size).check(
+            self.world_size, who="plan"
+        )
         if self.zero_level not in (2, 3):
             raise ValueError(f"plan: zero_level={self.zero_level!r}: use 2 or 3")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from ..comm.layout import Layout
 from ..comm.renamed import renamed_kwargs, warn_renamed
 
 BACKENDS = ("nbtrain", "reference")
@@ -68,38 +69,23 @@ class ParallelConfig:
         return getattr(self, new)
 
     def __post_init__(self):
-        for name in ("tp_size", "pipe_size", "ep_size", "cp_size", "num_micro_batches"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelConfig: {name}={value!r} must be a positive integer")
-        if self.cp_size > 1 and self.tp_size > 1:
-            raise NotImplementedError(
-                f"ParallelConfig: cp_size={self.cp_size} with tp_size={self.tp_size}: ring "
-                "attention does not split heads; use tp_size=1 with context parallelism"
+        value = self.num_micro_batches
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(
+                f"ParallelConfig: num_micro_batches={value!r} must be a positive integer"
             )
+        self.layout().check(who="ParallelConfig")
         if self.zero_level not in (2, 3):
             raise ValueError(f"ParallelConfig: zero_level={self.zero_level!r}: use 2 or 3")
 
+    def layout(self) -> Layout:
+        """The sizes as nbtrain.comm's Layout (the one layout rule)."""
+        return Layout(self.tp_size, self.pipe_size, self.ep_size, self.cp_size)
+
     def check_world(self, world_size: int) -> None:
-        """Raises ValueError when tp_size x pipe_size does not divide `world_size`, or
-        ep_size or cp_size does not divide the data-parallel ranks left."""
-        model_ranks = self.tp_size * self.pipe_size
-        if world_size % model_ranks:
-            raise ValueError(
-                f"ParallelConfig: tp_size={self.tp_size} x pipe_size={self.pipe_size} = "
-                f"{model_ranks} does not divide the world size {world_size}: choose tp_size "
-                f"and pipe_size whose product divides {world_size}, or run on a multiple of "
-                f"{model_ranks} ranks"
-            )
-        dp = world_size // model_ranks
-        for name in ("ep_size", "cp_size"):
-            if dp % getattr(self, name):
-                raise ValueError(
-                    f"ParallelConfig: {name}={getattr(self, name)} does not divide the "
-                    f"data-parallel size {dp} (world {world_size} / tp_size {self.tp_size} / "
-                    f"pipe_size {self.pipe_size}): {name} ranks are carved from the "
-                    "data-parallel ranks"
-                )
+        """Raises ValueError when the layout does not fit `world_size` ranks (tp_size x
+        pipe_size must divide it, ep_size and cp_size the data-parallel ranks left)."""
+        self.layout().check(world_size, who="ParallelConfig")
 
 
 @dataclass

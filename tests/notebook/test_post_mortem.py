@@ -142,18 +142,16 @@ class Scale(torch.nn.Module):
 """
 
 LAYER_CELL = """\
-import importlib, os, sys
-with open("nbt_pm_layer.py", "w") as f:
+import importlib.util, os
+layer_path = os.path.abspath(f"nbt_pm_layer{nbt.rank()}.py")  # one file per rank
+with open(layer_path, "w") as f:
     f.write(LAYER_FILE)
-sys.path.insert(0, os.getcwd())
-importlib.invalidate_caches()
-import nbt_pm_layer
-try:
-    model = torch.nn.Sequential(torch.nn.Identity(), nbt_pm_layer.Scale())
-    if nbt.rank() == 1:
-        model(torch.ones(2, 5))
-finally:
-    sys.path.remove(os.getcwd())
+spec = importlib.util.spec_from_file_location("nbt_pm_layer", layer_path)
+nbt_pm_layer = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(nbt_pm_layer)
+model = torch.nn.Sequential(torch.nn.Identity(), nbt_pm_layer.Scale())
+if nbt.rank() == 1:
+    model(torch.ones(2, 5))
 """
 
 
@@ -167,10 +165,10 @@ def test_torch_frames_are_hidden_and_paths_relative(ipython, cluster):
             run(ipython, LAYER_CELL)
         debugger = cluster.post_mortem()
         assert [f["function"] for f in debugger.frames()] == ["<module>", "forward"]
-        assert debugger.frame == 1 and debugger.frames()[1]["file"] == "nbt_pm_layer.py"
+        assert debugger.frame == 1 and debugger.frames()[1]["file"] == "nbt_pm_layer1.py"
         assert debugger.eval("factor") == 3 and debugger.up().eval("LAYER_FILE") == LAYER_FILE
         shown = _debug(ipython, "debug")
-        assert "> 1  nbt_pm_layer.py, line 7, in forward" in shown, shown
+        assert "> 1  nbt_pm_layer1.py, line 7, in forward" in shown, shown
         assert "hidden, --all-frames shows" in shown and "  factor  int 3" in shown, shown
         every = _debug(ipython, "debug --all-frames")
         assert "torch/nn/modules/module.py" in every and "in _call_impl" in every, every
@@ -178,5 +176,4 @@ def test_torch_frames_are_hidden_and_paths_relative(ipython, cluster):
         # Under --all-frames the innermost frame is still the layer's.
         assert _debug(ipython, "debug --all-frames factor").strip() == "3"
     finally:
-        run(ipython, "import os; os.remove('nbt_pm_layer.py') if nbt.rank() == 0 else None")
-        run(ipython, "sys.modules.pop('nbt_pm_layer', None); del model, LAYER_FILE")
+        run(ipython, "os.remove(layer_path); del model, LAYER_FILE, nbt_pm_layer, spec, layer_path")

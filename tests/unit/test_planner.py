@@ -57,7 +57,7 @@ def test_fits_and_the_layouts_listing():
     assert any(p.fits for p in plans) and not all(p.fits for p in plans)
     with pytest.raises(ValueError, match="80 gigs"):
         parse_bytes("80 gigs")
-    with pytest.raises(ValueError, match="tp_size=3"):
+    with pytest.raises(ValueError, match="tp_size 3"):
         nbtrain.plan(CFG, world_size=4, tp_size=3)
 
 

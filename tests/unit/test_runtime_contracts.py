@@ -104,10 +104,10 @@ def test_micro_batches_must_divide_the_rows():
         ),
         (
             lambda: ParallelConfig(cp_size=2, tp_size=2),
-            NotImplementedError,
+            ValueError,
             r"cp_size=2 with tp_size=2: ring attention does not split heads; use tp_size=1",
         ),
-        (lambda: ParallelConfig(tp_size=0), ValueError, r"tp_size=0 must be a positive integer"),
+        (lambda: ParallelConfig(tp_size=0), ValueError, r"tp_size=0: give a positive integer"),
         (lambda: ParallelConfig(zero_level=1), ValueError, r"zero_level=1: use 2 or 3"),
         (
             lambda: RuntimeConfig(hf_path="/models/gpt"),
@@ -127,7 +127,7 @@ def test_micro_batches_must_divide_the_rows():
                 RuntimeConfig(backend_cfg=NBConfig(parallel=ParallelConfig(tp_size=4)))
             ),
             ValueError,
-            r"tp_size=4 x pipe_size=1 = 4 does not divide the world size 1",
+            r"world size 1 is not divisible by tp_size 4 x pipe_size 1 = 4",
         ),
     ],
     ids=[
