@@ -15,12 +15,36 @@ Importing `nbtrain` does not import this module (nor triton); only
 `import nbtrain.kernels` does.
 """
 
-from . import adam as _adam
-from . import cross_entropy as _ce
-from . import layer_norm as _ln
-from . import linear_cross_entropy as _lce
-from . import rms_norm as _rms
-from ._triton import HAS_TRITON, INTERPRETED
+
+def _hand_over() -> bool:
+    """Imported by its folder's name, `kernels` (a script, pytest or a Jupyter kernel
+    started in the checkout's root puts the root on sys.path), this package would hide
+    any installed package of that name, such as Hugging Face's `kernels`, which
+    transformers imports. Then the installed one takes its place in `sys.modules`, and
+    True; this package itself is always `nbtrain.kernels`."""
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    elsewhere = [p for p in sys.path if os.path.abspath(p or os.curdir) != root]
+    spec = importlib.machinery.PathFinder.find_spec("kernels", elsewhere)
+    if spec is None:
+        return False
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernels"] = module  # what `import kernels` returns once this ends
+    spec.loader.exec_module(module)
+    return True
+
+
+if __name__ != "kernels" or not _hand_over():
+    from . import adam as _adam
+    from . import cross_entropy as _ce
+    from . import layer_norm as _ln
+    from . import linear_cross_entropy as _lce
+    from . import rms_norm as _rms
+    from ._triton import HAS_TRITON, INTERPRETED
 
 IMPLS = ("auto", "triton", "torch")
 
