@@ -49,7 +49,9 @@ class _TokenCounter:
         if torch.is_tensor(mask) and mask.dtype in (torch.bool, torch.long, torch.int):
             self.tokens += int(mask.count_nonzero())
             return
-        inputs = [*args, kwargs.get("input_ids"), *kwargs.values()]
+        # Positional inputs first, then input_ids before any other keyword (labels).
+        others = (v for k, v in kwargs.items() if k != "input_ids")
+        inputs = [*args, kwargs.get("input_ids"), *others]
         ids = next((t for t in inputs if _is_token_ids(t)), None)
         if ids is not None:
             self.tokens += ids.numel()

@@ -275,9 +275,10 @@ class OptimManager:
         if self.record_grad_norm:
             flag = torch.cat([flag, self._local_sums(self._params(), 2.0)])
         C.all_reduce(flag, op="sum", label="overflow")  # inf/nan on ANY rank: sum > 0
-        if self.record_grad_norm and flag[0].item() == 0:
-            self._grad_norm = float(flag[1:].sum()) ** 0.5
-        return bool(flag[0].item() > 0)
+        found, *sums = flag.tolist()  # one host sync for the flag and the norm
+        if self.record_grad_norm and found == 0:
+            self._grad_norm = sum(sums) ** 0.5
+        return found > 0
 
     # -- the step ---------------------------------------------------------------------
     def step(self) -> bool:

@@ -48,10 +48,9 @@ def ignore_warm_up(ax, per_rank: dict, scale: float = 1.0) -> None:
     """Y limits from every step but each rank's first (compilation, allocation, the
     first gathers: often several times the rest, it flattened the other steps); the
     first step's point is still drawn, off the top when it is that far out."""
-    rest = [
-        v * scale for values in per_rank.values() for x, v in values.items() if x != min(values)
-    ]
-    firsts = [values[min(values)] * scale for values in per_rank.values() if values]
+    first = {rank: min(values) for rank, values in per_rank.items() if values}
+    rest = [v * scale for r, values in per_rank.items() for x, v in values.items() if x != first[r]]
+    firsts = [per_rank[r][x] * scale for r, x in first.items()]
     if len(rest) < 2 or max(firsts, default=0) <= max(rest) * 1.25:
         return
     lo, hi = min(rest), max(rest)

@@ -66,9 +66,9 @@ def draw_throughput(ax, summaries: dict) -> None:
     tokens = metric_by_rank(summaries, "tokens")
     if not any(any(v.values()) for v in tokens.values()):
         tokens = metric_by_rank(summaries, "batch_tokens")
-    per_rank = {}
+    per_rank, times_of = {}, {}
     for r, s in summaries.items():
-        times = step_times(s)
+        times = times_of[r] = step_times(s)
         if any(tokens[r].values()):
             per_rank[r] = {x: n / times[x] for x, n in tokens[r].items() if times.get(x)}
         else:
@@ -82,7 +82,7 @@ def draw_throughput(ax, summaries: dict) -> None:
     ignore_warm_up(ax, per_rank)
     ax.set_ylabel(unit)
     step_axis(ax)
-    ax.set_title(f"{unit} per rank ({_total(summaries, tokens, has_tokens)})")
+    ax.set_title(f"{unit} per rank ({_total(times_of, tokens, has_tokens)})")
     if not has_tokens:
         ax.text(
             0.5,
@@ -105,12 +105,12 @@ def smoothed(values: list, weight: float = 0.8) -> list:
     return out
 
 
-def _total(summaries: dict, tokens: dict, has_tokens: bool, window: int = 10) -> str:
+def _total(times_of: dict, tokens: dict, has_tokens: bool, window: int = 10) -> str:
     """Over the last `window` steps: tokens/s of all ranks together (each rank's own
-    tokens), or the ranks' mean steps/s (they step together: a sum means nothing)."""
+    tokens), or the ranks' mean steps/s (they step together: a sum means nothing).
+    `times_of`: {rank: {step: seconds}}."""
     rates = []
-    for r, s in summaries.items():
-        times = step_times(s)
+    for r, times in times_of.items():
         last = sorted(times)[-window:]
         seconds = sum(times[x] for x in last)
         if seconds <= 0:
