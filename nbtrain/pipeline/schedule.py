@@ -26,6 +26,8 @@ transfer with its bytes.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -259,10 +261,13 @@ def run(
         )
     # On an error the sends still in flight are not waited for: the peer they go to may
     # have failed too (and the notebook's recovery aborts the group under them).
-    # The stage's Blocks gather once and reduce their gradients once, after the last
-    # micro-batch (zero/accumulate.py).
+    # Over several micro-batches the stage's Blocks gather once and reduce their
+    # gradients once, after the last (zero/accumulate.py). One micro-batch has nothing
+    # to share: held, ZeRO-3 would keep every Block gathered (and its gradients whole)
+    # from forward to backward, the memory of ZeRO-2.
+    hold = micro_batches(*chunks) if state.micro > 1 or chunked else contextlib.nullcontext()
     try:
-        with micro_batches(*(stage if chunked else [stage])):
+        with hold:
             for kind, i, *chunk in steps:  # interleaved steps name the chunk too
                 state.forward(i, *chunk) if kind == "f" else state.backward(i, *chunk)
     except BaseException as exc:
