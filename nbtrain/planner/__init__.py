@@ -80,6 +80,15 @@ class Plan:
             lines.append(f"{r.role:<11}" + "".join(f"{t / MiB:>9.1f}" for t in (*terms, r.total)))
             if r.host:
                 lines.append(f"{'':<11}+ {r.host / MiB:.1f} MiB on the host (offload)")
+        if not all(r.gradients_at_peak for r in self.ranks):
+            lines.append(
+                "grads: made in backward after the peak (one micro-batch), not in the total"
+            )
+        trace = getattr(self.shape, "trace", None)
+        if trace is not None:
+            lines.append(
+                f"activations traced: one micro-batch of {trace.tokens} tokens on {trace.where}"
+            )
         if self.device_memory is not None:
             verdict = "fits" if self.fits else "does NOT fit"
             budget = self.device_memory / MiB
@@ -107,9 +116,12 @@ def plan(
     """Each rank role's predicted peak memory (bytes) for training `source` at `layout`.
 
     Args:
-        source: a RuntimeConfig or NBConfig (its parallel layout is the default), a
-            GPTConfig / MoEGPTConfig, or a GPT-shaped model (built on the meta device is
-            enough).
+        source: a RuntimeConfig or NBConfig of any registered model (its parallel
+            layout is the default), a GPTConfig / MoEGPTConfig, a transformers config,
+            or a model: nbtrain's, a transformers model, any nn.Module with a list of
+            blocks (built on the meta device is enough). Models other than nbtrain's
+            GPTs get their activation term from a traced micro-batch (`p.shape.trace`
+            says where it ran).
         layout: a Layout, a ParallelConfig or a dict of their fields; `sizes`
             (tp_size=2, offload=True, checkpointing=True, ...) override it.
         batch: rows of the global batch; seq: tokens per row (default the config's
@@ -118,9 +130,26 @@ def plan(
         world_size: ranks (default: the product of the layout's sizes, dp 1).
         param_bytes: 4 (fp32) or 2 (bf16/fp16 with fp32 master copies).
 
-    Local: reads shapes only, allocates no parameter.
+    Local: reads shapes only, allocates no parameter (a model with real weights is
+    traced by one row's forward on this rank).
     """
-    shape, parallel = shape_of(source)
+    shape, parallel = _shape(source, seq)
+    return _plan(
+        shape, parallel, source, layout, batch, seq, device_memory, world_size, param_bytes, **sizes
+    )
+
+
+def _shape(source, seq):
+    """shape_of, traced at the sequence length the plan will use."""
+    shape, parallel = shape_of(source, seq)
+    if seq is None and shape.trace is not None and shape.seq_len:
+        shape, parallel = shape_of(source, shape.seq_len)
+    return shape, parallel
+
+
+def _plan(
+    shape, parallel, source, layout, batch, seq, device_memory, world_size, param_bytes, **sizes
+) -> Plan:
     chosen = {}
     for given in (parallel, layout):
         if given is None:
@@ -137,14 +166,21 @@ def plan(
             * max(chosen.get("cp_size", 1), chosen.get("ep_size", 1))
         )
     lay = Layout(**chosen)
-    seq = seq or _seq_len(source)
+    seq = seq or _seq_len(source, shape)
     budget = None if device_memory is None else parse_bytes(device_memory)
     return Plan(lay, rank_plans(shape, lay, batch, seq, param_bytes), batch, seq, budget, shape)
 
 
-def _seq_len(source) -> int:
+def _seq_len(source, shape: ModelShape) -> int:
     from .shape import _config_of
 
+    if shape.trace is not None:
+        if shape.seq_len is None:
+            raise ValueError(
+                f"plan: {type(source).__name__} does not say its sequence length: give "
+                "seq=, the tokens per row"
+            )
+        return shape.seq_len
     cfg = getattr(source, "cfg", None) or _config_of(source)[0]
     return cfg.seq_len
 
@@ -177,7 +213,7 @@ def plan_layouts(
     `fixed` fields such as num_micro_batches=4 or offload=True apply to all), smallest
     peak first; with device_memory each says whether it fits. Layouts the batch cannot
     split over are left out. Local."""
-    shape, _ = shape_of(source)
+    shape, parallel = _shape(source, seq)
     plans = []
     for lay in candidate_layouts(world_size, moe=shape.moe_layers > 0):
         lay = {**lay, **fixed}
@@ -187,7 +223,11 @@ def plan_layouts(
         if batch % (dp * lay.get("num_micro_batches", 1)):
             continue
         try:
-            plans.append(plan(source, lay, batch, seq, device_memory, world_size, param_bytes))
+            plans.append(
+                _plan(
+                    shape, parallel, source, lay, batch, seq, device_memory, world_size, param_bytes
+                )
+            )
         except ValueError:
             continue  # the model cannot split this way (more stages than layers)
     return sorted(plans, key=lambda p: p.peak)

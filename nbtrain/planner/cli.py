@@ -3,6 +3,12 @@ and with --device-memory which layouts over --ranks fit.
 
     nbtrain plan --model gpt --preset medium --tp-size 2 --batch 8 --seq 256
     nbtrain plan --model gpt_moe --preset small --ranks 8 --device-memory 80GiB
+    nbtrain plan --model llama --hf-path path/to/qwen2 --zero-level 3 --ranks 2
+    nbtrain plan --model hf --hf-path path/to/any-causal-lm --seq 1024
+
+`--model hf` reads any transformers causal LM's config.json (its model is built on the
+meta device); every model but nbtrain's GPTs gets its activation term from a traced
+micro-batch.
 """
 
 from __future__ import annotations
@@ -18,8 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
         "state, activations, communication buffers) for a layout; with --device-memory, "
         "which layouts over --ranks fit",
     )
-    p.add_argument("--model", default="gpt", help="a registered model (gpt, gpt_moe, ...)")
-    p.add_argument("--preset", default="small", help="the model's size (tiny, small, medium)")
+    p.add_argument(
+        "--model",
+        default="gpt",
+        help="a registered model (gpt, gpt_moe, llama, gpt2, yours), or hf: any "
+        "transformers causal LM's folder given by --hf-path",
+    )
+    p.add_argument("--hf-path", default=None, help="a Hugging Face model folder")
+    p.add_argument(
+        "--preset",
+        default=None,
+        help="the size of nbtrain's GPTs (tiny, small, medium; default small)",
+    )
     p.add_argument(
         "--model-config", default="{}", help='JSON of config fields, e.g. {"layers": 24}'
     )
@@ -39,13 +55,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _source(args):
+    """What to plan: a transformers config (--model hf) or a RuntimeConfig."""
+    from ..runtime import NBConfig, RuntimeConfig
+
+    fields = json.loads(args.model_config)
+    if args.model == "hf":
+        if args.hf_path is None:
+            raise SystemExit("nbtrain plan: --model hf needs --hf-path FOLDER (a config.json)")
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(args.hf_path, local_files_only=True, **fields)
+    if args.model in ("gpt", "gpt_moe"):
+        fields = {"preset": args.preset or "small", **fields}
+    elif args.preset is not None:
+        raise SystemExit(
+            f"nbtrain plan: --preset is for nbtrain's GPTs; give {args.model}'s size with "
+            "--hf-path FOLDER or --model-config JSON"
+        )
+    source = RuntimeConfig(
+        "nbtrain",
+        hf_path=args.hf_path,
+        backend_cfg=NBConfig(model_name=args.model, model_config=fields),
+    )
+    try:
+        source.backend_cfg.make_config(args.hf_path)
+    except (KeyError, TypeError, ValueError) as err:
+        raise SystemExit(
+            f"nbtrain plan: model {args.model!r} could not make its config from "
+            f"--model-config {args.model_config} ({type(err).__name__}: {err}): give "
+            "--hf-path FOLDER, or every config field in --model-config, e.g. "
+            '\'{"vocab_size": 32000, "hidden_size": 1024, "num_hidden_layers": 8, ...}\''
+        ) from None
+    return source
+
+
 def main(argv=None) -> int:
-    from ..models.registry import get_model
     from . import layouts_table, plan, plan_layouts
 
     args = build_parser().parse_args(argv)
-    fields = {"preset": args.preset, **json.loads(args.model_config)}
-    cfg = get_model(args.model).package.make_config(fields)
+    cfg = _source(args)
     common = dict(
         batch=args.batch,
         seq=args.seq,

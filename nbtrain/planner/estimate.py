@@ -87,10 +87,13 @@ class RankPlan:
     activations: int
     communication: int
     host: int = 0
+    # False where the peak comes before any gradient exists (see rank_plans).
+    gradients_at_peak: bool = True
 
     @property
     def total(self) -> int:
-        state = self.parameters + self.gradients + self.optimizer
+        state = self.parameters + self.optimizer
+        state += self.gradients if self.gradients_at_peak else 0
         return state + self.activations + self.communication
 
 
@@ -146,6 +149,12 @@ def rank_plans(
                 activations=int(activations),
                 communication=int(communication),
                 host=int(host),
+                # One micro-batch: the peak is at backward's start, every activation
+                # held and no gradient made yet (zero_grad drops them; each Block's
+                # leaves as a shard while activations are freed). Over several, the
+                # earlier micro-batches' gradients are held beside the later ones'
+                # activations.
+                gradients_at_peak=layout.num_micro_batches > 1,
             )
         )
     return out
@@ -156,6 +165,8 @@ def _activations(shape, layout, stage, items, batch, seq, b) -> float:
     tensors (only its input under checkpointing, plus one layer recomputed)."""
     rows = batch / layout.dp_size * layout.cp_size / layout.num_micro_batches
     tokens = rows * seq / layout.cp_size  # this rank's tokens of one micro-batch
+    if shape.trace is not None:
+        return _traced_activations(shape, layout, stage, items, tokens, b)
     h, tp = shape.hidden, layout.tp_size
     moe_share = shape.moe_layers / max(1, shape.layers)
     per_layer = LAYER_WHOLE + (LAYER_SPLIT + 2 * shape.mlp_ratio) / tp
@@ -168,3 +179,25 @@ def _activations(shape, layout, stage, items, batch, seq, b) -> float:
     in_flight = min(layout.pipe_size - stage, layout.num_micro_batches)
     logits = LOGIT_COPIES * tokens * shape.vocab_size / tp * 4 if "head" in items else 0
     return kept * in_flight + logits
+
+
+def _traced_activations(shape, layout, stage, items, tokens, b) -> float:
+    """The activation term from a measured trace (trace.py): each layer's saved bytes
+    per token, the part tensor parallelism splits taken as in a GPT layer's formula;
+    outside the layers what the stage holds (the embedding's, or the head's, logits
+    and log-softmax), + the logits' gradient made in backward."""
+    layer, outside = shape.trace.per_token()
+    tp = layout.tp_size
+    whole = LAYER_WHOLE + LAYER_SPLIT + 2 * shape.mlp_ratio
+    layer *= (LAYER_WHOLE + (LAYER_SPLIT + 2 * shape.mlp_ratio) / tp) / whole
+    layers = items.count("layer")
+    if layout.checkpointing:
+        kept = tokens * (shape.hidden * b * layers + layer)
+    else:
+        kept = tokens * layer * layers
+    in_flight = min(layout.pipe_size - stage, layout.num_micro_batches)
+    head = "head" in items
+    logits_grad = tokens * shape.vocab_size / tp * 4 if head else 0
+    if layout.pipe_size > 1:  # the embedding's few saved tensors go with stage 0
+        outside = outside if head else shape.hidden * b
+    return (kept + tokens * outside / tp) * in_flight + logits_grad

@@ -37,6 +37,9 @@ class ModelShape:
     num_experts: int = 1
     top_k: int = 1
     tied_numel: int = 0
+    # Set for models without a formula: the activation term comes from this trace.
+    trace: object = None
+    seq_len: int | None = None  # the model's own sequence length, when it says
 
     @property
     def numel(self) -> int:
@@ -58,31 +61,146 @@ def _config_of(source):
     return source, None
 
 
-def shape_of(source) -> tuple[ModelShape, object]:
-    """(ModelShape, the ParallelConfig the source carries or None) of a RuntimeConfig,
-    NBConfig, GPTConfig / MoEGPTConfig, or a GPT-shaped model (`.cfg` and `.layers`,
-    on any device, the meta device included). Local; allocates nothing."""
+GPT_FIELDS = ("hidden", "heads", "layers", "vocab_size")
+TRACE_SEQ = 128  # tokens per row of the traced micro-batch (scaled to the planned seq)
+
+
+def shape_of(source, seq: int | None = None) -> tuple[ModelShape, object]:
+    """(ModelShape, the ParallelConfig the source carries or None) of:
+
+    - a RuntimeConfig or NBConfig of any registered model, a GPTConfig / MoEGPTConfig;
+    - a transformers config (`PretrainedConfig`: its causal LM is built on the meta
+      device);
+    - a model: nbtrain's GPT, a transformers model, or any `nn.Module` with a list of
+      blocks (built on the meta device is enough).
+
+    nbtrain's GPTs are counted by formula; every other model's activation term comes
+    from a trace of one micro-batch (trace.py: on the meta device, or a real forward of
+    one row on this rank for a model with real weights), `seq` tokens long (default
+    128). Local; on the meta device allocates nothing.
+    """
     import torch
 
     if isinstance(source, torch.nn.Module):
         cfg = getattr(source, "cfg", None)
-        if cfg is None or not hasattr(source, "layers"):
-            raise TypeError(
-                f"plan: a {type(source).__name__} has no GPT-shaped config (.cfg with "
-                "hidden, heads, layers, vocab_size) and .layers: give the model's config "
-                "or a RuntimeConfig instead"
-            )
-        return _from_model(source, cfg), None
+        if cfg is not None and hasattr(source, "layers") and _gpt_shaped(cfg):
+            return _from_model(source, cfg), None
+        return _generic(source, getattr(source, "config", cfg), seq), None
+    if _is_hf_config(source):
+        return _generic(_hf_meta_model(source), source, seq), None
     cfg, parallel = _config_of(source)
-    for name in ("hidden", "heads", "layers", "vocab_size"):
-        if not hasattr(cfg, name):
-            raise TypeError(
-                f"plan: {type(source).__name__} has no {name!r}: give a RuntimeConfig, "
-                "NBConfig, GPTConfig or MoEGPTConfig, or a model built from one"
-            )
+    if _gpt_shaped(cfg) and _is_nbtrain_gpt_config(cfg):
+        with torch.device("meta"):
+            model = _meta_model(cfg)
+        return _from_model(model, cfg), parallel
+    protocol = _protocol_of(source)
+    if protocol is None:
+        raise TypeError(
+            f"plan: cannot read a model from a {type(source).__name__}: give a "
+            "RuntimeConfig or NBConfig, a GPTConfig or MoEGPTConfig, a transformers "
+            "config, or a model (an nn.Module with a list of blocks; the meta device "
+            "is enough)"
+        )
+    from ..runtime.config import ParallelConfig
+
     with torch.device("meta"):
-        model = _meta_model(cfg)
-    return _from_model(model, cfg), parallel
+        model = protocol.build_model(cfg, ParallelConfig())
+    return _generic(model, cfg, seq), parallel
+
+
+def _gpt_shaped(cfg) -> bool:
+    return all(hasattr(cfg, name) for name in GPT_FIELDS)
+
+
+def _is_nbtrain_gpt_config(cfg) -> bool:
+    from ..models.gpt import GPTConfig
+    from ..models.gpt_moe import MoEGPTConfig
+
+    return isinstance(cfg, (GPTConfig, MoEGPTConfig))
+
+
+def _protocol_of(source):
+    """The registered model protocol of a RuntimeConfig or NBConfig, else None."""
+    nb = getattr(source, "backend_cfg", source)
+    return nb.protocol() if hasattr(nb, "protocol") and hasattr(nb, "make_config") else None
+
+
+def _is_hf_config(source) -> bool:
+    return any(c.__name__.lower() == "pretrainedconfig" for c in type(source).__mro__)
+
+
+def _hf_meta_model(config):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config)
+
+
+def _config_value(cfg, *names, default=None):
+    for name in names:
+        value = getattr(cfg, name, None) if cfg is not None else None
+        if value is not None:
+            return value
+    return default
+
+
+def layer_list(model):
+    """The model's list of blocks: the ModuleList (or Sequential) of two or more
+    children holding the most parameters."""
+    import torch
+
+    best, best_numel = None, 0
+    for module in model.modules():
+        if isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) and len(module) > 1:
+            numel = sum(p.numel() for p in module.parameters())
+            if numel > best_numel:
+                best, best_numel = module, numel
+    if best is None:
+        raise TypeError(
+            f"plan: {type(model).__name__} has no list of blocks (an nn.ModuleList or "
+            "nn.Sequential of its layers): the planner shards and gathers per block"
+        )
+    return list(best)
+
+
+def _generic(model, cfg, seq: int | None) -> ModelShape:
+    """A ModelShape of any model with a list of blocks; activations traced."""
+    import torch
+
+    from .trace import trace_activations
+
+    layers = layer_list(model)
+    inside = {id(p) for layer in layers for p in layer.parameters()}
+    embeddings = [
+        m
+        for m in model.modules()
+        if isinstance(m, torch.nn.Embedding) and id(m.weight) not in inside
+    ]
+    if not embeddings:
+        raise TypeError(
+            f"plan: {type(model).__name__} has no token embedding (nn.Embedding) outside "
+            "its blocks: the planner plans language models"
+        )
+    tok = max(embeddings, key=lambda e: e.num_embeddings)
+    outside = [p for p in model.parameters() if id(p) not in inside]  # tied: once
+    embed = sum(e.weight.numel() for e in embeddings)
+    tied = any(getattr(m, "weight", None) is tok.weight and m is not tok for m in model.modules())
+    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    trace = trace_activations(model, layers, seq or TRACE_SEQ)
+    return ModelShape(
+        hidden=tok.embedding_dim,
+        heads=int(_config_value(cfg, "num_attention_heads", "n_head", "heads", default=1)),
+        layers=len(layers),
+        vocab_size=tok.num_embeddings,
+        mlp_ratio=4,
+        layer_numel=max(per_layer),
+        embed_numel=embed,
+        head_numel=sum(p.numel() for p in outside) - embed,
+        tied_numel=tok.weight.numel() if tied else 0,
+        trace=trace,
+        seq_len=_config_value(cfg, "seq_len", "max_position_embeddings", "n_positions"),
+    )
 
 
 def _meta_model(cfg):
