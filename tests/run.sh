@@ -39,10 +39,11 @@ fi
 # Everything by default: the tests, and every tutorial and research notebook executed
 # by nbval (errors fail; outputs are not compared). Arguments narrow the run.
 if [ "$#" -eq 0 ]; then set -- tests tutorials notebooks; fi
-# Three pytest-xdist workers, whole modules each (a notebook's cells, a module's shared
+# Four pytest-xdist workers, whole modules each (a notebook's cells, a module's shared
 # cluster stay in one process), the slowest modules first (tests/module_order.py): most
-# tests wait on ranks, kernels and clusters more than they compute, so on 2 cores three
-# workers finish first (measured: one process 46 min, two workers 20, three 16).
+# tests wait on ranks, kernels and clusters more than they compute, so on 2 cores four
+# workers finish first (measured on fresh clones: three workers 20.6 min of pytest,
+# four 13.2).
 # NBTRAIN_TEST_WORKERS=0 runs in this one process.
-python3 -m pytest -q -ra --timing --nbval-lax -n "${NBTRAIN_TEST_WORKERS:-3}" --dist loadfile \
+python3 -m pytest -q -ra --timing --nbval-lax -n "${NBTRAIN_TEST_WORKERS:-4}" --dist loadfile \
     --no-loadscope-reorder --module-order "${NBTRAIN_TEST_ORDER:-longest}" "$@"
