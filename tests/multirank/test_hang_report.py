@@ -98,7 +98,13 @@ def test_collectives_that_complete_at_once_write_nothing_to_the_store():
 def test_numbering_a_collective_costs_about_a_microsecond():
     watch = CollectiveWatch()
     watch._thread = object()  # no watcher thread: the cost on the caller's thread only
-    n, best = 20000, float("inf")
+    calls = {}
+
+    def plain(kind, label, group):  # three plain Python calls: the yardstick
+        calls[kind] = (label, group)
+        return calls
+
+    n, best, yardstick = 20000, float("inf"), float("inf")
     for _ in range(5):
         start = time.perf_counter()
         for _ in range(n):
@@ -106,9 +112,19 @@ def test_numbering_a_collective_costs_about_a_microsecond():
             watch.enter(wait)
             watch.leave(wait)
         best = min(best, (time.perf_counter() - start) / n)
-    # 1.1-1.5 us measured on a loaded 2-core machine; a gloo all_reduce of 16 bytes
-    # between 2 ranks takes about 460 us there
-    assert best < 10e-6, f"{best * 1e6:.1f} us a collective"
+        start = time.perf_counter()
+        for _ in range(n):
+            plain("all_reduce", "x", None)
+            plain("all_reduce", "x", None)
+            plain("all_reduce", "x", None)
+        yardstick = min(yardstick, (time.perf_counter() - start) / n)
+    # 1.1-1.5 us measured on a loaded 2-core machine, about 3 times the three plain
+    # calls; a gloo all_reduce of 16 bytes between 2 ranks takes about 460 us there.
+    # Against the yardstick of the same moment: a busier machine slows both (seen: 14.6
+    # us once beside three other test workers).
+    ratio = best / yardstick
+    print(f"{best * 1e6:.2f} us a collective, {ratio:.1f}x three plain calls")
+    assert ratio < 25 and best < 50e-6, f"{best * 1e6:.1f} us a collective ({ratio:.1f}x)"
     assert watch.issued("all_reduce", "x", None).seq == 5 * n + 1
 
 
