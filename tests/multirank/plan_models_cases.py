@@ -4,10 +4,8 @@ and of a transformers LlamaForCausalLM built on the meta device and wrapped with
 (`nbtrain.wrap`), trained by AdamW. "llama" and the transformers model have no
 formula in the planner: their activations are traced."""
 
-import gc
-
 import torch
-from plan_cases import _reset_peak, _rss, _train
+from plan_cases import _baseline, _reset_peak, _rss, _train
 
 ROWS, SEQ, STEPS = 4, 128, 2
 LLAMA = dict(
@@ -93,14 +91,12 @@ def measure_all(names):
         kind, layout = CASES[name]
         if kind == "hf":
             _train_hf(hf_config(**TINY["llama"]), layout["zero_level"], 1, measure=False)
-            gc.collect()
-            base = _rss()
+            base = _baseline()
             _train_hf(hf_config(), layout["zero_level"], STEPS, measure=True)
         else:
             tiny = dict(CONFIGS[kind], **TINY[kind], seq_len=16)
             _train(layout, kind, tiny, 1, measure=False)
-            gc.collect()
-            base = _rss()
+            base = _baseline()
             _train(layout, kind, CONFIGS[kind], STEPS, measure=True)
         out[name] = _rss("VmHWM") - base
     return out
