@@ -4,7 +4,10 @@ The panels (`nbtrain.telemetry.panels`, the same as `nbtrain report`): step time
 per rank with the skew between ranks, tokens/s, loss with user metrics, grad norm,
 learning rate, hidden-comm share per step, memory per rank over time, the model
 state split into parameters, gradients and optimizer state, bytes and bandwidth by
-collective kind, and the last step's comm-vs-compute timeline.
+collective kind, and the last step's comm-vs-compute timeline. The time series are
+live curves (`live_panels`, bqplot: each update sends the lines' new data, the
+browser draws them, they pan, zoom and name the line under the pointer); the last
+step's panels are a picture beside them. Without bqplot the picture holds them all.
 
 Progress is not drawn here: rank 0's `nbtrain.progress` bar already prints in the
 cell's output, and a second bar in the dashboard showed the same thing twice.
@@ -13,7 +16,7 @@ It observes and owns no training state: it reads what the engines publish with
 ipyparallel's data publication (`telemetry.publish_to_notebook`, a few times a
 second at most) from the running cell's AsyncResult, while `%%distributed` waits.
 The picture is redrawn at most once per `redraw_s` (matplotlib, same panels as
-`nbtrain report`); the header table of numbers updates on every poll.
+`nbtrain report`); the header table of numbers and the curves update on every poll.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections import deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from ..telemetry.panels import MAX_RANKS_SHOWN, png_bytes, step_times
+from ..telemetry.panels import LAST_STEP, MAX_RANKS_SHOWN, png_bytes, step_times
 from ..telemetry.steplog import DEFAULT_HISTORY
 
 # Points kept per rank and per history in the notebook: as many steps as each rank
@@ -37,6 +40,14 @@ MAX_HISTORY = DEFAULT_HISTORY
 # window's notebook at 100% zoom (13 x 11 in at 72 dpi was 920 px tall with the table
 # in 879 px of notebook, and its legends were 6 px; at 80 dpi they are 7.7).
 PICTURE = {"dpi": 80, "width_in": 12.0, "height_in": 8.5}
+# Beside the live curves (live_panels, 410 px tall) the picture is the last step's
+# panels in one row: 960 x 240 px, redrawn at most every LAST_STEP_EVERY_S (a picture
+# takes the kernel 0.5-1.5 s on 2 busy cores; the curves carry the news meanwhile).
+LAST_STEP_PICTURE = {"dpi": 80, "width_in": 12.0, "height_in": 3.0, "grid": LAST_STEP}
+LAST_STEP_EVERY_S = 5.0
+# The curves move at most this often (the table on every poll): each move is the
+# browser's work too, and a browser on the ranks' cores slows them.
+LIVE_EVERY_S = 0.3
 
 _CURRENT: "Dashboard | None" = None
 
@@ -85,7 +96,7 @@ def _step(point):
 class Dashboard:
     """An ipywidgets dashboard fed with per-rank telemetry summaries."""
 
-    def __init__(self, redraw_s: float = 1.0, since_cell: bool = False):
+    def __init__(self, redraw_s: float | None = None, since_cell: bool = False):
         """`since_cell`: show only the steps of the cell it was made for (a re-run of a
         training cell starts from its own data, not the previous run's tail)."""
         import ipywidgets as w
@@ -96,9 +107,27 @@ class Dashboard:
         self.summaries: dict[int, dict] = {}
         self.header = w.HTML(value="<i>waiting for telemetry from the ranks...</i>")
         self.image = w.Image(format="png", layout=w.Layout(max_width="100%"))
-        self.widget = w.VBox([self.header, self.image])
+        self.live = _live_panels()  # None without bqplot: the picture holds every panel
+        # After a cell the picture holds every panel (what a saved or exported notebook
+        # shows); this button brings the curves back, to zoom and hover.
+        self.toggle = w.ToggleButton(
+            description="interactive curves",
+            tooltip="the live curves (pan, zoom, hover) instead of the picture",
+            layout=w.Layout(display="none", width="160px"),
+        )
+        self.toggle.observe(self._on_toggle, "value")
+        if redraw_s is None:  # the picture's default pace: once a second without curves
+            self.redraw_s = 1.0 if self.live is None else LAST_STEP_EVERY_S
+        parts = (
+            [self.header] + ([self.toggle, self.live.widget] if self.live else []) + [self.image]
+        )
+        self.widget = w.VBox(parts)
         self.redraws = 0
         self.draw_seconds: deque = deque(maxlen=100)  # what each picture cost the kernel
+        self.live_seconds: deque = deque(maxlen=100)  # what each live update cost it
+        self._last_live = 0.0
+        self.live_every_s = LIVE_EVERY_S
+        self._static = False  # the picture of every panel shown, the curves hidden
         self._last_redraw = 0.0
         self._dirty = False
         self._seen: dict[int, int] = {}
@@ -146,6 +175,15 @@ class Dashboard:
         if not self._dirty:
             return
         self._update_numbers()
+        if self.live is not None and not final and self._static:
+            self._show(static=False)  # a cell runs again: the curves come back
+        if self.live is not None and (
+            final or time.monotonic() - self._last_live >= self.live_every_s
+        ):
+            began = time.perf_counter()
+            self.live.update(self.summaries)
+            self._last_live = time.monotonic()
+            self.live_seconds.append(time.perf_counter() - began)
         if not final and not any(s.get("metrics") for s in self.summaries.values()):
             return  # a picture of empty panels took a draw's seconds from the first real one
         now = time.monotonic()
@@ -166,18 +204,18 @@ class Dashboard:
         with self._lock:
             if self._busy:
                 if final:  # drawn when the current picture is done
-                    self._queued = copy.deepcopy(self.summaries)
+                    self._queued = (copy.deepcopy(self.summaries), final)
                 return
             self._busy, self._queued = True, None
-            self._drawing = _in_thread(self._draw_queue, copy.deepcopy(self.summaries))
+            self._drawing = _in_thread(self._draw_queue, (copy.deepcopy(self.summaries), final))
 
-    def _draw_queue(self, summaries: dict | None) -> None:
+    def _draw_queue(self, job: tuple | None) -> None:
         try:
-            while summaries is not None:
-                self._draw(summaries)
+            while job is not None:
+                self._draw(*job)
                 with self._lock:
-                    summaries, self._queued = self._queued, None
-                    self._busy = summaries is not None
+                    job, self._queued = self._queued, None
+                    self._busy = job is not None
         except BaseException:
             with self._lock:
                 self._busy = False
@@ -187,17 +225,40 @@ class Dashboard:
         """Wait until the pictures asked for so far are drawn."""
         self._drawing.result(timeout_s)
 
-    def _draw(self, summaries: dict) -> None:
+    def _draw(self, summaries: dict, final: bool = False) -> None:
+        """The picture: beside the curves the last step's panels; a cell's last (or
+        without bqplot every) picture every panel, shown instead of the curves."""
         began = time.perf_counter()
         self._dirty = False
-        png = png_bytes(summaries, **PICTURE)
+        whole = self.live is None or final
+        png = png_bytes(summaries, **(PICTURE if whole else LAST_STEP_PICTURE))
         steps = [s.get("step", 0) for s in summaries.values() if s]
         with self.image.hold_sync():  # one message: the picture and the step it shows
             self.image.value = png
             self.image._dom_classes = (f"nbtrain-step-{max(steps, default=0)}",)
+        if self.live is not None and final:
+            self._show(static=True)
         self.redraws += 1
         self._last_redraw = time.monotonic()
         self.draw_seconds.append(time.perf_counter() - began)
+
+    def _show(self, static: bool) -> None:
+        """The picture of every panel (after a cell) or the live curves with the last
+        step's picture (while one runs)."""
+        self._static = static
+        self.toggle.layout.display = None if static else "none"
+        with self.toggle.hold_trait_notifications():
+            self.toggle.value = False
+        self.live.widget.layout.display = "none" if static else None
+        self.image.layout.display = None
+
+    def _on_toggle(self, change) -> None:
+        """After a cell: the curves (to zoom and hover) or the picture of every panel."""
+        if not self._static:
+            return
+        curves = bool(change["new"])
+        self.live.widget.layout.display = None if curves else "none"
+        self.image.layout.display = "none" if curves else None
 
     def poll(self, ranks: list[int], metadata: list[dict], final: bool = False) -> None:
         """Read what each rank published into its AsyncResult metadata (`md["data"]`)."""
@@ -249,6 +310,17 @@ class Dashboard:
             "<th>hidden comm</th><th>memory</th>"
             f"</tr>{cells}</table>"
         )
+
+
+def _live_panels():
+    """The live curves, or None where bqplot is not installed (the picture then holds
+    every panel, as `nbtrain report` draws them)."""
+    try:
+        from .live_panels import LivePanels
+
+        return LivePanels()
+    except ImportError:
+        return None
 
 
 def _in_thread(fn, *args) -> Future:

@@ -31,27 +31,41 @@ GRID = (
 )
 
 
-def figure(summaries: dict, width_in: float = 13.0, height_in: float = 11.0):
-    """A matplotlib Figure (no pyplot state): 3 x 3 panels above the last step's timeline,
-    with the expert-routing panel's row between them when a MoE layer recorded its
-    routing (the figure then grows by that row's height, so no panel shrinks)."""
+# The live dashboard draws the time series itself (nbtrain.notebook.live_panels); its
+# picture holds the last step's panels only: the model state and the communication by
+# kind beside the timeline.
+LAST_STEP = ((system.draw_model_state, system.draw_comm),)
+
+
+def figure(summaries: dict, width_in: float = 13.0, height_in: float = 11.0, grid=GRID):
+    """A matplotlib Figure (no pyplot state): `grid`'s panels (3 x 3 by default) above
+    the last step's timeline, with the expert-routing panel's row between them when a
+    MoE layer recorded its routing (the figure then grows by that row's height, so no
+    panel shrinks). With `grid=LAST_STEP` the timeline sits beside the two panels."""
     from matplotlib.figure import Figure
 
     summaries = {int(r): s for r, s in summaries.items() if s}
     routing = bool(moe.routing_layers(summaries))
-    rows = [1] * len(GRID) + ([0.8] if routing else []) + [1.15]
+    beside = grid is LAST_STEP
+    rows = [1] * (0 if beside else len(grid)) + ([0.8] if routing else []) + [1.15]
     if routing:
-        height_in *= 1 + 0.8 / (len(GRID) + 1.15)
+        height_in *= 1 + 0.8 / (sum(rows) - 0.8)
     # Constrained layout costs ~20% of a draw (1.2 s at 2 ranks and 300 steps) but keeps
     # twin-axis labels from running into the next panel whatever the tick labels are.
     fig = Figure(figsize=(width_in, height_in), layout="constrained")
-    grid = fig.add_gridspec(len(rows), 3, height_ratios=rows)
-    for i, row in enumerate(GRID):
-        for j, draw in enumerate(row):
-            draw(fig.add_subplot(grid[i, j]), summaries)
+    columns = 4 if beside else 3
+    spec = fig.add_gridspec(len(rows), columns, height_ratios=rows)
+    if beside:
+        for j, draw in enumerate(grid[0]):
+            draw(fig.add_subplot(spec[len(rows) - 1, j]), summaries)
+        bottom = fig.add_subplot(spec[len(rows) - 1, len(grid[0]) :])
+    else:
+        for i, row in enumerate(grid):
+            for j, draw in enumerate(row):
+                draw(fig.add_subplot(spec[i, j]), summaries)
+        bottom = fig.add_subplot(spec[len(rows) - 1, :])
     if routing:
-        moe.draw_routing(fig.add_subplot(grid[len(GRID), :]), summaries)
-    bottom = fig.add_subplot(grid[len(rows) - 1, :])
+        moe.draw_routing(fig.add_subplot(spec[len(rows) - 2, :]), summaries)
     pipeline = pipeline_view.analyse(summaries)
     if pipeline is not None:  # stages and micro-batches say more than compute vs comm
         pipeline_view.draw(bottom, summaries, pipeline)

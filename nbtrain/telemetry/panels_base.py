@@ -41,7 +41,7 @@ def step_axis(ax) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("step")
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
 
 
 def ignore_warm_up(ax, per_rank: dict, scale: float = 1.0) -> None:

@@ -30,7 +30,7 @@ SPLIT = (
 )
 
 
-def _memory_series(summaries: dict, key: str) -> dict:
+def memory_series(summaries: dict, key: str) -> dict:
     return {
         r: {m["step"]: m[key] for m in s.get("memory_history", []) if m.get(key) is not None}
         for r, s in summaries.items()
@@ -39,12 +39,12 @@ def _memory_series(summaries: dict, key: str) -> dict:
 
 def draw_memory(ax, summaries: dict) -> None:
     """Per rank over steps: CUDA allocated (solid) and reserved (dashed), or the RSS."""
-    allocated = _memory_series(summaries, "cuda_allocated_bytes")
+    allocated = memory_series(summaries, "cuda_allocated_bytes")
     ax.set_title("memory per rank")
     if any(allocated.values()):
         draw_series(ax, allocated, scale=1 / MIB, name="allocated")
         ax.set_prop_cycle(None)  # reserved in the same colour as its rank's allocated
-        reserved = _memory_series(summaries, "cuda_reserved_bytes")
+        reserved = memory_series(summaries, "cuda_reserved_bytes")
         draw_series(
             ax,
             reserved,
@@ -57,7 +57,7 @@ def draw_memory(ax, summaries: dict) -> None:
         ax.set_ylabel("MiB: CUDA allocated, - - reserved")
         peak_key = "cuda_peak_bytes"
     else:
-        rss = _memory_series(summaries, "rss_bytes")
+        rss = memory_series(summaries, "rss_bytes")
         if not any(rss.values()):
             return empty(ax, "no memory samples yet")
         draw_series(ax, rss, scale=1 / MIB)
@@ -80,7 +80,7 @@ def draw_model_state(ax, summaries: dict) -> None:
     """One rank's parameter shards, gradients and optimizer state, stacked, over steps;
     a line of each other rank's total (or the min-max band above 8 ranks), and a dashed
     line at the whole model's parameters (what one unsharded process would hold)."""
-    totals = _memory_series(summaries, "model_state_bytes")
+    totals = memory_series(summaries, "model_state_bytes")
     ax.set_title("model state per rank")
     if not any(totals.values()):
         return empty(ax, "no model state counted\n(telemetry.watch(model, optimizer))")

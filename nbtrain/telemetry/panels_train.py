@@ -82,7 +82,7 @@ def draw_throughput(ax, summaries: dict) -> None:
     ignore_warm_up(ax, per_rank)
     ax.set_ylabel(unit)
     step_axis(ax)
-    ax.set_title(f"{unit} per rank ({_total(times_of, tokens, has_tokens)})")
+    ax.set_title(f"{unit} per rank ({throughput_total(times_of, tokens, has_tokens)})")
     if not has_tokens:
         ax.text(
             0.5,
@@ -105,7 +105,7 @@ def smoothed(values: list, weight: float = 0.8) -> list:
     return out
 
 
-def _total(times_of: dict, tokens: dict, has_tokens: bool, window: int = 10) -> str:
+def throughput_total(times_of: dict, tokens: dict, has_tokens: bool, window: int = 10) -> str:
     """Over the last `window` steps: tokens/s of all ranks together (each rank's own
     tokens), or the ranks' mean steps/s (they step together: a sum means nothing).
     `times_of`: {rank: {step: seconds}}."""

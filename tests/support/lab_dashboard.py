@@ -1,11 +1,12 @@
 """What a user sees of the dashboard in JupyterLab, measured from the DOM.
 
 `install_recorder(page)` watches the page: each change of the last dashboard's
-table (the steps per rank) and of its picture (the step it shows, from its tooltip)
-is noted with the page's clock. `figures(events, ...)` turns the notes of one cell
-into the issue's numbers: the first frame after the first step, updates per second,
-how far the picture lags the table (in steps and seconds), the final frame after the
-cell's end.
+table (the steps per rank), of its live curves (the step their data is of, from the
+grid's class, with the lines drawn) and of its picture of the last step's panels (the
+step it shows, from its class) is noted with the page's clock. `figures(events, ...)`
+turns the notes of one cell into the issue's numbers, for the curves or the picture:
+the first frame after the first step, updates per second, how far it lags the table
+(in steps and seconds), the final frame after the cell's end.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import re
 RECORDER = r"""() => {
   if (window.__nbtrain) return;
   window.__nbtrain = [];
-  const seen = {table: null, img: null};
+  const seen = {table: null, img: null, live: null};
   const record = () => {
     const boards = [...document.querySelectorAll('.widget-vbox')].filter(
       b => b.querySelector('table') && b.innerText.includes('step time'));
@@ -27,6 +28,14 @@ RECORDER = r"""() => {
       seen.table = table.innerText;
       const steps = [...table.querySelectorAll('tr')].slice(1).map(r => Number(r.cells[1].innerText));
       window.__nbtrain.push({t, kind: 'table', board: boards.length, steps});
+    }
+    const live = board.querySelector('.nbtrain-live');
+    const lines = live ? live.querySelectorAll('path.line').length : 0;
+    if (live && lines && live.className !== seen.live) {
+      seen.live = live.className;
+      const m = /nbtrain-live-step-(\d+)/.exec(live.className);
+      window.__nbtrain.push({t, kind: 'live', board: boards.length,
+                             step: m ? Number(m[1]) : null, empty: false, lines});
     }
     const img = board.querySelector('img');
     const key = img ? img.src + ' ' + img.className : null;
@@ -54,10 +63,11 @@ def events(page, since_ms: float = 0.0) -> list[dict]:
     return [e for e in page.evaluate("() => window.__nbtrain") if e["t"] >= since_ms]
 
 
-def figures(notes: list[dict], began_ms: float, ended_ms: float) -> dict:
-    """The numbers of one training cell, from its notes (times in ms of the page)."""
+def figures(notes: list[dict], began_ms: float, ended_ms: float, kind: str = "live") -> dict:
+    """The numbers of one training cell, from its notes (times in ms of the page), for
+    the live curves (`kind="live"`) or the picture ("picture")."""
     tables = [e for e in notes if e["kind"] == "table" and e["steps"]]
-    pictures = [e for e in notes if e["kind"] == "picture" and not e["empty"]]
+    pictures = [e for e in notes if e["kind"] == kind and not e["empty"]]
     first_step = next((e["t"] for e in tables if max(e["steps"]) >= 1), None)
     out = {
         "cell_s": (ended_ms - began_ms) / 1e3,
@@ -98,12 +108,15 @@ def figures(notes: list[dict], began_ms: float, ended_ms: float) -> dict:
 
 
 def wait_final_frame(page, began_ms: float, ended_ms: float, timeout_s: float = 60.0) -> dict:
-    """Wait until a picture shows the cell's last step (on a loaded machine a picture
-    takes seconds); the cell's figures then."""
+    """Wait until the curves and the picture show the cell's last step (on a loaded
+    machine a picture takes seconds); the cell's figures then, {"live": ..., "picture":
+    ...}."""
     deadline = now_ms(page) + timeout_s * 1e3
     while True:
-        found = figures(events(page, began_ms), began_ms, ended_ms)
-        if found["final_frame_after_end_s"] is not None or now_ms(page) > deadline:
+        notes = events(page, began_ms)
+        found = {kind: figures(notes, began_ms, ended_ms, kind) for kind in ("live", "picture")}
+        done = all(f["final_frame_after_end_s"] is not None for f in found.values())
+        if done or now_ms(page) > deadline:
             return found
         page.wait_for_timeout(250)
 

@@ -55,13 +55,23 @@ def test_widget_state_is_stored_with_the_figure(executed):
     images = [m for m in state.values() if m["model_name"] == "ImageModel"]
     # One from `%%distributed --dashboard`, one from `%nbtrain dashboard` afterwards.
     assert len(images) == 2 and all(m["buffers"] for m in images), "a figure was not stored"
-    # Each dashboard is its table and its figure: progress is rank 0's bar in the cell's
-    # output only (a progress widget in the dashboard showed it a second time).
-    boards = [m["state"]["children"] for m in state.values() if m["model_name"] == "VBoxModel"]
+    # Each dashboard is its table, the curves' button and grid and its figure: progress
+    # is rank 0's bar in the cell's output only (a progress widget in the dashboard
+    # showed it a second time). After its cell the figure holds every panel and is
+    # shown, the curves hidden: what a saved or exported notebook shows.
+    boards = [m["state"] for m in state.values() if m["model_name"] == "VBoxModel"]
     kinds = [
-        [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in children] for children in boards
+        [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in b["children"]] for b in boards
     ]
-    assert kinds == [["HTMLModel", "ImageModel"]] * 2, kinds
+    assert kinds == [["HTMLModel", "ToggleButtonModel", "GridBoxModel", "ImageModel"]] * 2, kinds
+
+    def display(child):
+        layout = state[child.removeprefix("IPY_MODEL_")]["state"]["layout"]
+        return state[layout.removeprefix("IPY_MODEL_")]["state"].get("display")
+
+    for b in boards:
+        _, button, grid, image = b["children"]
+        assert (display(button), display(grid), display(image)) == (None, "none", None)
     later = nb.cells[dashboard_notebook.DASHBOARD_CELL].outputs
     assert [o["output_type"] for o in later] == ["display_data"]
     assert "application/vnd.jupyter.widget-view+json" in later[0]["data"]

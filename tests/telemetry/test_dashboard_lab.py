@@ -48,6 +48,7 @@ def page(tmp_path_factory):
         "from nbtrain.notebook import dashboard, magics\n"
         "print('pids', magics.current_cluster().pids())\n"
         "print('draws', [round(s, 3) for s in dashboard.current().draw_seconds])\n"
+        "print('live', [round(s, 4) for s in dashboard.current().live_seconds])\n"
         "print('first', [min(m['step'] for m in s['metrics']) "
         "for s in dashboard.current().summaries.values()])",
     ]
@@ -91,6 +92,10 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         assert board.locator("table tr").count() == 3  # a header and one row per rank
         img = board.locator("img")
         assert img.evaluate("i => i.complete && i.naturalWidth > 0"), "the picture is not drawn"
+        # Seven live panels, each with a line per rank (the loss also its smoothed mean).
+        live = board.locator(".nbtrain-live")
+        assert live.locator(".bqplot").count() == 7, live.inner_html()[:500]
+        assert live.locator("path.line").count() >= 2 * 7 + 1
         # Table and picture fit the notebook of a 1400 x 1000 window at 100% zoom.
         box, notebook = board.bounding_box(), page.locator(".jp-Notebook").bounding_box()
         figures[run]["dashboard_px"] = [round(box["width"]), round(box["height"])]
@@ -98,8 +103,25 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
             box,
             notebook,
         )
-        # A picture that shows this cell's last step arrived (the goal is 1 s).
-        assert figures[run]["final_frame_after_end_s"] is not None, figures[run]
+        # The curves keep up with the table (the goals: first frame within 2 s of the
+        # first step, an update a second, never more than 1 s behind, the last step
+        # within 1 s of the cell's end); the picture of the last step arrives.
+        curves = figures[run]["live"]
+        assert curves["first_frame_after_first_step_s"] <= 2.0, curves
+        assert curves["pictures_per_s"] >= 1.0 and curves["max_lag_s"] <= 1.0, curves
+        assert curves["final_frame_after_end_s"] <= 1.0, curves
+        assert figures[run]["picture"]["final_frame_after_end_s"] is not None, figures[run]
+        # After the cell the picture holds every panel; the button brings the curves.
+        button = board.get_by_role("button", name="interactive curves")
+        assert not live.is_visible() and img.is_visible()
+        button.click()
+        page.wait_for_function(
+            "() => [...document.querySelectorAll('.nbtrain-live')].pop().offsetParent !== null"
+        )
+        assert not img.is_visible()
+        _shot(page, f"{run}-curves")
+        button.click()
+        img.wait_for(state="visible")
 
     # The stop button: every rank stops at one step, nothing on stderr, namespaces kept.
     lab.run_cell(page, LONG, wait=False)
@@ -109,6 +131,7 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         timeout=60_000,
     )
     page.wait_for_timeout(3000)
+    _shot(page, "mid-run")
     pressed = ld.now_ms(page)
     page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
     lab.wait_cell_done(page, LONG, timeout_s=60)
@@ -128,10 +151,14 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     lab.run_cell(page, PIDS)
     printed = lab.cell_outputs(page, PIDS)[-1]["text"]
     pids = [int(p) for p in re.findall(r"\d+", printed.split("draws")[0])]
-    draws = [float(v) for v in re.findall(r"[\d.]+", printed.split("draws")[1].split("first")[0])]
+    draws = [float(v) for v in re.findall(r"[\d.]+", printed.split("draws")[1].split("live")[0])]
+    live = [float(v) for v in re.findall(r"[\d.]+", printed.split("live")[1].split("first")[0])]
     # The long cell's dashboard starts at its own first step (two runs of 30 before it).
     assert re.search(r"first \[60, 60\]", printed), printed
     figures["kernel_s_per_picture"] = {"median": sorted(draws)[len(draws) // 2], "max": max(draws)}
+    figures["kernel_s_per_live_update"] = {"median": sorted(live)[len(live) // 2], "max": max(live)}
+    # The goal: at most 100 ms of the kernel's time per update of the curves.
+    assert figures["kernel_s_per_live_update"]["median"] <= 0.1, figures
     began = ld.now_ms(page)
     lab.run_cell(page, STOP)
     figures["nbtrain_stop_s"] = (ld.now_ms(page) - began) / 1e3
