@@ -40,6 +40,13 @@ MAX_OPEN_PHASES = 32
 _PREFIX = "nbtrain/recovery"
 
 
+# A graceful stop's lead is timed by the median of this many recent steps: the
+# fastest since the loop began (or of the recent ones) made a loop whose steps vary
+# (a browser drawing on the ranks' cores) stop 9-30 s after the press instead of 1-2.
+# The peers learn of a stop within POLL_S (0.2 s), a fifth of the lead.
+RECENT_STEPS = 32
+
+
 class _State:
     def __init__(self):
         self.store = None  # the base store every generation lives in
@@ -54,6 +61,7 @@ class _State:
         self.interrupts = 0
         self.last_check, self.last_step, self.step_s = None, 0, None
         self.fastest_s: float | None = None
+        self.recent: deque[float] = deque(maxlen=RECENT_STEPS)  # the last steps' seconds
         # Open phases, innermost last. An optimizer step that raised never closes its
         # phase, so a loop that catches such failures and goes on would add one per
         # failure until the next `rebuild`: the newest few are all a report needs.
@@ -295,16 +303,17 @@ def stop_requested(step: int) -> bool:
     now = time.monotonic()
     if _S.last_check is not None and step > _S.last_step:
         _S.step_s = (now - _S.last_check) / (step - _S.last_step)
-        _S.fastest_s = _S.step_s if _S.fastest_s is None else min(_S.fastest_s, _S.step_s)
+        _S.recent.append(_S.step_s)
+        _S.fastest_s = sorted(_S.recent)[len(_S.recent) // 2]  # the recent pace
     _S.last_check, _S.last_step = now, step
     return _S.stop_at is not None and step >= _S.stop_at
 
 
 def _lead() -> int:
     """Steps ahead for a stop: the others learn of it within POLL_S; allow 1 s at the
-    fastest step seen so far. (The last step's time, or a cap in steps, shortened
-    that second when the first steps were slow or the steps very fast, and a peer
-    whose watcher was a little late ran past the stop.)"""
+    median pace of the last RECENT_STEPS steps. (The last step's time, or a cap in steps,
+    shortened that second when the first steps were slow or the steps very fast, and
+    a peer whose watcher was a little late ran past the stop.)"""
     if not _S.fastest_s:
         return 10
     return min(2 + math.ceil(1.0 / _S.fastest_s), 10**8)
@@ -320,6 +329,7 @@ def graceful_stop():
     _S.loop += 1
     _S.stop_at, _S.interrupts = None, 0
     _S.last_check, _S.last_step, _S.step_s, _S.fastest_s = None, 0, None, None
+    _S.recent.clear()
     if threading.current_thread() is not threading.main_thread():
         yield
         return
