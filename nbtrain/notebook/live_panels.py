@@ -73,7 +73,7 @@ def _warm_up_range(per_rank: dict, scale: float = 1.0):
         return None
     lo, hi = min(rest), max(rest)
     pad = 0.1 * (hi - lo or abs(hi) or 1.0)
-    return (min(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)
+    return (max(lo - pad, 0.0) if lo >= 0 else lo - pad, hi + pad)
 
 
 def step_time(summaries: dict):
@@ -182,10 +182,8 @@ class LivePanels:
                 marks=[],
                 axes=axes,
                 title=EMPTY[panel.__name__],
-                fig_margin={"top": 30, "bottom": 32, "left": 48, "right": 8},
+                fig_margin={"top": 30, "bottom": 32, "left": 56, "right": 14},
                 layout=w.Layout(width=f"{width}px", height=f"{height}px"),
-                legend_location="top-right",
-                legend_style={"font-size": "9px"},
                 title_style={"font-size": "11px"},
                 interaction=bq.interacts.PanZoom(scales={"x": [x], "y": [y]}),
                 animation_duration=0,
@@ -193,10 +191,16 @@ class LivePanels:
             self.figures.append(fig)
             self._lines.append({})
             self._scales.append((x, y))
-        self.widget = w.GridBox(
+        # One legend for every panel (a line's colour is its rank's everywhere); a
+        # legend in each panel covered its curves.
+        self.legend = w.HTML()
+        self._colors: dict[str, str] = {}
+        grid = w.GridBox(
             self.figures,
             layout=w.Layout(grid_template_columns=f"repeat({COLUMNS}, {width}px)"),
         )
+        # A Box, not a VBox: the dashboard is the page's last VBox with a table in it.
+        self.widget = w.Box([self.legend, grid], layout=w.Layout(flex_flow="column"))
         self.widget.add_class("nbtrain-live")
         self.step = 0
 
@@ -209,6 +213,19 @@ class LivePanels:
         self.step = max(steps, default=0)
         # After the lines' data: the browser reads this class once they are drawn.
         self.widget._dom_classes = ("nbtrain-live", f"nbtrain-live-step-{self.step}")
+
+    def _color(self, label: str) -> str:
+        if label.startswith("mean"):
+            return MEAN_COLOR
+        if label == "lr":  # the lead rank's: not a rank line of its own
+            return COLORS[0]
+        if label not in self._colors:
+            self._colors[label] = COLORS[len(self._colors) % len(COLORS)]
+            self.legend.value = "&nbsp;&nbsp;".join(
+                f"<span style='color:{c}'>&#9473;&#9473;</span> {name}"
+                for name, c in [*self._colors.items(), ("mean, smoothed (loss)", MEAN_COLOR)]
+            )
+        return self._colors[label]
 
     def _update_panel(self, i: int, name: str, title: str, lines: dict, y_range) -> None:
         fig, marks = self.figures[i], self._lines[i]
@@ -224,8 +241,7 @@ class LivePanels:
                     y=ys,
                     scales={"x": x_scale, "y": y_scale},
                     labels=[label],
-                    display_legend=True,
-                    colors=[MEAN_COLOR if mean else COLORS[len(marks) % len(COLORS)]],
+                    colors=[self._color(label)],
                     stroke_width=2.2 if mean else 1.3,
                     opacities=[1.0 if mean or len(lines) < 3 else 0.7],
                     tooltip=self._tooltip,

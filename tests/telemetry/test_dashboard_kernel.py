@@ -63,7 +63,7 @@ def test_widget_state_is_stored_with_the_figure(executed):
     kinds = [
         [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in b["children"]] for b in boards
     ]
-    assert kinds == [["HTMLModel", "ToggleButtonModel", "GridBoxModel", "ImageModel"]] * 2, kinds
+    assert kinds == [["HTMLModel", "ToggleButtonModel", "BoxModel", "ImageModel"]] * 2, kinds
 
     def display(child):
         layout = state[child.removeprefix("IPY_MODEL_")]["state"]["layout"]

@@ -92,10 +92,11 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         assert board.locator("table tr").count() == 3  # a header and one row per rank
         img = board.locator("img")
         assert img.evaluate("i => i.complete && i.naturalWidth > 0"), "the picture is not drawn"
-        # Seven live panels, each with a line per rank (the loss also its smoothed mean).
+        # Seven live panels, six with a line per rank (the loss also its smoothed mean),
+        # the learning rate's one line.
         live = board.locator(".nbtrain-live")
         assert live.locator(".bqplot").count() == 7, live.inner_html()[:500]
-        assert live.locator("path.line").count() >= 2 * 7 + 1
+        assert live.locator("path.line").count() == 2 * 6 + 1 + 1
         # Table and picture fit the notebook of a 1400 x 1000 window at 100% zoom.
         box, notebook = board.bounding_box(), page.locator(".jp-Notebook").bounding_box()
         figures[run]["dashboard_px"] = [round(box["width"]), round(box["height"])]
@@ -131,6 +132,8 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         timeout=60_000,
     )
     page.wait_for_timeout(3000)
+    running = page.locator(".widget-vbox").filter(has_text="step time").last
+    running.evaluate("b => b.scrollIntoView()")  # the table and the curves in view
     _shot(page, "mid-run")
     pressed = ld.now_ms(page)
     page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
