@@ -3,7 +3,7 @@
 Widget JavaScript is served from local files (npm pack), as the CDNs the default
 export uses may be unreachable. The page holds the notebook up to its training cell
 (the cluster starting, the dashboard, rank 0's progress); the screenshot is kept in
-tests/artifacts/ and is the README's picture (notebooks/img/dashboard.png). Each
+tests/artifacts/ (and notebooks/img/dashboard.png: what an exported notebook shows). Each
 panel is found by the colours only it draws.
 """
 
