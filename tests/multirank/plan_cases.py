@@ -91,3 +91,22 @@ def measure_all(names):
         _train(LAYOUTS[name], model_name, config, STEPS, measure=True)
         out[name] = _rss("VmHWM") - base
     return out
+
+
+def accuracy(plans: dict, measured: list, width: int = 24) -> tuple[list, dict]:
+    """(the table's lines, {(name, rank): relative error}) of planned against measured
+    peaks: `plans` {name: Plan}, `measured` each rank's {name: bytes} (measure_all's).
+    Pipeline stage s is rank s of 2."""
+    mib = 2**20
+    lines = [f"{'layout':<{width}}{'rank':>5}{'planned':>9}{'measured':>10}{'error':>8}"]
+    errors = {}
+    for name, p in plans.items():
+        for rank in range(2):
+            role = p.ranks[rank * len(p.ranks) // 2]  # pp 2: rank 0 stage 0, rank 1 stage 1
+            got = measured[rank][name]
+            errors[name, rank] = (role.total - got) / got
+            lines.append(
+                f"{name:<{width}}{rank:>5}{role.total / mib:>9.1f}{got / mib:>10.1f}"
+                f"{errors[name, rank]:>+8.1%}"
+            )
+    return lines, errors

@@ -23,23 +23,16 @@ def test_plan_within_15_percent_of_measured_peak():
     names = list(plan_cases.LAYOUTS)
     start = time.perf_counter()
     measured = run_ranks(plan_cases.measure_all, 2, names, timeout_s=300)
-    lines, errors = [f"{'layout':<24}{'rank':>5}{'planned':>9}{'measured':>10}{'error':>8}"], {}
+    from nbtrain.models.registry import get_model
+
+    plans = {}
     for name in names:
         model_name, config = plan_cases.model_of(name)
-        from nbtrain.models.registry import get_model
-
         cfg = get_model(model_name).package.make_config(config)
-        p = nbtrain.plan(
+        plans[name] = nbtrain.plan(
             cfg, plan_cases.LAYOUTS[name], batch=plan_cases.ROWS, seq=plan_cases.SEQ, world_size=2
         )
-        for rank in range(2):
-            role = p.ranks[rank * len(p.ranks) // 2]  # pp 2: rank 0 stage 0, rank 1 stage 1
-            got = measured[rank][name]
-            errors[name, rank] = (role.total - got) / got
-            lines.append(
-                f"{name:<24}{rank:>5}{role.total / MiB:>9.1f}{got / MiB:>10.1f}"
-                f"{errors[name, rank]:>+8.1%}"
-            )
+    lines, errors = plan_cases.accuracy(plans, measured)
     print("\n".join(lines), f"\n{time.perf_counter() - start:.1f} s")
     bad = {k: f"{v:+.1%}" for k, v in errors.items() if abs(v) > 0.15}
     assert not bad, "planned vs measured peak beyond 15%:\n" + "\n".join(lines)

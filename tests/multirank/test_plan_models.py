@@ -8,6 +8,7 @@ import time
 
 import plan_models_cases as cases
 import pytest
+from plan_cases import accuracy
 from support.ranks import run_ranks
 
 import nbtrain
@@ -30,22 +31,14 @@ def test_plan_within_10_percent_of_measured_peak_without_a_formula():
     names = list(cases.CASES)
     start = time.perf_counter()
     measured = run_ranks(cases.measure_all, 2, names, timeout_s=300)
-    head = f"{'model and layout':<30}{'rank':>5}{'planned':>9}{'measured':>10}{'error':>8}"
-    lines, errors = [head], {}
+    plans = {}
     for name in names:
-        p = nbtrain.plan(
+        plans[name] = p = nbtrain.plan(
             _source(name), cases.CASES[name][1], batch=cases.ROWS, seq=cases.SEQ, world_size=2
         )
         if cases.CASES[name][0] != "gpt2":  # nbtrain's GPT (gpt2's model) has a formula
             assert p.shape.trace is not None and p.shape.trace.where == "the meta device"
-        for rank in range(2):
-            role = p.ranks[rank * len(p.ranks) // 2]  # pp 2: rank 0 stage 0, rank 1 stage 1
-            got = measured[rank][name]
-            errors[name, rank] = (role.total - got) / got
-            lines.append(
-                f"{name:<30}{rank:>5}{role.total / MiB:>9.1f}{got / MiB:>10.1f}"
-                f"{errors[name, rank]:>+8.1%}"
-            )
+    lines, errors = accuracy(plans, measured, width=30)
     print("\n".join(lines), f"\n{time.perf_counter() - start:.1f} s")
     bad = {k: f"{v:+.1%}" for k, v in errors.items() if abs(v) > 0.10}
     assert not bad, "planned vs measured peak beyond 10%:\n" + "\n".join(lines)
