@@ -176,7 +176,8 @@ class LivePanels:
             x, y = bq.LinearScale(), bq.LinearScale()
             axes = [
                 bq.Axis(scale=x, label="step", tick_format="d", num_ticks=4),
-                bq.Axis(scale=y, orientation="vertical", tick_format=".4~g", num_ticks=4),
+                # Plain numbers (10,780, 0.003), never an exponent or an offset.
+                bq.Axis(scale=y, orientation="vertical", tick_format=",.4~r", num_ticks=4),
             ]
             fig = bq.Figure(
                 marks=[],
@@ -256,6 +257,7 @@ class LivePanels:
         if (y_scale.min, y_scale.max) != (lo, hi):
             with y_scale.hold_sync():
                 y_scale.min, y_scale.max = lo, hi
+                y_scale.allow_padding = y_range is None  # a set range is the range
         title = title if lines else EMPTY[name]
         if fig.title != title:
             fig.title = title

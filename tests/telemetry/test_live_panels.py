@@ -97,6 +97,10 @@ def test_a_slow_first_step_is_left_out_of_the_range():
     lines = {m.labels[0]: m for m in fig.marks}
     y_scale = fig.axes[1].scale
     assert y_scale.max is not None and y_scale.max < max(lines["rank 0"].y) / 10
+    assert y_scale.min >= 0 and not y_scale.allow_padding  # the range set is the range shown
+    (hidden,) = [f for f in board.live.figures if f.title.startswith("comm hidden")]
+    assert (hidden.axes[1].scale.min, hidden.axes[1].scale.max) == (0.0, 100.0)
+    assert fig.axes[1].tick_format == ",.4~r"  # 10,780 and 0.003: no exponent, no offset
 
 
 def test_without_bqplot_the_picture_holds_every_panel(monkeypatch):
