@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..telemetry.panels_base import MAX_RANKS_SHOWN, by_step, metric_by_rank, step_times
+from ..telemetry.panels_base import (
+    MAX_RANKS_SHOWN,
+    by_step,
+    metric_by_rank,
+    step_times,
+    warm_up_range,
+)
 from ..telemetry.panels_system import MIB, memory_series
 from ..telemetry.panels_train import smoothed, throughput_total
 
@@ -63,19 +69,6 @@ def thinned(xs, ys):
     return xs[keep], ys[keep]
 
 
-def _warm_up_range(per_rank: dict, scale: float = 1.0):
-    """(lo, hi) leaving out each rank's first step when it is far above the rest (the
-    first step's compilation and allocation flattened every other), else None."""
-    first = {r: min(v) for r, v in per_rank.items() if v}
-    rest = [v * scale for r, vals in per_rank.items() for x, v in vals.items() if x != first[r]]
-    firsts = [per_rank[r][x] * scale for r, x in first.items()]
-    if len(rest) < 2 or max(firsts, default=0) <= max(rest) * 1.25:
-        return None
-    lo, hi = min(rest), max(rest)
-    pad = 0.1 * (hi - lo or abs(hi) or 1.0)
-    return (max(lo - pad, 0.0) if lo >= 0 else lo - pad, hi + pad)
-
-
 def step_time(summaries: dict):
     times = {r: step_times(s) for r, s in summaries.items()}
     lines = _per_rank_lines(times, 1e3)
@@ -84,7 +77,7 @@ def step_time(summaries: dict):
     if ratio:
         last = max(ratio)
         title = f"step time, ms (skew {ratio[last]:.2f}x at step {last})"
-    return title, lines, _warm_up_range(times, 1e3)
+    return title, lines, warm_up_range(times, 1e3)
 
 
 def throughput(summaries: dict):
@@ -103,7 +96,7 @@ def throughput(summaries: dict):
     title = f"{unit} per rank"
     if any(per_rank.values()):
         title = f"{unit} ({throughput_total(times_of, tokens, has_tokens)})"
-    return title, _per_rank_lines(per_rank), _warm_up_range(per_rank)
+    return title, _per_rank_lines(per_rank), warm_up_range(per_rank)
 
 
 def loss(summaries: dict):

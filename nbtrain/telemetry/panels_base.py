@@ -44,18 +44,26 @@ def step_axis(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(nbins=6, integer=True))
 
 
-def ignore_warm_up(ax, per_rank: dict, scale: float = 1.0) -> None:
-    """Y limits from every step but each rank's first (compilation, allocation, the
-    first gathers: often several times the rest, it flattened the other steps); the
-    first step's point is still drawn, off the top when it is that far out."""
+def warm_up_range(per_rank: dict, scale: float = 1.0):
+    """(lo, hi) from every step but each rank's first (compilation, allocation, the
+    first gathers: often several times the rest, it flattened the other steps), when
+    that first step is far above the rest; else None. Positive values stay above 0."""
     first = {rank: min(values) for rank, values in per_rank.items() if values}
     rest = [v * scale for r, values in per_rank.items() for x, v in values.items() if x != first[r]]
     firsts = [per_rank[r][x] * scale for r, x in first.items()]
     if len(rest) < 2 or max(firsts, default=0) <= max(rest) * 1.25:
-        return
+        return None
     lo, hi = min(rest), max(rest)
     pad = 0.1 * (hi - lo or abs(hi) or 1.0)
-    ax.set_ylim(min(lo - pad, 0) if lo >= 0 else lo - pad, hi + pad)
+    return (max(lo - pad, 0.0) if lo >= 0 else lo - pad, hi + pad)
+
+
+def ignore_warm_up(ax, per_rank: dict, scale: float = 1.0) -> None:
+    """Y limits of warm_up_range; the first step's point is still drawn, off the top
+    when it is that far out."""
+    limits = warm_up_range(per_rank, scale)
+    if limits is not None:
+        ax.set_ylim(*limits)
 
 
 def no_offset(ax) -> None:
