@@ -19,6 +19,19 @@ if os.environ.get("NBTRAIN_TEST_HOME_PID") != str(os.getpid()):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+# nbval waits at most `output_timeout` (5 s) between two of a cell's output messages
+# after its reply. A `--dashboard` cell sends hundreds of widget updates; on a 2-core
+# machine running four test workers the kernel's IOPub thread fell 5 s behind its
+# shell reply once, and the cell "timed out" after it had finished. The cell's own
+# limit (--nbval-cell-timeout, pytest-timeout) still bounds a hang.
+OUTPUT_TIMEOUT_S = 60
+
+
+def pytest_runtest_setup(item):
+    if hasattr(item, "output_timeout"):
+        item.output_timeout = max(item.output_timeout, OUTPUT_TIMEOUT_S)
+
+
 def pytest_runtest_teardown(item, nextitem):
     # nbval items are notebook cells, not fixtures users: a hook sees them all.
     if nextitem is not None and nextitem.parent is item.parent:

@@ -158,6 +158,7 @@ def run_cell(page, index: int, timeout_s: float = 180.0, wait: bool = True) -> N
     prompt = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputArea-prompt")
     before = prompt.text_content()
     for attempt in range(2):
+        dismiss_dialogs(page)
         prompt.click()
         page.keyboard.press("Shift+Enter")
         try:
@@ -176,6 +177,34 @@ def run_cell(page, index: int, timeout_s: float = 180.0, wait: bool = True) -> N
                 raise
     if wait:
         wait_cell_done(page, index, timeout_s)
+
+
+def dismiss_dialogs(page) -> list[str]:
+    """Close any JupyterLab dialog in front of the notebook with its default button.
+
+    On a loaded machine JupyterLab can put up a modal dialog on its own (a slow
+    server answer: "Server Connection Error"), and a modal takes every click.
+    Each dialog's text is appended to `page.dialogs` (created here) for the test
+    to report; console errors that came with it still fail the test.
+    """
+    seen = getattr(page, "dialogs", None)
+    if seen is None:
+        seen = page.dialogs = []
+    texts = []
+    dialogs = page.locator(".jp-Dialog")
+    for _ in range(5):
+        if not dialogs.count():
+            break
+        dialog = dialogs.first
+        texts.append(" ".join(dialog.inner_text().split()))
+        accept = dialog.locator(".jp-Dialog-footer .jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        else:
+            page.keyboard.press("Escape")
+        page.wait_for_timeout(200)
+    seen.extend(texts)
+    return texts
 
 
 def wait_cell_done(page, index: int, timeout_s: float = 180.0) -> None:

@@ -43,8 +43,9 @@ def page(tmp_path_factory):
     tour = tour_cells()
     assert len(tour) == 4 and "range(30)" in tour[TRAIN], tour
     cells = tour + [
-        tour[TRAIN].replace("range(30)", "range(100000)"),  # stopped with the button
-        "%%distributed\nprint('still here at step', step)",
+        # Stopped with the button; the ranks note when they left the loop.
+        tour[TRAIN].replace("range(30)", "range(100000)") + "import time\nleft_at = time.time()",
+        "%%distributed\nprint('still here at step', step, 'left at', repr(left_at))",
         "from nbtrain.notebook import dashboard, magics\n"
         "print('pids', magics.current_cluster().pids())\n"
         "print('draws', [round(s, 3) for s in dashboard.current().draw_seconds])\n"
@@ -136,9 +137,11 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     running.evaluate("b => b.scrollIntoView()")  # the table and the curves in view
     _shot(page, "mid-run")
     pressed = ld.now_ms(page)
+    pressed_at = page.evaluate("() => Date.now()") / 1e3
     page.locator("jp-button[data-command='notebook:interrupt-kernel']").click()
     lab.wait_cell_done(page, LONG, timeout_s=60)
     figures["stop_button_s"] = (ld.now_ms(page) - pressed) / 1e3
+    ended_at = page.evaluate("() => Date.now()") / 1e3
     _shot(page, "stopped")
     outputs = lab.cell_outputs(page, LONG)
     text = "\n".join(o["text"] for o in outputs)
@@ -146,9 +149,16 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     assert not [o for o in outputs if o["stderr"]], outputs
     lab.run_cell(page, AFTER)
     steps = re.findall(
-        r"\[rank (\d)\] still here at step (\d+)", lab.cell_outputs(page, AFTER)[-1]["text"]
+        r"\[rank (\d)\] still here at step (\d+) left at ([\d.]+)",
+        lab.cell_outputs(page, AFTER)[-1]["text"],
     )
-    assert len(steps) == 2 and len({s for _, s in steps}) == 1, steps  # one agreed step
+    assert len(steps) == 2 and len({s for _, s, _ in steps}) == 1, steps  # one agreed step
+    # The agreed step is about 1 s of steps after the press (every rank's watcher must
+    # learn of it first); the goal: the cell ends within 1 s of that step boundary.
+    left_at = max(float(t) for _, _, t in steps)
+    figures["stop_press_to_boundary_s"] = round(left_at - pressed_at, 3)
+    figures["stop_boundary_to_cell_end_s"] = round(ended_at - left_at, 3)
+    assert figures["stop_boundary_to_cell_end_s"] <= 1.0, figures
 
     # Draw times the kernel paid (the goal: at most 100 ms per update).
     lab.run_cell(page, PIDS)
@@ -181,6 +191,7 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     )
     lab.wait_kernel_idle(page)
     figures["console_errors"] = list(page.errors)
+    figures["dialogs_dismissed"] = list(getattr(page, "dialogs", []))
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     (ARTIFACTS / "dashboard-lab.json").write_text(json.dumps(figures, indent=1))
     print("\ndashboard in JupyterLab:", json.dumps(figures, indent=1))
