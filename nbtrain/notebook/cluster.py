@@ -217,8 +217,12 @@ class Cluster:
         ipp_cluster, client, self._ipp, self.client = self._ipp, self.client, None, None
         _LIVE.discard(self)
         if client is not None:
-            self._exit_idle_engines(client)
+            self._exit_idle_engines(client, ipp_cluster)
             client.close()
+        # The controller leaves by ipyparallel's signal: JupyterLab's ipyparallel
+        # extension, watching this cluster from its file, reads no exit code and wrote
+        # the controller's whole log as a warning into the server's terminal.
+        _teardown.remove_logs([getattr(ipp_cluster.controller, "output_file", None)])
         try:
             ipp_cluster.stop_cluster_sync()
         except Exception:  # a launcher already gone; the pids below still get checked
@@ -239,14 +243,20 @@ class Cluster:
         if watchdog is not None:
             watchdog.stop()
 
-    def _exit_idle_engines(self, client) -> None:
+    def _exit_idle_engines(self, client, ipp_cluster) -> None:
         """Idle local engines leave at once (teardown.exit_engines); busy ones, and
         engines of other hosts, are left to ipyparallel's signal."""
         busy = self._pending is not None or (self._stuck is not None and not self._stuck.done())
         local = [info["pid"] for info in self.ranks if info.get("local")]
         if self.launcher != "local" or busy or not local or len(local) != len(self.ranks):
             return
-        _teardown.exit_engines(client, local, _EXIT_WAIT_S)
+        logs = [
+            launcher.output_file
+            for engine_set in ipp_cluster.engines.values()
+            for launcher in getattr(engine_set, "launchers", {}).values()
+            if getattr(launcher, "output_file", None)
+        ]
+        _teardown.exit_engines(client, local, _EXIT_WAIT_S, logs)
 
     def restart(self, n: int | None = None) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty.

@@ -8,16 +8,25 @@ what ipyparallel leaves running in this process (its loop thread) is ended here.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import psutil
 
 from . import engine_boot
 from .procs import wait_ended
 
 
-def exit_engines(client, pids: list[int], timeout_s: float) -> None:
+def exit_engines(client, pids: list[int], timeout_s: float, logs: list[str] = ()) -> None:
     """Ask the engines `pids` (all the client's, idle, on this machine) to leave at once
     (engine_boot.exit_now), wait up to `timeout_s` for them, then end the nannies of
     those that left.
+
+    `logs`, the engines' log files (ipyparallel's launcher output), are removed first.
+    JupyterLab's ipyparallel extension loads every cluster file it finds in the
+    profiles, this one's too, and watches its engines; they are not its children, so
+    it reads no exit code and wrote each engine's whole log as a warning into the
+    server's terminal at every clean stop.
 
     Each engine's nanny (ipyparallel's, a child of the engine) tells the hub that its
     engine left and exits: 1-2 s of interpreter shutdown, and 3 s more (its socket's
@@ -28,10 +37,11 @@ def exit_engines(client, pids: list[int], timeout_s: float) -> None:
     try:
         procs = [psutil.Process(pid) for pid in pids]
         nannies = {proc.pid: [c for c in proc.children() if _is_nanny(c)] for proc in procs}
+        remove_logs(logs)
         client[:].apply_async(engine_boot.exit_now)
     except Exception:  # noqa: BLE001 - gone already, or the client broke: signal them
         return
-    alive = wait_ended(procs, timeout_s)
+    alive = wait_ended(procs, timeout_s, reap=False)  # ipyparallel reaps its engines
     ended = [nanny for proc in procs if proc not in alive for nanny in nannies[proc.pid]]
     for nanny in ended:
         try:
@@ -39,6 +49,14 @@ def exit_engines(client, pids: list[int], timeout_s: float) -> None:
         except psutil.Error:  # gone already
             pass
     wait_ended(ended, timeout_s)
+
+
+def remove_logs(paths) -> None:
+    """Remove these launcher log files (None and missing ones are skipped)."""
+    for path in paths:
+        if path:
+            with contextlib.suppress(OSError):
+                os.remove(path)
 
 
 def end_loop_thread(ipp_cluster, timeout_s: float) -> None:

@@ -64,6 +64,7 @@ def page(tmp_path_factory):
             page = lab.open_notebook(browser, server, "tour.ipynb", errors)
             ld.install_recorder(page)
             page.errors = errors
+            page.server = server
             yield page
         finally:
             browser.close()
@@ -172,6 +173,7 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     figures["kernel_s_per_live_update"] = {"median": sorted(live)[len(live) // 2], "max": max(live)}
     # The goal: at most 100 ms of the kernel's time per update of the curves.
     assert figures["kernel_s_per_live_update"]["median"] <= 0.1, figures
+    log_before = len(page.server.log())
     began = ld.now_ms(page)
     lab.run_cell(page, STOP)
     figures["nbtrain_stop_s"] = (ld.now_ms(page) - began) / 1e3
@@ -180,6 +182,17 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")], "processes left after stop"
+    # A clean stop is silent in the server's terminal (it printed every engine's log as a
+    # warning, and before that the engine loop's and the TCPStore's errors).
+    time.sleep(1.0)
+    said = page.server.log()[log_before:]
+    noise = [
+        line
+        for line in said.splitlines()
+        if re.search(r"\[(W|E) |Traceback|Error|WARNING|Output for", line)
+    ]
+    figures["server_lines_at_stop"] = len(said.splitlines())
+    assert not noise, said[-3000:]
 
     # A kernel restart from the toolbar: the kernel comes back idle.
     page.locator("jp-button[data-command='notebook:restart-kernel']").click()
