@@ -13,6 +13,7 @@ import sys
 import time
 
 from .errors import RESTART_HINT, CellTimeoutError, RankDiedError, RankError
+from .progress_bar import CellProgress
 from .recover import abort_from_notebook, recover_group
 
 _POLL_S = 0.05  # output latency; an empty cell returns as soon as it is done
@@ -36,7 +37,8 @@ def trim_traceback(lines: list[str]) -> list[str]:
 
 
 class RankOutput:
-    """Prints what each rank has produced so far, once, labelled by rank."""
+    """Prints what each rank has produced so far, once, labelled by rank, and moves
+    the cell's progress bar (`progress_bar.CellProgress`)."""
 
     def __init__(
         self,
@@ -50,8 +52,10 @@ class RankOutput:
         self.offsets = {(r, name): 0 for r in ranks for name in ("stdout", "stderr")}
         self.partial = {(r, name): "" for r in ranks for name in ("stdout", "stderr")}
         self.shown_outputs = {r: 0 for r in ranks}
+        self.progress = CellProgress(metadata)
 
     def flush(self, final: bool = False) -> None:
+        self.progress.update(final)
         if not (self.stream or final):
             return
         for r, md in zip(self.ranks, self.metadata):

@@ -9,8 +9,9 @@ live curves (`live_panels`, bqplot: each update sends the lines' new data, the
 browser draws them, they pan, zoom and name the line under the pointer); the last
 step's panels are a picture beside them. Without bqplot the picture holds them all.
 
-Progress is not drawn here: rank 0's `nbtrain.progress` bar already prints in the
-cell's output, and a second bar in the dashboard showed the same thing twice.
+Progress is not drawn here: the cell's output has one progress bar that rank 0's
+`nbtrain.progress` moves (`progress_bar`), and a second bar in the dashboard showed
+the same thing twice.
 
 It observes and owns no training state: it reads what the engines publish with
 ipyparallel's data publication (`telemetry.publish_to_notebook`, a few times a

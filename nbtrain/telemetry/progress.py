@@ -1,22 +1,26 @@
 """`nbtrain.progress(iterable)`: a tqdm bar for training loops, on rank 0 only.
 
 In a terminal (torchrun) rank 0 draws an ordinary tqdm bar; in a plain Jupyter
-kernel, tqdm's widget. On an nbtrain engine rank 0 prints a text bar at most
-every `print_s` seconds (one line each, labelled `[rank 0]`): the notebook's one
-progress display (the dashboard draws none). The other ranks iterate silently.
-Each iteration closes a telemetry step if the loop body did not (OptimManager.step
-does), and the bar shows the last recorded loss. The first interrupt (Ctrl-C, the
-notebook's stop button) ends the loop on every rank at the same step boundary; a
-second one interrupts at once.
+kernel, tqdm's widget. On an nbtrain engine it draws nothing itself: rank 0 publishes
+its count with the telemetry, and the notebook shows one tqdm bar in the cell's
+output that moves as the ranks train (`nbtrain.notebook.progress_bar`). The other
+ranks iterate silently. Each iteration closes a telemetry step if the loop body did
+not (OptimManager.step does), and the bar shows the last recorded loss. The first
+interrupt (Ctrl-C, the notebook's stop button) ends the loop on every rank at the
+same step boundary; a second one interrupts at once.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import sys
 import time
 
 from .. import telemetry
 from ..comm import recovery
+
+_LOOPS = itertools.count(1)
 
 
 def _rank() -> int:
@@ -32,24 +36,12 @@ def _on_engine() -> bool:
     return getattr(kernel, "engine_id", None) is not None
 
 
-class _Lines:
-    """A file for tqdm that turns each redraw into a line (engine output is by line)."""
-
-    def write(self, text: str) -> None:
-        text = text.replace("\r", "").strip()
-        if text:
-            sys.stdout.write(text + "\n")
-
-    def flush(self) -> None:
-        sys.stdout.flush()
-
-
 def progress(
     iterable=None,
     total: int | None = None,
     desc: str = "train",
     rank: int = 0,
-    print_s: float = 5.0,
+    print_s: float | None = None,
     **tqdm_kwargs,
 ):
     """Iterate `iterable` with a progress bar on `rank`; yields its items unchanged.
@@ -59,59 +51,58 @@ def progress(
         total: number of items when `len(iterable)` is not defined.
         desc: the bar's label.
         rank: the rank that draws the bar (the others draw nothing).
-        print_s: on engines, seconds between text lines of the bar.
-        **tqdm_kwargs: passed to tqdm.
+        print_s: unused; engines once printed a text line every `print_s` seconds,
+            and the notebook now draws one bar. Accepted so that such calls still run.
+        **tqdm_kwargs: passed to tqdm (on an engine, `unit` reaches the notebook's bar).
     """
+    del print_s
     if total is None and hasattr(iterable, "__len__"):
         total = len(iterable)
     if _rank() != rank:
         yield from _steps(iterable, None)
         return
-    lines = _on_engine()
-    if lines:
-        from tqdm import tqdm
-
-        bar = tqdm(
-            total=total, desc=desc, file=_Lines(), mininterval=print_s, ascii=True, **tqdm_kwargs
-        )
-    else:
+    bar = None
+    if not _on_engine():
         from tqdm.auto import tqdm
 
         bar = tqdm(total=total, desc=desc, **tqdm_kwargs)
-    start = time.monotonic()
+    published = {
+        "id": f"{os.getpid()}-{next(_LOOPS)}",  # a new loop, a new bar in the notebook
+        "total": total,
+        "desc": desc,
+        "unit": tqdm_kwargs.get("unit"),
+        "n": 0,
+        "loss": None,
+        "done": False,
+        "started": time.monotonic(),
+    }
+    telemetry.RECORDER.progress = dict(published)
     try:
-        for n, item in enumerate(_steps(_counted(iterable, bar), bar)):
-            telemetry.RECORDER.progress = {
-                "n": n,
-                "total": total,
-                "desc": desc,
-                "rate": n / max(time.monotonic() - start, 1e-9),
-            }
-            yield item
-        telemetry.RECORDER.progress = {
-            "n": bar.n,
-            "total": total,
-            "desc": desc,
-            "rate": bar.n / max(time.monotonic() - start, 1e-9),
-        }
+        yield from _steps(_counted(iterable, bar, published), bar)
     finally:
-        _close(bar, lines)
+        published["done"] = True
+        _publish(published)
+        if bar is not None:
+            bar.close()
 
 
-def _counted(iterable, bar):
-    """Yield items, counting each on `bar` after its loop body. (A bar that iterates
-    closes itself when the iterable ends, before `_close` can decide how.)"""
+def _publish(published: dict) -> None:
+    """What the notebook's bar reads (summary["progress"]): the count of finished
+    steps, the newest loss, the rate, and whether the loop is over."""
+    published["loss"] = telemetry.RECORDER.last_metric("loss")
+    elapsed = max(time.monotonic() - published["started"], 1e-9)
+    telemetry.RECORDER.progress = {**published, "rate": published["n"] / elapsed}
+
+
+def _counted(iterable, bar, published: dict):
+    """Yield items, counting each (on `bar`, and in what is published) after its loop
+    body. (A bar that iterates closes itself when the iterable ends.)"""
     for item in iterable:
         yield item
-        bar.update(1)
-
-
-def _close(bar, lines: bool) -> None:
-    """Close `bar`. A text bar (`lines`) whose last line already shows the final count
-    would print that count again, a second "16/16" line: it closes without one."""
-    if lines and bar.last_print_n == bar.n:
-        bar.leave = False
-    bar.close()
+        published["n"] += 1
+        _publish(published)
+        if bar is not None:
+            bar.update(1)
 
 
 def _steps(iterable, bar):

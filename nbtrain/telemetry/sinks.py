@@ -238,12 +238,21 @@ def start_publisher(recorder, interval_s: float) -> None:
 
     from ..comm import events
 
-    state = {"last": recorder.last_seq, "lock": threading.Lock(), "count": 0, "cell_step": None}
+    state = {
+        "last": recorder.last_seq,
+        "lock": threading.Lock(),
+        "count": 0,
+        "cell_step": None,
+        "progress": None,
+    }
 
     def publish_if_changed(full: bool = False):
         with state["lock"]:
-            if recorder.last_seq == state["last"]:
+            # nbtrain.progress replaces its dict at each count: a loop's last count
+            # (and its end) come after the step's last event.
+            if recorder.last_seq == state["last"] and recorder.progress is state["progress"]:
                 return
+            state["progress"] = recorder.progress
             # The dashboard merges histories by step, so most publications carry only
             # the newest steps (a 2-rank summary of 300 steps is ~160 kB of JSON; at 64
             # ranks and 4 a second that was ~40 MB/s into the notebook).
@@ -265,7 +274,12 @@ def start_publisher(recorder, interval_s: float) -> None:
     _PUBLISHER["interval_s"] = interval_s
     # The final state of each cell, sent while the cell's parent header still holds.
     get_ipython().events.register("post_execute", lambda: publish_if_changed(full=True))
-    get_ipython().events.register("pre_execute", lambda: state.update(cell_step=events.HUB.step))
+
+    def cell_begins():
+        state.update(cell_step=events.HUB.step)
+        recorder.progress = None  # a cell without a loop shows no bar of the last one
+
+    get_ipython().events.register("pre_execute", cell_begins)
     thread = threading.Thread(target=loop, name="nbtrain-telemetry-publisher", daemon=True)
     _PUBLISHER["thread"] = thread
     thread.start()

@@ -75,7 +75,38 @@ def test_widget_state_is_stored_with_the_figure(executed):
     later = nb.cells[dashboard_notebook.DASHBOARD_CELL].outputs
     assert [o["output_type"] for o in later] == ["display_data"]
     assert "application/vnd.jupyter.widget-view+json" in later[0]["data"]
-    text = "".join(o.get("text", "") for o in nb.cells[dashboard_notebook.TRAIN_CELL].outputs)
-    assert "[rank 0] train:" in text and "[rank 1]" not in text
+    # Progress: one tqdm widget in the cell's output, moved by rank 0's loop, finished
+    # (green) at the last step; no text lines of a bar from any rank.
+    outputs = nb.cells[dashboard_notebook.TRAIN_CELL].outputs
+    text = "".join(o.get("text", "") for o in outputs)
+    assert "train:" not in text and "[rank 1]" not in text, text
     steps = dashboard_notebook.STEPS
-    assert text.count(f"{steps}/{steps}") == 1, text  # the finished bar, shown once
+    bars = [  # (the other is `%nbtrain start`'s, of its engines)
+        m["state"]
+        for m in state.values()
+        if m["model_name"] == "FloatProgressModel" and m["state"]["max"] == steps
+    ]
+    assert len(bars) == 1, bars
+    assert (bars[0]["value"], bars[0]["max"], bars[0]["bar_style"]) == (steps, steps, "success")
+    counts = [
+        m["state"]["value"]
+        for m in state.values()
+        if m["model_name"] == "HTMLModel" and f"{steps}/{steps}" in str(m["state"].get("value"))
+    ]
+    assert len(counts) == 1 and "loss=" in counts[0], counts  # the last loss beside it
+    shown = [o for o in outputs if "text/plain" in o.get("data", {})]
+    assert sum("train:" in o["data"]["text/plain"] for o in shown) == 1, shown
+
+
+def test_the_progress_bar_moves_while_the_cell_runs(executed):
+    _, client = executed
+    cell = dashboard_notebook.TRAIN_CELL
+    counts = [
+        (t, data["state"]["value"])
+        for t, c, data in client.updates
+        if c == cell and isinstance(data.get("state", {}).get("value"), float)
+    ]
+    values = [v for _, v in counts]
+    assert values == sorted(values) and values[-1] == dashboard_notebook.STEPS, values
+    early = [v for t, v in counts if t < client.cell_done[cell] - 1.0]
+    assert len(set(early)) >= 3, counts  # it moved step by step, not only at the end
