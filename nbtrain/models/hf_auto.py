@@ -1,0 +1,260 @@
+"""Any Hugging Face causal LM folder in and out, sharded all the way.
+
+    model = nbtrain.from_pretrained("path/to/folder")   # transformers' own classes, ZeRO-3
+    ...train...
+    nbtrain.save_pretrained(model, "path/to/out")       # a folder transformers reads
+
+`from_pretrained` builds the folder's architecture with transformers' classes
+(`AutoModelForCausalLM.from_config`) with its parameters on the meta device, shards it
+with `nbtrain.wrap` (its decoder layers become Blocks of a TransformerBlockList), then
+each rank reads from the safetensors shards only its own slices (`load_hf_weights`):
+no rank ever holds the whole model. `save_pretrained` writes the folder back the way
+transformers does (config, safetensors shards with their index, the source folder's
+tokenizer files), gathering one layer at a time, so no rank holds the whole model
+either. Both are collective: every rank calls them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+
+from ..checkpoint import stream
+from ..checkpoint.layout import _commit, agreed
+from ..comm import collectives as C
+from ..comm.context import get_context
+from .hf_load import HFWeight, load_hf_weights, read_hf_config, record_plain_names, weight_files
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+SHARD_BYTES = 2 << 30  # what one safetensors shard holds at most (transformers: 5 GB)
+
+
+def from_pretrained(
+    path: str,
+    *,
+    zero_level: int = 3,
+    dtype: torch.dtype | None = None,
+    use_checkpoint: bool = False,
+    progress: bool = True,
+    **wrap_kwargs,
+):
+    """The causal LM saved in the Hugging Face folder `path`, sharded over the ranks.
+
+    Args:
+        path: a local folder with config.json and safetensors weights (one file or
+            shards with model.safetensors.index.json), as `save_pretrained` writes it.
+        zero_level: 3 shards parameters, gradients and optimizer state; 2 keeps the
+            parameters whole on each rank.
+        dtype: the parameters' dtype; None: the folder's (config.json's "dtype" or
+            "torch_dtype"), float32 when it names none.
+        use_checkpoint: recompute each decoder layer's activations in backward.
+        progress: a bar over the tensors read.
+        **wrap_kwargs: passed to `nbtrain.wrap`.
+
+    Returns the transformers model (its class, config and forward unchanged), in
+    eval mode as transformers returns it: call `model.train()` to fine-tune. Collective.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ..zero.meta import empty_parameters
+    from ..zero.wrap import wrap
+
+    raw = read_hf_config(path)  # FileNotFoundError naming the folder
+    model_type = raw.get("model_type")
+    if model_type not in _causal_lm_types():
+        raise ValueError(
+            f"{path!r}: model_type {model_type!r} has no causal LM class in transformers "
+            f"{_transformers_version()} (architectures: {raw.get('architectures')}); "
+            "upgrade transformers, or register the model with nbtrain's runtime "
+            "(docs/runtime.md)"
+        )
+    weight_files(path)  # FileNotFoundError naming the folder, before anything is built
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    dtype = dtype or _folder_dtype(raw)
+    with empty_parameters():  # parameters on meta; buffers (rotary frequencies) real
+        model = AutoModelForCausalLM.from_config(config)
+    for p in model.parameters():
+        p.data = p.data.to(dtype)  # on meta: no memory
+    model.name_or_path = path
+    record_plain_names(model, model)  # the checkpoint's names, before wrap flattens them
+    model = wrap(model, zero_level=zero_level, use_checkpoint=use_checkpoint, **wrap_kwargs)
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    load_hf_weights(model, path, _names(prefix), progress=progress and get_context().rank == 0)
+    model.eval()
+    return model
+
+
+def _names(prefix: str):
+    """A parameter's checkpoint name: its own, or without the base model's prefix
+    (older saves of the bare model), or with it."""
+
+    def names(plain: str) -> list[HFWeight]:
+        out = [HFWeight(plain)]
+        if prefix and plain.startswith(prefix + "."):
+            out.append(HFWeight(plain[len(prefix) + 1 :]))
+        elif prefix:
+            out.append(HFWeight(f"{prefix}.{plain}"))
+        return out
+
+    return names
+
+
+def _causal_lm_types() -> set[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _folder_dtype(raw: dict) -> torch.dtype:
+    name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    value = getattr(torch, str(name).removeprefix("torch."), None)
+    return value if isinstance(value, torch.dtype) else torch.float32
+
+
+def save_pretrained(
+    model,
+    folder: str,
+    *,
+    tokenizer_from: str | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    overwrite: bool = False,
+) -> list[str]:
+    """Writes `model` as a Hugging Face folder: config.json (and generation_config.json),
+    safetensors shards with model.safetensors.index.json, and the tokenizer files.
+
+    Args:
+        model: a model from `from_pretrained` (or any wrapped transformers model).
+        folder: the folder to write; created if absent.
+        tokenizer_from: the folder whose tokenizer files are copied; default the one
+            the model was read from (`model.name_or_path`), when it has them.
+        shard_bytes: the most bytes of tensors in one shard file.
+        overwrite: replace the files of a folder that is not empty.
+
+    Returns the files written (names in `folder`). Collective: each Block is gathered
+    in turn and rank 0 writes; no rank holds more than one shard's tensors.
+    """
+    ctx = get_context()
+    if getattr(ctx.topology, "pipe_size", 1) > 1:
+        raise ValueError(
+            "nbtrain.save_pretrained writes a model whose layers are all on every rank "
+            "(data parallel, ZeRO); a pipeline stage holds some of them: use "
+            "nbtrain.save(model, 'model.safetensors') and convert"
+        )
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise TypeError(
+            f"nbtrain.save_pretrained needs a transformers model (with .config); got "
+            f"{type(model).__name__}: use nbtrain.save(model, 'model.safetensors')"
+        )
+    source = tokenizer_from or getattr(model, "name_or_path", None)
+    writes = ctx.rank == 0
+
+    def prepare():
+        if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
+            raise FileExistsError(
+                f"nbtrain.save_pretrained: {folder!r} is not empty; give a new folder, "
+                "or overwrite=True to replace its files"
+            )
+        os.makedirs(folder, exist_ok=True)
+
+    agreed(f"nbtrain.save_pretrained({folder!r})", prepare, run_here=writes)
+    aliases = _aliases(model)
+    shards, writer, size = [], None, 0
+    try:
+        for key, tensor in stream.units(model):
+            if not writes or key in aliases:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if writer is None or (size and size + nbytes > shard_bytes):
+                if writer is not None:
+                    writer.close()
+                writer = stream.PartWriter(os.path.join(folder, f".part{len(shards)}"))
+                shards.append(writer)
+                size = 0
+            writer.add(key, tensor)
+            size += nbytes
+            del tensor
+    finally:
+        if writer is not None:
+            writer.close()
+
+    def finish() -> list[str]:
+        written = _write_shards(folder, shards)
+        config.save_pretrained(folder)
+        written.append("config.json")
+        generation = getattr(model, "generation_config", None)
+        if generation is not None:
+            generation.save_pretrained(folder)
+            written.append("generation_config.json")
+        for name in TOKENIZER_FILES:
+            if source and os.path.isfile(os.path.join(source, name)):
+                shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
+                written.append(name)
+        return written
+
+    try:
+        written = agreed(f"nbtrain.save_pretrained({folder!r})", finish, run_here=writes)
+    finally:
+        for part in shards:
+            stream.remove_quietly(part.path)
+    if ctx.world_size > 1:
+        written = C.all_gather_object(written)[0]  # rank 0's list on every rank
+    return written
+
+
+def _aliases(model) -> set[str]:
+    """State-dict names of parameters that an earlier name holds too (a head tied to
+    the embedding): written once, under the first name, as transformers writes them."""
+    seen, out = set(), set()
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in seen:
+            out.add(name)
+        seen.add(id(p))
+    return out
+
+
+def _write_shards(folder: str, parts: list) -> list[str]:
+    """The part files as safetensors shards (one file when there is one), and the index."""
+    if len(parts) <= 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
+    weight_map, total = {}, 0
+    for part, name in zip(parts, names):
+        final = os.path.join(folder, name)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        try:
+            stream.join_parts(tmp, [(part.path, part.entries)])
+            _commit(tmp, final)
+        except BaseException:
+            stream.remove_quietly(tmp)
+            raise
+        for key, _, _, nbytes in part.entries:
+            weight_map[key] = name
+            total += nbytes
+    if len(parts) <= 1:
+        return names
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
+        json.dump(index, f, indent=2)
+    return [*names, "model.safetensors.index.json"]

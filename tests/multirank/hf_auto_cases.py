@@ -1,0 +1,118 @@
+"""Rank code for test_hf_auto: a Hugging Face causal LM folder read by
+nbtrain.from_pretrained (transformers' classes, ZeRO-3), trained, written back by
+nbtrain.save_pretrained, beside the same training on one plain transformers model."""
+
+import gc
+import os
+
+import torch
+
+ROWS, SEQ = 6, 16  # 6 rows: 6, 3 or 2 per rank at world 1, 2, 3
+
+
+def make_folder(
+    folder: str, model_type: str = "llama", seed: int = 0, shard: str = "200KB", **sizes
+) -> dict:
+    """A causal LM with random weights saved with transformers' save_pretrained in
+    small shards (an index file), and a tokenizer file beside it. Returns its config."""
+    import transformers
+
+    torch.manual_seed(seed)
+    config = transformers.AutoConfig.for_model(model_type, **sizes)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder, max_shard_size=shard)
+    with open(os.path.join(folder, "tokenizer.json"), "w") as f:
+        f.write('{"version": "1.0", "model": {"type": "WordLevel", "vocab": {}}}')
+    return config.to_dict()
+
+
+def batch(vocab: int):
+    ids = torch.randint(0, vocab, (ROWS, SEQ + 1), generator=torch.Generator().manual_seed(7))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def _optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
+def _loss(model, x, y):
+    logits = model(x).logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def train_plain(folder: str, kind: str, steps: int):
+    """One process, transformers alone: the losses and the final logits."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model.train()
+    x, y = batch(model.config.vocab_size)
+    opt = _optimizer(kind, model.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    with torch.no_grad():
+        return losses, model(x).logits
+
+
+def train_sharded(folder: str, out: str, kind: str, steps: int):
+    """from_pretrained, the first logits, `steps` steps on this rank's rows, then
+    save_pretrained into `out`: (first logits, losses, last logits, files written,
+    Blocks in the model, meta buffers left)."""
+    import nbtrain
+    from nbtrain.zero.block import Block
+
+    ctx = nbtrain.get_context()
+    model = nbtrain.from_pretrained(folder, progress=False)
+    blocks = sum(isinstance(m, Block) for m in model.modules())
+    meta = [n for n, b in model.named_buffers() if b.is_meta]
+    x, y = batch(model.config.vocab_size)
+    with torch.no_grad():
+        first = model(x).logits
+    model.train()
+    rows = slice(ctx.rank, None, ctx.world_size)
+    opt = _optimizer(kind, model.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, x[rows], y[rows])
+        loss.backward()
+        opt.step()
+        whole = loss.detach().clone()
+        torch.distributed.all_reduce(whole) if ctx.world_size > 1 else None
+        losses.append(float(whole) / ctx.world_size)
+    model.eval()
+    with torch.no_grad():
+        last = model(x).logits
+    written = nbtrain.save_pretrained(model, out)
+    return first, losses, last, written, blocks, meta
+
+
+def load_peak(folder: str) -> dict:
+    """Peak resident memory (VmHWM, reset before) that from_pretrained adds on this
+    rank, beside this rank's shard of the parameters and the whole model's bytes."""
+    import nbtrain
+    from nbtrain.bench.memory import Phase, fix_mmap_threshold
+
+    fix_mmap_threshold()
+    nbtrain.from_pretrained(folder, progress=False)  # one-time costs (imports, first files)
+    gc.collect()
+    with Phase(nbtrain.get_context().device) as phase:
+        model = nbtrain.from_pretrained(folder, progress=False)
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        full = sum(
+            p.numel() * p.element_size()
+            for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
+        )
+    return {"peak": phase.host, "held": held, "full": full}
