@@ -23,7 +23,7 @@ import shutil
 import torch
 
 from ..checkpoint import stream
-from ..checkpoint.layout import _commit, agreed
+from ..checkpoint.layout import agreed
 from ..comm import collectives as C
 from ..comm.context import get_context
 from .hf_load import HFWeight, load_hf_weights, read_hf_config, record_plain_names, weight_files
@@ -50,6 +50,7 @@ def from_pretrained(
     dtype: torch.dtype | None = None,
     use_checkpoint: bool = False,
     progress: bool = True,
+    peft_config=None,
     **wrap_kwargs,
 ):
     """The causal LM saved in the Hugging Face folder `path`, sharded over the ranks.
@@ -63,6 +64,11 @@ def from_pretrained(
             "torch_dtype"), float32 when it names none.
         use_checkpoint: recompute each decoder layer's activations in backward.
         progress: a bar over the tensors read.
+        peft_config: a PEFT LoraConfig: the model is PEFT's (`peft.get_peft_model`)
+            before it is sharded, each adapter inside the Block of the layer it adapts,
+            the base weights frozen, the adapters drawn as PEFT draws them (A uniform
+            as Kaiming's, B zeros) from the current torch generator, alike at every
+            world size.
         **wrap_kwargs: passed to `nbtrain.wrap`.
 
     Returns the transformers model (its class, config and forward unchanged), in
@@ -70,8 +76,7 @@ def from_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from ..zero.meta import empty_parameters
-    from ..zero.wrap import wrap
+    from ..zero import empty_parameters, wrap
 
     raw = read_hf_config(path)  # FileNotFoundError naming the folder
     model_type = raw.get("model_type")
@@ -87,15 +92,85 @@ def from_pretrained(
     dtype = dtype or _folder_dtype(raw)
     with empty_parameters():  # parameters on meta; buffers (rotary frequencies) real
         model = AutoModelForCausalLM.from_config(config)
+    model.name_or_path = path
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    adapters = []
+    if peft_config is not None:
+        model, adapters = _with_adapters(model, peft_config, path)
     for p in model.parameters():
         p.data = p.data.to(dtype)  # on meta: no memory
-    model.name_or_path = path
-    record_plain_names(model, model)  # the checkpoint's names, before wrap flattens them
+    # The checkpoint's names, before wrap flattens them; the adapters are drawn instead.
+    names = record_plain_names(model, model)
+    for key in adapters:
+        names.pop(key)
     model = wrap(model, zero_level=zero_level, use_checkpoint=use_checkpoint, **wrap_kwargs)
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    load_hf_weights(model, path, _names(prefix), progress=progress and get_context().rank == 0)
+    if adapters:
+        from ..zero import init_parameters
+
+        init_parameters(model)  # only the adapters have an initialiser
+    hf = _names(prefix)
+    if peft_config is not None:
+        hf = _peft_names(hf)
+    load_hf_weights(model, path, hf, progress=progress and get_context().rank == 0)
     model.eval()
     return model
+
+
+def _with_adapters(model, peft_config, path: str):
+    """PEFT's model around `model` (parameters on meta), and the names of its adapters,
+    each given PEFT's initialiser (drawn by init_parameters after wrap)."""
+    import math
+
+    import peft
+
+    from ..zero import empty_parameters
+
+    try:
+        with empty_parameters():
+            model = peft.get_peft_model(model, peft_config)
+    except ValueError as err:
+        linear = {
+            n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+        }
+        linear = sorted(linear)
+        raise ValueError(
+            f"{path!r}: the PEFT config's target_modules {peft_config.target_modules!r} "
+            f"match no layer of this {type(model).__name__} ({err}); its linear layers "
+            f"are named {linear}"
+        ) from None
+    adapters = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        if ".lora_A." in name:
+            p.init_method = partial_kaiming(math.sqrt(5))
+        elif ".lora_B." in name:
+            p.init_method = torch.nn.init.zeros_
+        else:
+            raise ValueError(
+                f"nbtrain.from_pretrained draws LoRA's adapters (lora_A, lora_B); "
+                f"{name!r} of this PEFT method is not one: use a peft.LoraConfig"
+            )
+        adapters.append(name)
+    return model, adapters
+
+
+def partial_kaiming(a: float):
+    def init(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.init.kaiming_uniform_(t, a=a)
+
+    return init
+
+
+def _peft_names(names):
+    """PEFT's name of a base weight ("base_model.model.X.q_proj.base_layer.weight")
+    -> the checkpoint's ("X.q_proj.weight")."""
+
+    def peft_names(plain: str) -> list[HFWeight]:
+        plain = plain.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        return names(plain)
+
+    return peft_names
 
 
 def _names(prefix: str):
@@ -161,7 +236,9 @@ def save_pretrained(
             "nbtrain.save(model, 'model.safetensors') and convert"
         )
     config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
+    if (config is None or not hasattr(config, "save_pretrained")) and not hasattr(
+        model, "peft_config"
+    ):
         raise TypeError(
             f"nbtrain.save_pretrained needs a transformers model (with .config); got "
             f"{type(model).__name__}: use nbtrain.save(model, 'model.safetensors')"
@@ -178,6 +255,8 @@ def save_pretrained(
         os.makedirs(folder, exist_ok=True)
 
     agreed(f"nbtrain.save_pretrained({folder!r})", prepare, run_here=writes)
+    if hasattr(model, "peft_config"):
+        return _save_adapter(model, folder, writes)
     aliases = _aliases(model)
     shards, writer, size = [], None, 0
     try:
@@ -222,6 +301,36 @@ def save_pretrained(
     return written
 
 
+def _save_adapter(model, folder: str, writes: bool) -> list[str]:
+    """A PEFT model's adapter folder, as PEFT's save_pretrained writes it
+    (adapter_config.json, adapter_model.safetensors): the adapters only, gathered
+    with their layers one at a time. The base weights are the folder read."""
+    import safetensors.torch
+    from peft import get_peft_model_state_dict
+
+    adapters = {
+        key: tensor.detach().cpu().clone()
+        for key, tensor in stream.units(model)
+        if writes and ".lora_" in key
+    }
+
+    def finish() -> list[str]:
+        state = get_peft_model_state_dict(model, state_dict=adapters)
+        safetensors.torch.save_file(
+            {k: v.contiguous() for k, v in state.items()},
+            os.path.join(folder, "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
+        for config in model.peft_config.values():
+            config.save_pretrained(folder)
+        return ["adapter_config.json", "adapter_model.safetensors"]
+
+    written = agreed(f"nbtrain.save_pretrained({folder!r})", finish, run_here=writes)
+    if get_context().world_size > 1:
+        written = C.all_gather_object(written)[0]
+    return written
+
+
 def _aliases(model) -> set[str]:
     """State-dict names of parameters that an earlier name holds too (a head tied to
     the embedding): written once, under the first name, as transformers writes them."""
@@ -245,7 +354,7 @@ def _write_shards(folder: str, parts: list) -> list[str]:
         tmp = f"{final}.tmp-{os.getpid()}"
         try:
             stream.join_parts(tmp, [(part.path, part.entries)])
-            _commit(tmp, final)
+            os.replace(tmp, final)  # whole or not at all
         except BaseException:
             stream.remove_quietly(tmp)
             raise

@@ -116,3 +116,72 @@ def load_peak(folder: str) -> dict:
             for p in transformers.AutoModelForCausalLM.from_config(config).parameters()
         )
     return {"peak": phase.host, "held": held, "full": full}
+
+
+def lora_config():
+    import peft
+
+    return peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def train_lora_sharded(folder: str, out: str, kind: str, steps: int):
+    """from_pretrained with a LoRA config, `steps` steps on this rank's rows, the adapter
+    folder saved: (initial adapters, losses, last logits, files written, bytes per
+    rank of trainable parameters, of gradients and of optimizer state)."""
+    import nbtrain
+
+    ctx = nbtrain.get_context()
+    torch.manual_seed(3)
+    model = nbtrain.from_pretrained(folder, peft_config=lora_config(), progress=False)
+    initial = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+    x, y = batch(model.config.vocab_size)
+    model.train()
+    rows = slice(ctx.rank, None, ctx.world_size)
+    params = _trainable(model)
+    opt = _optimizer(kind, params)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, x[rows], y[rows])
+        loss.backward()
+        opt.step()
+        whole = loss.detach().clone()
+        torch.distributed.all_reduce(whole) if ctx.world_size > 1 else None
+        losses.append(float(whole) / ctx.world_size)
+    nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+    sizes = {"trainable": nbytes(params), "grads": nbytes(grads), "state": nbytes(state)}
+    model.eval()
+    with torch.no_grad():
+        last = model(x).logits
+    written = nbtrain.save_pretrained(model, out)
+    return initial, losses, last, written, sizes
+
+
+def train_lora_plain(folder: str, initial: dict, kind: str, steps: int):
+    """PEFT alone on one process, from the same adapters: losses, last logits."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = peft.get_peft_model(base, lora_config())
+    missing = model.load_state_dict(initial, strict=False)
+    assert not missing.unexpected_keys, missing.unexpected_keys
+    model.train()
+    x, y = batch(base.config.vocab_size)
+    opt = _optimizer(kind, _trainable(model))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, x, y)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    model.eval()
+    with torch.no_grad():
+        return losses, model(x).logits

@@ -46,7 +46,7 @@ SIZES = {
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory):
+def hf_folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     out = {}
     for kind, sizes in SIZES.items():
@@ -60,31 +60,31 @@ CASES = [("llama", "sgd", 2), ("llama", "adamw", 3), ("qwen2", "sgd", 3)]
 
 
 @pytest.fixture(scope="module")
-def runs(folders, tmp_path_factory):
+def hf_runs(hf_folders, tmp_path_factory):
     out = {}
     for model_type, kind, world in CASES:
         dest = str(tmp_path_factory.mktemp("out") / f"{model_type}-{kind}-{world}")
         per_rank = run_ranks(
-            train_sharded, world, folders[model_type], dest, kind, STEPS, timeout_s=300
+            train_sharded, world, hf_folders[model_type], dest, kind, STEPS, timeout_s=300
         )
         out[model_type, kind, world] = (per_rank, dest)
     return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_training_equals_transformers_on_one_process(folders, runs, case):
+def test_training_equals_transformers_on_one_process(hf_folders, hf_runs, case):
     import transformers
 
     model_type, kind, world = case
-    per_rank, _ = runs[case]
-    plain = transformers.AutoModelForCausalLM.from_pretrained(folders[model_type])
+    per_rank, _ = hf_runs[case]
+    plain = transformers.AutoModelForCausalLM.from_pretrained(hf_folders[model_type])
     plain.eval()
     from hf_auto_cases import batch
 
     x, _ = batch(plain.config.vocab_size)
     with torch.no_grad():
         want_first = plain(x).logits
-    want_losses, want_last = train_plain(folders[model_type], kind, STEPS)
+    want_losses, want_last = train_plain(hf_folders[model_type], kind, STEPS)
     for first, losses, last, _, blocks, meta in per_rank:
         assert blocks == SIZES[model_type]["num_hidden_layers"]  # each decoder layer a Block
         assert meta == []  # rotary frequencies real
@@ -95,10 +95,10 @@ def test_training_equals_transformers_on_one_process(folders, runs, case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
-def test_the_folder_written_back_loads_in_transformers(runs, case):
+def test_the_folder_written_back_loads_in_transformers(hf_runs, case):
     import transformers
 
-    per_rank, dest = runs[case]
+    per_rank, dest = hf_runs[case]
     written = per_rank[0][3]
     assert all(rank[3] == written for rank in per_rank)
     assert {"config.json", "tokenizer.json"} <= set(written)
@@ -118,28 +118,10 @@ def test_the_folder_written_back_loads_in_transformers(runs, case):
     assert (got - per_rank[0][2]).abs().max() < 1e-5
 
 
-def test_shards_and_index_when_the_model_is_larger_than_a_shard(folders, tmp_path):
+def test_shards_with_an_index_and_errors_that_name_the_fix(hf_folders, tmp_path):
+    """A model larger than one shard is written as shards with an index; an unknown
+    architecture and a non-empty output folder are refused with the fix named."""
     dest = str(tmp_path / "small-shards")
-    per_rank = run_ranks(_save_in_small_shards, 2, folders["llama"], dest, timeout_s=300)
-    written = per_rank[0]
-    shards = [f for f in written if f.startswith("model-")]
-    assert len(shards) > 1 and "model.safetensors.index.json" in written, written
-    import transformers
-
-    a = transformers.AutoModelForCausalLM.from_pretrained(folders["llama"])
-    b = transformers.AutoModelForCausalLM.from_pretrained(dest)
-    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
-        assert torch.equal(p, q), name
-
-
-def _save_in_small_shards(src, dest):
-    import nbtrain
-
-    model = nbtrain.from_pretrained(src, progress=False)
-    return nbtrain.save_pretrained(model, dest, shard_bytes=64 << 10)
-
-
-def test_errors_name_the_fix(folders, tmp_path):
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "no-such-model"}))
@@ -147,8 +129,19 @@ def test_errors_name_the_fix(folders, tmp_path):
     full = tmp_path / "full"
     full.mkdir()
     (full / "keep.txt").write_text("mine")
-    errors = run_ranks(_errors, 2, str(unknown), folders["llama"], str(full), timeout_s=300)
-    for rank, (unknown_error, full_error) in enumerate(errors):
+    per_rank = run_ranks(
+        _shards_and_errors, 2, hf_folders["llama"], dest, str(unknown), str(full), timeout_s=300
+    )
+    written = per_rank[0][0]
+    shards = [f for f in written if f.startswith("model-")]
+    assert len(shards) > 1 and "model.safetensors.index.json" in written, written
+    import transformers
+
+    a = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["llama"])
+    b = transformers.AutoModelForCausalLM.from_pretrained(dest)
+    for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(p, q), name
+    for rank, (_, unknown_error, full_error) in enumerate(per_rank):
         assert "no-such-model" in unknown_error, unknown_error
         if rank == 0:  # the rank that writes; the others say where to look
             assert "is not empty" in full_error and "overwrite=True" in full_error, full_error
@@ -157,15 +150,16 @@ def test_errors_name_the_fix(folders, tmp_path):
     assert (full / "keep.txt").read_text() == "mine"
 
 
-def _errors(unknown, src, full):
+def _shards_and_errors(src, dest, unknown, full):
     import nbtrain
 
-    out = []
+    model = nbtrain.from_pretrained(src, progress=False)
+    written = nbtrain.save_pretrained(model, dest, shard_bytes=64 << 10)
+    out = [written]
     try:
         nbtrain.from_pretrained(unknown, progress=False)
-    except (ValueError, KeyError) as err:
+    except ValueError as err:
         out.append(str(err))
-    model = nbtrain.from_pretrained(src, progress=False)
     try:
         nbtrain.save_pretrained(model, full)
     except (FileExistsError, RuntimeError) as err:
@@ -204,3 +198,52 @@ def test_load_peak_per_rank_is_about_its_shard(tmp_path):
                 shard / mib,
             )
     print("\nfrom_pretrained peak per rank (MiB above baseline, shard):", report)
+
+
+LORA_CASES = [("sgd", 2), ("adamw", 3)]
+
+
+@pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_lora_under_zero3_equals_peft_on_one_process(hf_folders, tmp_path, case):
+    pytest.importorskip("peft")
+    import peft
+    import transformers
+    from hf_auto_cases import batch, train_lora_plain, train_lora_sharded
+
+    kind, world = case
+    out = str(tmp_path / "adapter")
+    per_rank = run_ranks(
+        train_lora_sharded, world, hf_folders["llama"], out, kind, STEPS, timeout_s=300
+    )
+    initial = per_rank[0][0]
+    want_losses, want_last = train_lora_plain(hf_folders["llama"], initial, kind, STEPS)
+    sizes = SIZES["llama"]
+    # q_proj: A (4 x 32), B (32 x 4); v_proj: A (4 x 32), B (16 x 4): per layer.
+    adapter_elems = sizes["num_hidden_layers"] * (4 * 32 + 32 * 4 + 4 * 32 + 16 * 4)
+    for _, losses, last, written, held in per_rank:
+        assert losses == pytest.approx(want_losses, abs=1e-5), (losses, want_losses)
+        assert (last - want_last).abs().max() < 1e-5
+        assert set(written) == {"adapter_config.json", "adapter_model.safetensors"}
+        # Only the adapters train: their gradients and optimizer state, this rank's share
+        # (padding: a few elements per flat group). Measured: exactly the shard.
+        shard = adapter_elems * 4 / world
+        assert held["trainable"] <= shard + 256 and held["grads"] <= shard + 256, (held, shard)
+        factor = 1 if kind == "sgd" else 2  # momentum; Adam's two moments
+        assert held["state"] <= factor * (shard + 256), (held, shard)
+    assert len(set(want_losses)) == STEPS
+    base = transformers.AutoModelForCausalLM.from_pretrained(hf_folders["llama"])
+    reloaded = peft.PeftModel.from_pretrained(base, out)
+    reloaded.eval()
+    x, _ = batch(base.config.vocab_size)
+    with torch.no_grad():
+        got = reloaded(x).logits
+    assert (got - per_rank[0][2]).abs().max() < 1e-5
+
+
+def test_a_lora_config_that_targets_no_layer_names_the_layers(hf_folders):
+    peft = pytest.importorskip("peft")
+    import nbtrain
+
+    config = peft.LoraConfig(r=4, target_modules=["query_proj"])
+    with pytest.raises(ValueError, match=r"query_proj.*'q_proj'"):
+        nbtrain.from_pretrained(hf_folders["llama"], peft_config=config)  # before any rank work
