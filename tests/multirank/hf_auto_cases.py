@@ -42,24 +42,33 @@ def _loss(model, x, y):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
 
+def _train(model, opt, steps: int, rank: int = 0, world: int = 1):
+    """`steps` steps on rows rank::world of the batch; the losses (the mean over the
+    ranks: equal rows each) and the logits of the whole batch after them."""
+    x, y = batch(model.config.vocab_size)
+    rows = slice(rank, None, world)
+    model.train()
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = _loss(model, x[rows], y[rows])
+        loss.backward()
+        opt.step()
+        whole = loss.detach().clone()
+        if world > 1:
+            torch.distributed.all_reduce(whole)
+        losses.append(float(whole) / world)
+    model.eval()
+    with torch.no_grad():
+        return losses, model(x).logits
+
+
 def train_plain(folder: str, kind: str, steps: int):
     """One process, transformers alone: the losses and the final logits."""
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    model.train()
-    x, y = batch(model.config.vocab_size)
-    opt = _optimizer(kind, model.parameters())
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    with torch.no_grad():
-        return losses, model(x).logits
+    return _train(model, _optimizer(kind, model.parameters()), steps)
 
 
 def train_sharded(folder: str, out: str, kind: str, steps: int):
@@ -76,21 +85,8 @@ def train_sharded(folder: str, out: str, kind: str, steps: int):
     x, y = batch(model.config.vocab_size)
     with torch.no_grad():
         first = model(x).logits
-    model.train()
-    rows = slice(ctx.rank, None, ctx.world_size)
     opt = _optimizer(kind, model.parameters())
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = _loss(model, x[rows], y[rows])
-        loss.backward()
-        opt.step()
-        whole = loss.detach().clone()
-        torch.distributed.all_reduce(whole) if ctx.world_size > 1 else None
-        losses.append(float(whole) / ctx.world_size)
-    model.eval()
-    with torch.no_grad():
-        last = model(x).logits
+    losses, last = _train(model, opt, steps, ctx.rank, ctx.world_size)
     written = nbtrain.save_pretrained(model, out)
     return first, losses, last, written, blocks, meta
 
@@ -138,27 +134,13 @@ def train_lora_sharded(folder: str, out: str, kind: str, steps: int):
     torch.manual_seed(3)
     model = nbtrain.from_pretrained(folder, peft_config=lora_config(), progress=False)
     initial = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-    x, y = batch(model.config.vocab_size)
-    model.train()
-    rows = slice(ctx.rank, None, ctx.world_size)
     params = _trainable(model)
     opt = _optimizer(kind, params)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = _loss(model, x[rows], y[rows])
-        loss.backward()
-        opt.step()
-        whole = loss.detach().clone()
-        torch.distributed.all_reduce(whole) if ctx.world_size > 1 else None
-        losses.append(float(whole) / ctx.world_size)
+    losses, last = _train(model, opt, steps, ctx.rank, ctx.world_size)
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
     sizes = {"trainable": nbytes(params), "grads": nbytes(grads), "state": nbytes(state)}
-    model.eval()
-    with torch.no_grad():
-        last = model(x).logits
     written = nbtrain.save_pretrained(model, out)
     return initial, losses, last, written, sizes
 
@@ -172,16 +154,4 @@ def train_lora_plain(folder: str, initial: dict, kind: str, steps: int):
     model = peft.get_peft_model(base, lora_config())
     missing = model.load_state_dict(initial, strict=False)
     assert not missing.unexpected_keys, missing.unexpected_keys
-    model.train()
-    x, y = batch(base.config.vocab_size)
-    opt = _optimizer(kind, _trainable(model))
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = _loss(model, x, y)
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    model.eval()
-    with torch.no_grad():
-        return losses, model(x).logits
+    return _train(model, _optimizer(kind, _trainable(model)), steps)
