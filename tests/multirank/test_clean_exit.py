@@ -22,8 +22,8 @@ Run as a script (`--rank-mode`), this file is what each rank executes.
 
 from __future__ import annotations
 
+import faulthandler
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -31,6 +31,7 @@ import time
 HERE = os.path.abspath(__file__)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 WORLD = 2
+HANG_S = 90  # a rank's own limit; the test waits a little longer
 
 
 class _HoldShutdown:
@@ -42,6 +43,9 @@ class _HoldShutdown:
 
 
 def rank_main(exit_mode: str) -> None:
+    # A rank still alive after this long prints every thread's stack and exits, so
+    # a hang (not the abort this file is about) fails with the place it hung.
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     import torch
     import torch.distributed as dist
 
@@ -79,15 +83,18 @@ def rank_main(exit_mode: str) -> None:
     print(f"rank {ctx.rank} reached the end", flush=True)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(exit_mode: str, tmp_path) -> list[tuple[int, str, str]]:
-    """Both ranks as plain subprocesses with torchrun's variables; (rc, out, err) each."""
-    port = _free_port()
+    """Both ranks as plain subprocesses with torchrun's variables; (rc, out, err) each.
+
+    The rendezvous store lives in this process, as torchrun's agent keeps it: it
+    holds its port from the moment it is picked (a port picked free and bound by
+    rank 0 seconds later can be taken in between by another test's connection),
+    and rank 0's exit does not take the store away from rank 1.
+    """
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world_size=WORLD, is_master=True, wait_for_workers=False)
+    port = store.port
     path = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
     procs, files = [], []
     for rank in range(WORLD):
@@ -99,6 +106,7 @@ def _launch(exit_mode: str, tmp_path) -> list[tuple[int, str, str]]:
             LOCAL_WORLD_SIZE=str(WORLD),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=str(port),
+            TORCHELASTIC_USE_AGENT_STORE="True",
             OMP_NUM_THREADS="1",
             PYTHONPATH=path,
         )
@@ -113,8 +121,9 @@ def _launch(exit_mode: str, tmp_path) -> list[tuple[int, str, str]]:
     results = []
     try:
         for p in procs:
-            p.wait(timeout=120)
+            p.wait(timeout=HANG_S + 30)
     finally:
+        del store
         for p in procs:
             if p.poll() is None:
                 p.kill()
