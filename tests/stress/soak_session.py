@@ -2,11 +2,14 @@
 
     python tests/stress/soak_session.py [--cells 500] [--failures 20] [--interrupts 10]
                                         [--restarts 5] [--ranks 3] [--seed 0]
+                                        [--steps 4] [--pause-s 0.05] [--every 50]
 
 Drives a real IPython kernel (jupyter_client, as Jupyter does) that loads nbtrain,
 starts `--ranks` CPU ranks, shows the dashboard, builds a small GPT and runs
 `--cells` `%%distributed` training cells, each a few optimizer steps and a
-checkpoint. At random cells (seeded) it injects:
+checkpoint. At random cells (seeded) it injects (a cell that carries an injection
+sleeps `--pause-s` after each step, the window the injection aims at; the others
+train without a pause):
 
 - rank failures: SIGKILL of one engine by its pid while a cell runs. Recovery, as
   the error message says: `%nbtrain restart`, rebuild the model, reload the last
@@ -21,7 +24,9 @@ checkpoint. At random cells (seeded) it injects:
 The time to recover runs from the injection to the end of the first cell that
 shows the ranks ready again. It prints a progress line every `--every` cells and
 at the end: kernel, engine and controller RSS after warm-up and at the end, the
-longest time to recover, cells lost (a cell that never completed on every rank,
+time of the training cells that carried no injection (median and longest) and
+of the dashboard's pictures (drawn in the kernel's background), the longest time
+to recover, cells lost (a cell that never completed on every rank,
 or that a rank's own record of cells run does not list), namespaces kept, and
 processes left over once `%nbtrain stop` and the kernel's shutdown are done
 (every process the cluster started and every descendant of the kernel, by pid and
@@ -37,6 +42,7 @@ import os
 import queue
 import random
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -99,6 +105,9 @@ print("CONTAINERS", json.dumps({"history": len(_k.history), "results": len(_k.re
       "metadata": len(_k.metadata), "futures": len(_k._futures),
       "outstanding": len(_k.outstanding), "digests": len(_k.session.digest_history),
       "widgets": len(_w._instances), "In": len(In)}))
+"""
+DRAWS = """import json, nbtrain.notebook.dashboard as _d
+print("DRAWS", json.dumps(list(_d.current().draw_seconds)))
 """
 
 
@@ -227,6 +236,8 @@ class Soak:
         self.controller_warmup: float | None = None
         self.gens: list[dict] = []  # per set of engines: cells, first and last RSS sample
         self.containers: list[str] = []
+        self.cell_s: list[float] = []  # training cells without an injection, first try
+        self.draw_s: list[float] = []  # the dashboard's last 100 pictures
 
     # -- plumbing -----------------------------------------------------------------
     def local(self, code: str, timeout_s: float = 300.0) -> str:
@@ -298,11 +309,15 @@ class Soak:
     def attempt(self, i: int, event: str | None, rng: random.Random):
         """Run training cell `i` once, injecting `event` a random time after it starts.
 
-        Returns (complete, text, when the injection fired or None).
+        Returns (complete, text, when the injection fired or None, the cell's seconds).
         """
-        code = TRAIN.format(i=i, steps=self.args.steps, pause_s=self.args.pause_s)
+        # Only a cell that carries an injection pauses between steps: the others would
+        # only add sleep to the session.
+        pause_s = self.args.pause_s if event in ("kill", "interrupt") else 0.0
+        code = TRAIN.format(i=i, steps=self.args.steps, pause_s=pause_s)
         state = {"t": None, "fired": None}
         delay, victim = rng.uniform(0.0, 2 * self.args.pause_s), rng.randrange(self.args.ranks)
+        t0 = time.monotonic()
 
         def inject(text):
             if event not in ("kill", "interrupt") or state["fired"]:
@@ -317,6 +332,7 @@ class Soak:
                     self.kernel.interrupt()
 
         ok, text = self.kernel.run(code, during=inject)
+        seconds = time.monotonic() - t0
         complete = ok and all(f"[rank {r}] cell {i} done" in text for r in range(self.args.ranks))
         if complete:
             self.done.add(i)
@@ -325,7 +341,7 @@ class Soak:
         if event == "kill" and state["fired"] is None:
             os.kill(self.engines[victim], 9)  # the cell ended first: between cells
             state["fired"] = time.monotonic()
-        return complete, text, state["fired"]
+        return complete, text, state["fired"], seconds
 
     def train_cell(self, i: int, event: str | None, rng: random.Random) -> str:
         """Run cell `i` (again after an injected failure) until it completes.
@@ -333,7 +349,11 @@ class Soak:
         Returns "missed" if an interrupt came too late to hit the cell, else "".
         """
         for attempt in range(3):
-            complete, text, fired = self.attempt(i, event if attempt == 0 else None, rng)
+            complete, text, fired, seconds = self.attempt(i, event if attempt == 0 else None, rng)
+            if attempt == 0 and event is None and complete:
+                # What a user waits for per cell: held by the dashboard's last picture, a
+                # cell took seconds instead of a fraction of one (test_soak_short.py).
+                self.cell_s.append(seconds)
             if attempt == 0 and event == "kill":
                 self.injected["kill"] += 1
                 if complete:  # the rank died after the cell: the next cell meets it
@@ -408,6 +428,7 @@ class Soak:
             if (i + 1) % args.every == 0 or i + 1 == args.cells:
                 self.progress(i + 1, started)
         self.check_generation()
+        self.draw_s = json.loads(self.local(DRAWS).split("DRAWS", 1)[1])
 
     def progress(self, n: int, started: float) -> None:
         text = self.local(CONTAINERS)
@@ -464,6 +485,17 @@ class Soak:
                 f"{ce - cw:+.1f} MiB"
             )
         print(f"kernel keeps (after warm-up -> end): {self.containers[0]} -> {self.containers[-1]}")
+        if self.cell_s:
+            print(
+                f"training cell time: median {statistics.median(self.cell_s):.2f} s, longest "
+                f"{max(self.cell_s):.2f} s ({len(self.cell_s)} cells without an injection)"
+            )
+        if self.draw_s:
+            # A cell that waits for its last picture takes longer than a picture.
+            print(
+                f"dashboard picture time: median {statistics.median(self.draw_s):.2f} s "
+                f"({len(self.draw_s)} pictures)"
+            )
         worst = max(self.recoveries, default=(0.0, "-", -1))
         by_kind = {}
         for seconds, kind, _ in self.recoveries:
@@ -504,7 +536,7 @@ def main(argv=None) -> int:
         "--pause-s",
         type=float,
         default=0.05,
-        help="sleep after each step (the window the injections aim at)",
+        help="sleep after each step of a cell that carries an injection (its window)",
     )
     parser.add_argument(
         "--warmup",
