@@ -21,7 +21,27 @@ from support.kernels import START, new_client, pids_from, run_cells, text_of
 pytestmark = pytest.mark.timeout(240)
 
 
-def test_kernel_cells_errors_interrupt_and_shutdown():
+def stop_when_looping(kernel_pid: int, files, limit_s: float = 60.0) -> list:
+    """SIGINT the kernel, from a thread, once every file of `files` exists; the list
+    returned gets the monotonic time the signal was sent. Files that do not appear
+    within `limit_s` send nothing (the list stays empty): the cell ended before its
+    loop, and a late signal could hit whatever runs then."""
+    sent = []
+
+    def press():
+        until = time.monotonic() + limit_s
+        while not all(f.exists() for f in files):
+            if time.monotonic() > until:
+                return
+            time.sleep(0.02)
+        sent.append(time.monotonic())
+        os.kill(kernel_pid, signal.SIGINT)
+
+    threading.Thread(target=press, daemon=True).start()
+    return sent
+
+
+def test_kernel_cells_errors_interrupt_and_shutdown(tmp_path):
     nb, client = new_client()
     with client.setup_kernel():
         _, _, pids_cell = run_cells(client, nb, START)
@@ -42,22 +62,27 @@ def test_kernel_cells_errors_interrupt_and_shutdown():
         error = text_of(error_cell)
         assert "rank 1 raised" in error and "KeyError" in error and "rank 0 raised" not in error
 
-        # What Jupyter's stop button does to a local kernel (interrupt_mode "signal").
-        kernel_pid = client.km.provisioner.process.pid
-        threading.Timer(3.0, os.kill, (kernel_pid, signal.SIGINT)).start()
-        start = time.monotonic()
+        # What Jupyter's stop button does to a local kernel (interrupt_mode "signal"),
+        # pressed once both ranks are in the loop (each writes its file after its first
+        # all_reduce) rather than after a fixed 3 s of both ranks spinning.
+        looping = [tmp_path / f"looping-{rank}" for rank in range(2)]
+        sent = stop_when_looping(client.km.provisioner.process.pid, looping)
         # A loop of collectives: every rank stops, the group is rebuilt, nothing is lost.
         (interrupted,) = run_cells(
             client,
             nb,
             [
                 "%%distributed\nkept = 40 + nbt.rank()\n"
-                "x = torch.ones(2)\nwhile True:\n"
+                "x = torch.ones(2)\ntorch.distributed.all_reduce(x)\n"
+                f"open({str(tmp_path)!r} + f'/looping-{{nbt.rank()}}', 'w').close()\n"
+                "while True:\n"
                 "    torch.distributed.all_reduce(x)\n"
                 "    x.fill_(1)"
             ],
         )
-        assert time.monotonic() - start < 20
+        # Within 17 s of the stop button: the 20 s from the cell's start this allowed
+        # when the button was pressed 3 s after the start.
+        assert sent and time.monotonic() - sent[0] < 17
         assert "KeyboardInterrupt" in text_of(interrupted)
         (after,) = run_cells(
             client,

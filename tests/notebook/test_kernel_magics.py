@@ -62,6 +62,8 @@ def test_magics_in_a_real_kernel(tmp_path):
         assert "UsageError: %nbtrain pull: name the variable" in text_of(bad), text_of(bad)
         assert "Traceback" not in text_of(bad)
 
+        # Growing from 2 ranks to 3: test_magics_usage.py's restart test only shrinks
+        # (to 1) and counts on this one for the other direction.
         restarted, counted = run_cells(
             client,
             nb,
