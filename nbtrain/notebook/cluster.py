@@ -247,7 +247,7 @@ class Cluster:
         """Idle local engines leave at once (teardown.exit_engines); busy ones, and
         engines of other hosts, are left to ipyparallel's signal."""
         busy = self._pending is not None or (self._stuck is not None and not self._stuck.done())
-        local = [info["pid"] for info in self.ranks if info.get("local")]
+        local = {info["engine_id"]: info["pid"] for info in self.ranks if info.get("local")}
         if self.launcher != "local" or busy or not local or len(local) != len(self.ranks):
             return
         logs = [

@@ -17,10 +17,12 @@ from . import engine_boot
 from .procs import wait_ended
 
 
-def exit_engines(client, pids: list[int], timeout_s: float, logs: list[str] = ()) -> None:
-    """Ask the engines `pids` (all the client's, idle, on this machine) to leave at once
-    (engine_boot.exit_now), wait up to `timeout_s` for them, then end the nannies of
-    those that left.
+def exit_engines(client, pids: dict[int, int], timeout_s: float, logs: list[str] = ()) -> None:
+    """Ask the engines `pids` (engine id -> pid: all the client's, idle, on this machine)
+    to leave at once (engine_boot.exit_now), wait up to `timeout_s` for them, then end
+    the nannies of those that left. Engines already gone (a killed rank) are skipped:
+    the others still leave at once (left to ipyparallel's signal, a stop after a killed
+    rank took 4.3 s instead of 0.2).
 
     `logs`, the engines' log files (ipyparallel's launcher output), are removed first.
     JupyterLab's ipyparallel extension loads every cluster file it finds in the
@@ -34,12 +36,18 @@ def exit_engines(client, pids: list[int], timeout_s: float, logs: list[str] = ()
     moot: the nannies are ended by their pid. An engine that did not leave keeps its
     nanny and is left to ipyparallel's signal.
     """
+    living = {}
+    for engine_id, pid in pids.items():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            living[engine_id] = psutil.Process(pid)
+    if not living:
+        return
+    procs = list(living.values())
     try:
-        procs = [psutil.Process(pid) for pid in pids]
         nannies = {proc.pid: [c for c in proc.children() if _is_nanny(c)] for proc in procs}
         remove_logs(logs)
-        client[:].apply_async(engine_boot.exit_now)
-    except Exception:  # noqa: BLE001 - gone already, or the client broke: signal them
+        client[list(living)].apply_async(engine_boot.exit_now)
+    except Exception:  # noqa: BLE001 - gone meanwhile, or the client broke: signal them
         return
     alive = wait_ended(procs, timeout_s, reap=False)  # ipyparallel reaps its engines
     ended = [nanny for proc in procs if proc not in alive for nanny in nannies[proc.pid]]
