@@ -1,6 +1,13 @@
 """The Slurm launcher for real: a single-host Slurm cluster (slurm_cluster.py), brought up
 once for this module, and `%nbtrain start --launcher slurm` through it.
 
+A Slurm start is a job submitted, scheduled (1 s) and launched, and two engines importing
+torch: about 5 s on an idle 2-core machine, several times that under the suite's four
+workers, and a clean stop 1-9 s more (Slurm signals, then kills after 5 s). The training
+test and the cancelled-job test share one started cluster (`slurm_ranks`); the test that
+waits in the queue needs a job of its own, and its clean stop is the module's check that
+stopping a running Slurm cluster leaves nothing.
+
 Skipped, with the reason printed, only where Slurm is missing and apt-get cannot
 install slurm-wlm and munge (or this is not root, which slurmd needs).
 """
@@ -65,6 +72,19 @@ def slurm(request):
     cluster.down()
 
 
+@pytest.fixture(scope="module")
+def slurm_ranks(ipython, slurm):
+    """`%nbtrain start -n 2 --launcher slurm`, started once for the tests that only run
+    cells on it: its printed output, the seconds it took and the cluster. Its last user,
+    the cancelled-job test, ends it; whoever runs alone is stopped here, checked like any
+    stop."""
+    out, seconds = start(ipython, "-n 2 --launcher slurm --start-timeout-s 90")
+    cluster = magics.current_cluster()
+    yield out, seconds, cluster
+    if cluster is not None and magics.current_cluster() is cluster:
+        stop_and_check_gone(ipython, slurm)
+
+
 def start(ipython, line):
     """`%nbtrain start LINE`: its printed output and the seconds it took."""
     began = time.monotonic()
@@ -112,13 +132,16 @@ def stop_and_check_gone(ipython, slurm):
         assert wait_gone(steps) == []  # slurmstepd of the job's steps ended too
 
 
-def test_slurm_ranks_train_like_local_ranks_and_stop_leaves_nothing(ipython, slurm, capsys):
+def test_slurm_ranks_train_like_local_ranks(ipython, slurm, capsys, request):
     _, local_s = start(ipython, "-n 2 --start-timeout-s 90")
     local = magics.current_cluster().execute(TRAIN).stdout
     stop_and_check_gone(ipython, slurm)
 
-    out, slurm_s = start(ipython, "-n 2 --launcher slurm --start-timeout-s 90")
-    cluster = magics.current_cluster()
+    # Started only now, with the local cluster gone. This test leaves it running for
+    # the cancelled-job test; that stopping a running Slurm cluster leaves nothing is
+    # checked at the end of the waiting-in-the-queue test.
+    out, slurm_s, cluster = request.getfixturevalue("slurm_ranks")
+    assert magics.current_cluster() is cluster
     job_id = cluster.job.job_id
     assert f"Slurm job {job_id}" in out, out
     assert [r["node"] for r in cluster.ranks] == [slurm.node, slurm.node]
@@ -129,7 +152,6 @@ def test_slurm_ranks_train_like_local_ranks_and_stop_leaves_nothing(ipython, slu
         ipython.run_line_magic("nbtrain", "status")
     assert re.search(rf"Slurm job {job_id} RUNNING on {slurm.node}\b", cap.stdout), cap.stdout
     assert cap.stdout.count(slurm.node) >= 3  # the job line and one row per rank
-    stop_and_check_gone(ipython, slurm)
     with capsys.disabled():
         print(
             f"\nstart-until-ready: local {local_s:.1f} s, slurm {slurm_s:.1f} s "
@@ -137,9 +159,9 @@ def test_slurm_ranks_train_like_local_ranks_and_stop_leaves_nothing(ipython, slu
         )
 
 
-def test_a_job_cancelled_from_outside_is_reported_as_rank_died(ipython, slurm):
-    start(ipython, "-n 2 --launcher slurm --start-timeout-s 90")
-    cluster = magics.current_cluster()
+def test_a_job_cancelled_from_outside_is_reported_as_rank_died(ipython, slurm, slurm_ranks):
+    _, _, cluster = slurm_ranks  # the training test's cluster, or a fresh one
+    assert magics.current_cluster() is cluster and cluster.job.running(max_age_s=0)
     job_id = cluster.job.job_id
     cancelled = []
 
@@ -193,6 +215,9 @@ def test_waiting_in_the_queue_is_shown_and_not_counted_against_the_timeout(ipyth
         queued = re.search(r"Slurm job \d+ RUNNING on \S+ after (\d+) s in the queue", out)
         assert queued and int(queued.group(1)) > timeout_s, out  # longer, and it started
         assert magics.current_cluster().world_size == 2
+        # The module's check that `%nbtrain stop` of a running Slurm cluster cancels
+        # its job and leaves no process (the training test hands its cluster on).
+        stop_and_check_gone(ipython, slurm)
     finally:
         done.set()
         slurm.run("scancel", blocker)
@@ -202,7 +227,24 @@ def test_waiting_in_the_queue_is_shown_and_not_counted_against_the_timeout(ipyth
 
 def test_interrupting_the_wait_in_the_queue_cancels_the_job(ipython, slurm):
     blocker = sleeper(slurm, 60, "--exclusive")
-    threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # the stop button
+    done = threading.Event()
+
+    def stop_button():
+        # Pressed once the blocker runs and Slurm has left our job waiting behind it
+        # (reason Resources): the start is then waiting in the queue. A fixed 4 s timer
+        # waited 2 s longer than that, and on a loaded machine could fire before the job
+        # was submitted.
+        deadline = time.monotonic() + 60
+        while not done.wait(0.2) and time.monotonic() < deadline:
+            rows = slurm.run("squeue", "-h", "-o", "%i|%T|%r").stdout.splitlines()
+            jobs = {job: (state, why) for job, state, why in (r.split("|", 2) for r in rows)}
+            ours = [why for job, (_, why) in jobs.items() if job != blocker]
+            running = jobs.get(blocker, ("",))[0] == "RUNNING"
+            if running and ours and ours[0] in ("Resources", "Priority") and not done.is_set():
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+
+    threading.Thread(target=stop_button, daemon=True).start()
     try:
         with pytest.raises(KeyboardInterrupt):
             ipython.run_line_magic("nbtrain", "start -n 2 --launcher slurm --start-timeout-s 60")
@@ -211,6 +253,7 @@ def test_interrupting_the_wait_in_the_queue_cancels_the_job(ipython, slurm):
         jobs = slurm.run("squeue", "-h", "-t", "PD,R", "-o", "%i").stdout.split()
         assert jobs == [blocker]  # ours was cancelled; the other job runs on
     finally:
+        done.set()
         slurm.run("scancel", blocker)
         if magics.current_cluster() is not None:  # the interrupt never arrived
             stop_and_check_gone(ipython, slurm)
