@@ -13,12 +13,9 @@ import subprocess
 import sys
 
 from support.cli import run_cli
-from test_bench_smoke import _plain_losses
+from test_bench_smoke import ENGINES, SHORT, _plain_losses
 
 from nbtrain.bench import mfu
-
-ENGINES = {"zero3", "zero2", "fsdp2", "ddp"}
-SHORT = ("--rounds", "1", "--steps", "2", "--warmup", "1")
 
 
 def _bench(tmp_path, *flags):

@@ -11,6 +11,10 @@ import sys
 from support.cli import run_cli
 
 ENGINES = {"zero3", "zero2", "fsdp2", "ddp"}
+# One launch per engine of 1 warm-up and 2 timed steps (--quick alone: 2 rounds of 2 + 4):
+# three losses still differ step to step and compare every engine's training, and each
+# launch's cost is its start, not its steps.
+SHORT = ("--rounds", "1", "--steps", "2", "--warmup", "1")
 
 
 def _quick_bench(tmp_path, *flags):
@@ -22,7 +26,7 @@ def _quick_bench(tmp_path, *flags):
 
 
 def test_quick_bench_runs_and_losses_agree(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--profile")
+    result, stdout = _quick_bench(tmp_path, "--profile", *SHORT)
     assert set(result["runs"]) == ENGINES
     for name, run in result["runs"].items():
         assert run["parity"], (name, run["loss_max_abs_diff_vs_ddp"])
@@ -75,7 +79,7 @@ def _plain_losses(settings, tie=True, rows=None):
 
 
 def test_quick_tp_bench_against_dtensor(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--tp-size", "2", "--rounds", "1")
+    result, stdout = _quick_bench(tmp_path, "--tp-size", "2", *SHORT)
     assert set(result["runs"]) == {"nbtrain_tp", "dtensor_tp"}
     ratios = result["ratios"]
     # Both engines move what the Megatron count says, and nbtrain holds 16 B/param / tp.
@@ -107,7 +111,7 @@ def test_tp_bench_needs_one_replica():
 
 
 def test_quick_pp_bench_against_torch_pipelining(tmp_path):
-    result, stdout = _quick_bench(tmp_path, "--pipe-size", "2", "--rounds", "1")
+    result, stdout = _quick_bench(tmp_path, "--pipe-size", "2", *SHORT)
     assert set(result["runs"]) == {"nbtrain_pp", "torch_pp"}
     ratios = result["ratios"]
     # every activation and gradient crosses the link once, nothing else
@@ -153,7 +157,7 @@ def test_memory_bench_runs_and_measures_the_paths(tmp_path):
 def test_quick_moe_bench_against_the_dense_gpt(tmp_path):
     """`nbtrain bench --moe --quick`: the MoE GPT and the dense GPT of equal active
     parameters both train; the tokens moved by the all-to-all and the routing are read."""
-    result, stdout = _quick_bench(tmp_path, "--moe")
+    result, stdout = _quick_bench(tmp_path, "--moe", *SHORT[2:])
     assert set(result["runs"]) == {"moe", "dense"}
     ratios = result["ratios"]
     assert set(ratios) == {
