@@ -12,7 +12,9 @@ line, the magic and its flags, dropped), and the script tutorial 05 writes with
 session runs on real gloo ranks (`nbtrain.launch.run_ranks`) in one namespace per
 rank holding `torch` and `nbt`, as an engine's does. To keep it cheap, `range` in
 that namespace yields at most STEPS items, so every loop runs a few steps; every
-line still runs.
+line still runs. Where a model's size (or a library loop's length) is the
+tutorial's point and not this test's, SHRINK rewrites it smaller in the test's
+copy of the code; the notebooks run as written under nbval.
 
 What must hold at every world size is checked against the other world sizes: the
 global batch is the same, so the losses a notebook prints must agree (a tutorial
@@ -44,29 +46,74 @@ from support.ranks import run_ranks
 import nbtrain
 
 ROOT = Path(__file__).resolve().parents[2]
-STEPS = 4  # every range() in rank code yields at most this many items
+# Every range() in rank code yields at most STEPS items. Not fewer: tutorial 03 times
+# the steps after `warmup=3`, 07 and 09 build and name their 4 layers with `range`,
+# 12's `tokens_per_s` starts its clock at `step == 2`, and after 2 steps the losses
+# are still near ln(256) whatever rows a rank trains on (tutorial 07 with a hard-coded
+# slice then agrees across world sizes within RTOL, and
+# test_a_hard_coded_per_rank_slice_is_caught fails).
+STEPS = 4
 WORLDS = (1, 3)
 RTOL = 1e-4  # losses at different world sizes: reduction order only
 RANK_FREE = {"tutorials/06_kernels.ipynb"}  # no %%distributed cell, no script
 PER_RANK = {"tutorials/03_overlap.ipynb"}  # results are timings: ranks differ
-# Smaller models where the size is the tutorial's point, not this test's: the world
-# sizes must agree whatever the depth. The notebook itself runs at its full size in
-# the tutorials' own execution (tutorials/, nbval), budget assertions included.
+# Smaller models, and fewer steps in library loops `range` does not reach, where the
+# size is the tutorial's point, not this test's: the world sizes must agree whatever
+# the width, depth or length. Each (as written, here) pair must match the notebook's
+# code. The notebooks themselves run as written in the tutorials' own execution
+# (tutorials/, nbval), their budget assertions included. Seconds are CPU seconds of
+# the test, world sizes 1 and 3 together, on a 2-core machine.
 SHRINK = {
+    # 38 M parameters is the tutorial's point (a model that needs ZeRO-3 to fit); the
+    # build, train, save, reload and background checkpoint are the same code at 0.12 M
+    # (7-11 s at full width, 1.5 here)
     "tutorials/11_a_model_that_does_not_fit.ipynb": (
-        "hidden=512, heads=8, layers=12",
-        "hidden=512, heads=8, layers=2",
+        ("hidden=512, heads=8, layers=12", "hidden=64, heads=4, layers=2"),
+    ),
+    # the check counts 4 layers (ZeRO-2's gathered blocks), so only the width and the
+    # sequence shrink: 3.3 M parameters, 0.22 M here (3.1 s, 1.0)
+    "tutorials/02_zero_levels_and_memory.ipynb": (
+        ('GPTConfig.preset("small")', 'GPTConfig.preset("small", hidden=64, heads=4, seq_len=32)'),
+    ),
+    # timings are printed, not compared; 3 blocks still prefetch one another (4.6 s, 1.4)
+    "tutorials/03_overlap.ipynb": (
+        (
+            "GPTConfig(hidden=192, heads=6, layers=6, seq_len=64)",
+            "GPTConfig(hidden=48, heads=6, layers=3, seq_len=64)",
+        ),
+    ),
+    # a research run's width; its loop, validation, sampling and checkpoint are the
+    # same code at 47 k parameters (3.1 s, 1.7)
+    "notebooks/pretraining.ipynb": (
+        (
+            "GPTConfig(hidden=96, heads=4, layers=3, seq_len=64)",
+            "GPTConfig(hidden=32, heads=4, layers=3, seq_len=32)",
+        ),
+    ),
+    # `compare` loops inside the library, where `range` is not capped: 2 steps, one on
+    # each of its 2 batches; context parallelism splits rows of 96 tokens, not 384,
+    # into 2 x cp chunks (6.3 s, 3.9)
+    "tutorials/12_experts_and_long_sequences.ipynb": (
+        ("parallel), steps=10,", "parallel), steps=2,"),
+        ("seq_len=384,", "seq_len=96,"),
     ),
 }
 
 
 def _shrunk(rel: str):
-    """The patch that makes `rel`'s model smaller for this test (None: as written)."""
+    """The patch that applies `rel`'s SHRINK pairs to each cell (None: as written)."""
     if rel not in SHRINK:
         return None
-    old, new = SHRINK[rel]
-    assert any(old in c for cells in sessions(ROOT / rel) for _, c in cells), (rel, old)
-    return lambda code: code.replace(old, new)
+    code = [c for cells in sessions(ROOT / rel) for _, c in cells]
+    for old, _ in SHRINK[rel]:
+        assert any(old in c for c in code), (rel, old)
+
+    def patch(code: str) -> str:
+        for old, new in SHRINK[rel]:
+            code = code.replace(old, new)
+        return code
+
+    return patch
 
 
 def _source(cell) -> str:
@@ -299,8 +346,9 @@ NOTEBOOKS = {
         _check_reload,
     ),
     # ep_size and cp_size = the world size: 1 and 3 ranks hold the 6 experts, and split
-    # each row of 384 tokens (2 x cp chunks); the cells assert the all-to-all and ring bytes
-    # against the routing and the theory, and each layout against one process
+    # each row (96 tokens here, see SHRINK) into 2 x cp chunks; the cells assert the
+    # all-to-all and ring bytes against the routing and the theory, and each layout
+    # against one process
     "tutorials/12_experts_and_long_sequences.ipynb": (
         [["balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses"]],
         _check_losses("balance", "moe_losses", "one_losses", "cp_losses", "whole_row_losses"),
