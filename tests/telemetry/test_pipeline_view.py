@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from support.cli import run_cli
 
 from nbtrain.telemetry import panels, pipeline_view
 from nbtrain.telemetry.steplog import StepLog
@@ -109,13 +110,10 @@ def test_report_draws_the_stages_and_prints_the_bubble_beside_the_theory(pipelin
     from nbtrain.telemetry.report import load_run
 
     out = tmp_path / "report.png"
-    proc = subprocess.run(
-        [sys.executable, "-m", "nbtrain.cli", "report", str(pipeline_run), "-o", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONPATH": ROOT},
-    )
+    # `nbtrain report` in this process (support.cli.run_cli): a `python -m nbtrain.cli`
+    # subprocess imported torch and matplotlib again for a second of drawing. The real
+    # command line is test_report.py::test_report_renders_png_and_html's.
+    proc = run_cli("report", pipeline_run, "-o", out)
     assert proc.returncode == 0, proc.stderr
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("pipeline:"))
     assert line.startswith("pipeline: 2 stages, 4 micro-batches; bubble ")

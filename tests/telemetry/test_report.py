@@ -87,6 +87,8 @@ def test_report_renders_png_and_html(run_dir, tmp_path):
     from matplotlib.image import imread
 
     png = tmp_path / "report.png"
+    # The real command line, `python -m nbtrain.cli report`: the telemetry tests' one
+    # (test_pipeline_view.py runs the same command in its process, support.cli.run_cli).
     proc = subprocess.run(
         [sys.executable, "-m", "nbtrain.cli", "report", str(run_dir), "-o", str(png)],
         capture_output=True,
