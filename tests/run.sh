@@ -28,6 +28,9 @@ if [ "$quick" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ];
     fi
     python3 -m pip install -q mpi4py || echo "note: mpi4py not installed; the MPI test will skip"
 fi
+# Byte-code for the checkout's modules, once: with PYTHONDONTWRITEBYTECODE set (as on
+# many CI machines) every rank, engine and script compiled them from source again.
+python3 -m compileall -q nbtrain kernels tests >/dev/null
 # Lint and format check first (seconds): the rules live in pyproject.toml's [tool.ruff].
 python3 -m ruff check nbtrain kernels tests
 python3 -m ruff format --check nbtrain kernels tests
