@@ -197,7 +197,10 @@ def _traced_activations(shape, layout, stage, items, tokens, b) -> float:
         kept = tokens * layer * layers
     in_flight = min(layout.pipe_size - stage, layout.num_micro_batches)
     head = "head" in items
-    logits_grad = tokens * shape.vocab_size / tp * 4 if head else 0
+    # Not split over tp: a traced model's tensor-parallel head (models/hf_tp.py) gives
+    # its logits back full-width, so the logits, their log-softmax and their gradient
+    # are whole on every rank (planned / tp, "llama" at tp 2 read 10.5% low).
+    logits_grad = tokens * shape.vocab_size * 4 if head else 0
     if layout.pipe_size > 1:  # the embedding's few saved tensors go with stage 0
         outside = outside if head else shape.hidden * b
-    return (kept + tokens * outside / tp) * in_flight + logits_grad
+    return (kept + tokens * outside) * in_flight + logits_grad
