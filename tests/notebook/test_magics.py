@@ -132,7 +132,12 @@ def test_error_names_the_rank_and_shows_user_frames(ipython, cluster):
     cell = "def check(r):\n    if r == 1:\n        raise ValueError('bad shard on this rank')\ncheck(nbt.rank())"
     with pytest.raises(RankError) as info:
         ipython.run_cell_magic("distributed", "", cell)
-    assert info.value.ranks == [1], str(info.value)
+    # Rank 1 first; rank 0 is listed only as stopped because of it: on a loaded machine
+    # rank 1's error can reach the notebook before rank 0 has run the cell, and rank 0
+    # is then interrupted (seen twice under four test workers).
+    assert info.value.ranks[0] == 1, str(info.value)
+    if info.value.ranks != [1]:
+        assert info.value.origin == 1 and "stopped because of it" in str(info.value)
     assert "rank 1 raised" in str(info.value) and "ValueError: bad shard" in str(info.value)
     rendered = re.sub(r"\x1b\[[0-9;]*m", "", "\n".join(info.value._render_traceback_()))
     assert "check(nbt.rank())" in rendered and "raise ValueError" in rendered
