@@ -5,7 +5,6 @@ from a rank, an error naming its rank, Ctrl-C, and no orphan after the kernel go
 import glob
 import os
 import signal
-import threading
 import time
 
 import pytest
@@ -15,30 +14,10 @@ import pytest
 for _needed in ("nbformat", "nbclient", "ipyparallel"):
     pytest.importorskip(_needed)
 
-from procs import wait_gone
+from procs import signal_when, wait_gone
 from support.kernels import START, new_client, pids_from, run_cells, text_of
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def stop_when_looping(kernel_pid: int, files, limit_s: float = 60.0) -> list:
-    """SIGINT the kernel, from a thread, once every file of `files` exists; the list
-    returned gets the monotonic time the signal was sent. Files that do not appear
-    within `limit_s` send nothing (the list stays empty): the cell ended before its
-    loop, and a late signal could hit whatever runs then."""
-    sent = []
-
-    def press():
-        until = time.monotonic() + limit_s
-        while not all(f.exists() for f in files):
-            if time.monotonic() > until:
-                return
-            time.sleep(0.02)
-        sent.append(time.monotonic())
-        os.kill(kernel_pid, signal.SIGINT)
-
-    threading.Thread(target=press, daemon=True).start()
-    return sent
 
 
 def test_kernel_cells_errors_interrupt_and_shutdown(tmp_path):
@@ -66,7 +45,11 @@ def test_kernel_cells_errors_interrupt_and_shutdown(tmp_path):
         # pressed once both ranks are in the loop (each writes its file after its first
         # all_reduce) rather than after a fixed 3 s of both ranks spinning.
         looping = [tmp_path / f"looping-{rank}" for rank in range(2)]
-        sent = stop_when_looping(client.km.provisioner.process.pid, looping)
+        sent = signal_when(
+            lambda: all(f.exists() for f in looping),
+            client.km.provisioner.process.pid,
+            signal.SIGINT,
+        )
         # A loop of collectives: every rank stops, the group is rebuilt, nothing is lost.
         (interrupted,) = run_cells(
             client,

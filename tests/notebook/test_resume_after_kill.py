@@ -6,10 +6,10 @@ run ends."""
 import os
 import re
 import signal
-import threading
 import time
 
 import pytest
+from procs import signal_when
 from support.notebook import run
 
 from nbtrain import RankDiedError
@@ -40,27 +40,6 @@ print("final", repr(nbt.sum_loss(loss).item()))
 """
 
 
-def kill_after_first_checkpoint(pid: int, ckpt: str, limit_s: float = 60.0) -> list:
-    """SIGKILL `pid`, from a thread, once `ckpt` has its first committed checkpoint
-    (meta.json); the list returned gets the monotonic time of the kill. A run that
-    saves nothing within `limit_s` is not killed (the list stays empty): a late kill
-    could hit a pid that no longer is the rank's."""
-    killed = []
-
-    def kill():
-        until = time.monotonic() + limit_s
-        meta = os.path.join(ckpt, "meta.json")
-        while not os.path.exists(meta):
-            if time.monotonic() > until:
-                return
-            time.sleep(0.02)
-        killed.append(time.monotonic())
-        os.kill(pid, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True).start()
-    return killed
-
-
 def test_a_rank_killed_mid_training_is_named_and_the_run_resumes(ipython, cluster, tmp_path):
     # The pause per step only keeps the killed run going until the kill; the loss does
     # not depend on it, so the reference and the resumed run go at full speed.
@@ -72,7 +51,8 @@ def test_a_rank_killed_mid_training_is_named_and_the_run_resumes(ipython, cluste
     victim = cluster.ranks[1]["pid"]
     # Killed once the first checkpoint (step 5 of 40, 0.1 s a step) is committed, not
     # after a fixed 2.5 s: mid-training whatever the machine's load.
-    killed = kill_after_first_checkpoint(victim, ckpt)
+    meta = os.path.join(ckpt, "meta.json")
+    killed = signal_when(lambda: os.path.exists(meta), victim, signal.SIGKILL)
     with pytest.raises(RankDiedError) as info:
         run(ipython, TRAIN.format(ckpt=ckpt, pause_s=0.1))
     assert killed and time.monotonic() - killed[0] < 15  # named within 15 s of the kill
