@@ -17,8 +17,17 @@ pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 COUNT = """import gc, json, os, threading, ipyparallel
 gc.collect()
+def _kind(fd):
+    try:
+        target = os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return "gone"
+    return target.split(":")[0] if target.startswith(("pipe:", "socket:")) else target
+kinds = [_kind(fd) for fd in os.listdir("/proc/self/fd")]
 print("COUNT", json.dumps({
-    "threads": threading.active_count(), "fds": len(os.listdir("/proc/self/fd")),
+    "threads": threading.active_count(), "fds": len(kinds),
+    "epolls": kinds.count("anon_inode:[eventpoll]"), "pipes": kinds.count("pipe"),
+    "sockets": kinds.count("socket"),
     "clusters": sum(type(o) is ipyparallel.Cluster for o in gc.get_objects())}))
 """
 
@@ -50,6 +59,8 @@ def test_start_restart_stop_leaves_no_thread_fd_or_cluster():
     before, after = counts(nb.cells[2]), counts(nb.cells[-1])
     assert after["threads"] == before["threads"], (before, after)
     assert after["clusters"] == before["clusters"], (before, after)
-    # Two leaked loops (the start's and the restart's) held 6 fds, an epoll and a
-    # wake-up pipe each, and 2 threads; 1 fd comes and goes.
-    assert after["fds"] <= before["fds"] + 1, (before, after)
+    # Two leaked loops (the start's and the restart's) held 6 fds (3 each: an epoll
+    # and its wake-up) and 2 threads. Up to 2 fds come and go on a loaded machine
+    # (+2 once under four test workers, threads and clusters equal): one leaked loop
+    # is still 3 more. The counts by kind are in the message.
+    assert after["fds"] <= before["fds"] + 2, (before, after)
