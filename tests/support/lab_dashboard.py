@@ -76,6 +76,8 @@ def figures(notes: list[dict], began_ms: float, ended_ms: float, kind: str = "li
         "first_step_s": None if first_step is None else (first_step - began_ms) / 1e3,
         "first_frame_after_first_step_s": None,
         "pictures_per_s": None,
+        "pictures_during": 0,  # updates between the first step and the cell's end
+        "span_s": None,  # that time, seconds
         "max_lag_steps": None,
         "max_lag_s": None,
         "final_frame_after_end_s": None,
@@ -86,7 +88,9 @@ def figures(notes: list[dict], began_ms: float, ended_ms: float, kind: str = "li
     if during:
         out["first_frame_after_first_step_s"] = (during[0]["t"] - first_step) / 1e3
         span = (ended_ms - first_step) / 1e3
-        out["pictures_per_s"] = len([p for p in during if p["t"] <= ended_ms]) / max(span, 1e-3)
+        out["pictures_during"] = len([p for p in during if p["t"] <= ended_ms])
+        out["span_s"] = span
+        out["pictures_per_s"] = out["pictures_during"] / max(span, 1e-3)
     # Lag: at each table update, the table's newest step against the picture shown then,
     # and how long ago the table first showed the picture's step.
     lag_steps, lag_s = 0, 0.0

@@ -111,7 +111,10 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         # within 1 s of the cell's end); the picture of the last step arrives.
         curves = figures[run]["live"]
         assert curves["first_frame_after_first_step_s"] <= 2.0, curves
-        assert curves["pictures_per_s"] >= 1.0 and curves["max_lag_s"] <= 1.0, curves
+        # An update for every whole second of training: a rate over a 30-step cell of
+        # about a second (1 update in 1.06 s once) reads below 1 with nothing late.
+        assert curves["pictures_during"] >= max(1, int(curves["span_s"])), curves
+        assert curves["max_lag_s"] <= 1.0, curves
         assert curves["final_frame_after_end_s"] <= 1.0, curves
         assert figures[run]["picture"]["final_frame_after_end_s"] is not None, figures[run]
         # After the cell the picture holds every panel; the button brings the curves.
