@@ -57,6 +57,10 @@ class _State:
         self.stop_watch = threading.Event()
         self.aborted_by: str | None = None  # "rank R: summary" of the failing rank
         self.stop_at: int | None = None  # the step a graceful stop ends the loop at
+        # The step boundary agreed through a collective every rank ran in the same
+        # step (OptimManager's overflow all-reduce carries `stop_flag`): sooner than
+        # `stop_at`, which must leave the peers time to learn of the stop.
+        self.stop_next: int | None = None
         self.loop = 0  # graceful_stop loops entered (same on all ranks)
         self.interrupts = 0
         self.last_check, self.last_step, self.step_s = None, 0, None
@@ -306,7 +310,26 @@ def stop_requested(step: int) -> bool:
         _S.recent.append(_S.step_s)
         _S.fastest_s = sorted(_S.recent)[len(_S.recent) // 2]  # the recent pace
     _S.last_check, _S.last_step = now, step
+    if _S.stop_next is not None and step >= _S.stop_next:
+        return True
     return _S.stop_at is not None and step >= _S.stop_at
+
+
+def stop_flag() -> float:
+    """1.0 where this rank knows of a graceful stop of the running loop, else 0.0.
+
+    A collective that every rank runs once a step may carry it (OptimManager's
+    overflow check does); its sum, handed to `stop_agreed`, tells every rank in the
+    same step, so all of them leave at the next step boundary instead of the one
+    `request_stop` chose a second ahead.
+    """
+    return 1.0 if _S.stop_at is not None else 0.0
+
+
+def stop_agreed(flags: float) -> None:
+    """The summed `stop_flag`s of a collective every rank ran in this step."""
+    if flags > 0 and _S.stop_next is None:
+        _S.stop_next = _S.last_step + 1
 
 
 def _lead() -> int:
@@ -327,7 +350,7 @@ def graceful_stop():
     Outside the main thread, or where SIGINT cannot be handled, it changes nothing.
     """
     _S.loop += 1
-    _S.stop_at, _S.interrupts = None, 0
+    _S.stop_at, _S.stop_next, _S.interrupts = None, None, 0
     _S.last_check, _S.last_step, _S.step_s, _S.fastest_s = None, 0, None, None
     _S.recent.clear()
     if threading.current_thread() is not threading.main_thread():
@@ -358,8 +381,8 @@ def _on_interrupt(signum, frame):
         raise KeyboardInterrupt
     at = request_stop(_S.last_step, _lead())
     print(
-        f"nbtrain: stopping at step {at}, a step boundary every rank agrees on "
-        "(interrupt again to stop at once)",
+        f"nbtrain: stopping at a step boundary every rank agrees on (step {at} at the "
+        "latest; the next one where OptimManager steps; interrupt again to stop at once)",
         flush=True,  # information: stdout (JupyterLab shows stderr as an error)
     )
 

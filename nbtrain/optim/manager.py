@@ -21,7 +21,7 @@ import time
 import torch
 
 from ..comm import collectives as C
-from ..comm import events, step_inputs
+from ..comm import events, recovery, step_inputs
 from ..comm.context import get_context
 from ..zero import is_sharded, slice_kind
 from .adam import clear_grad, param_grad
@@ -245,12 +245,14 @@ class OptimManager:
         norm_type = float(norm_type)
         params = [p for group in param_groups for p in group["params"]]
         sums = self._local_sums(params, norm_type)
-        if math.isinf(norm_type):
-            C.all_reduce(sums, op="max", label="grad_norm")
-            total = float(sums.max())
-        else:
-            C.all_reduce(sums, op="sum", label="grad_norm")
-            total = float(sums.sum()) ** (1.0 / norm_type)
+        # A graceful stop travels along, as in the overflow check (which this replaces
+        # when it covers every parameter).
+        sums = torch.cat([sums, sums.new_tensor([recovery.stop_flag()])])
+        op = "max" if math.isinf(norm_type) else "sum"
+        C.all_reduce(sums, op=op, label="grad_norm")
+        *sums, stops = sums.tolist()
+        recovery.stop_agreed(stops)
+        total = max(sums) if op == "max" else sum(sums) ** (1.0 / norm_type)
         self._grad_norm = total
         covers_all = {id(p) for p in params} >= {id(p) for p in self._params()}
         if covers_all:  # a finite norm over every gradient proves there is no overflow
@@ -272,10 +274,14 @@ class OptimManager:
         finite = [torch.isfinite(g).all() for g in map(param_grad, self._params()) if g is not None]
         if finite:  # one device-side reduction: no host sync per parameter
             flag += (~torch.stack(finite).all()).float()
+        # A graceful stop known to any rank (the stop button) travels along, so every
+        # rank leaves its loop at the next step boundary.
+        flag = torch.cat([flag, flag.new_tensor([recovery.stop_flag()])])
         if self.record_grad_norm:
             flag = torch.cat([flag, self._local_sums(self._params(), 2.0)])
         C.all_reduce(flag, op="sum", label="overflow")  # inf/nan on ANY rank: sum > 0
-        found, *sums = flag.tolist()  # one host sync for the flag and the norm
+        found, stops, *sums = flag.tolist()  # one host sync for the flags and the norm
+        recovery.stop_agreed(stops)
         if self.record_grad_norm and found == 0:
             self._grad_norm = sum(sums) ** 0.5
         return found > 0

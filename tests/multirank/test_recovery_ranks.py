@@ -79,6 +79,39 @@ def test_graceful_stop_ends_every_rank_at_the_same_step():
     assert last[0] == last[1] and 20 < last[0] < 10**6 - 1
 
 
+def _optim_manager_stops_at_the_next_boundary(clip: bool):
+    import nbtrain
+    from nbtrain.comm import recovery
+
+    nbtrain.init_distributed()
+    assert recovery.arm(60)
+    torch.manual_seed(0)
+    model = nbtrain.wrap(torch.nn.Linear(4, 4), zero_level=3)
+    manager = nbtrain.optim.OptimManager(loss_scale=None)
+    manager.add_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9))
+    last = -1
+    for n in nbtrain.progress(range(10**6), print_s=600):
+        if dist.get_rank() == 1 and n == 20:
+            os.kill(os.getpid(), signal.SIGINT)  # the stop button, on one rank only
+        manager.zero_grad()
+        manager.backward(model(torch.ones(2, 4)).square().mean())
+        if clip:  # the norm's all-reduce stands in for the overflow check's
+            manager.clip_grad_norm(1e9)
+        manager.step()
+        last = n
+    dist.barrier()
+    recovery.disarm()
+    return last
+
+
+@pytest.mark.parametrize("clip", [False, True], ids=["overflow-check", "clip-grad-norm"])
+def test_a_stop_known_to_one_rank_ends_every_loop_at_the_next_boundary(clip):
+    """OptimManager's per-step all-reduce carries the stop, so every rank learns of it
+    in the step it was asked in, not a second of steps later."""
+    last = run_ranks(_optim_manager_stops_at_the_next_boundary, 2, clip, timeout_s=120)
+    assert last == [20, 20]
+
+
 def _cut_optimizer_step():
     from nbtrain.comm import recovery
 

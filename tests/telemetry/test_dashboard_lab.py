@@ -157,16 +157,18 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         lab.cell_outputs(page, AFTER)[-1]["text"],
     )
     assert len(steps) == 2 and len({s for _, s, _ in steps}) == 1, steps  # one agreed step
-    # The agreed step is about 1 s of steps after the press (every rank's watcher must
-    # learn of it first); the goal: the cell ends within 1 s of that step boundary.
+    # The agreed step is the next boundary after the press (OptimManager's all-reduce
+    # tells every rank in the step the signal came in; it was a second of steps ahead,
+    # 1.7 s after the press, before); the goal: the cell ends within 1 s of it.
     left_at = max(float(t) for _, _, t in steps)
     figures["stop_press_to_boundary_s"] = round(left_at - pressed_at, 3)
     figures["stop_boundary_to_cell_end_s"] = round(ended_at - left_at, 3)
     # A latency goal for a 2-core machine running this notebook alone: under the full
     # suite's four workers (load ~4 a core) the kernel got a share of a core and the
-    # same stop took 12 s. The figure is kept in the artifacts either way.
+    # same stop once took 12 s. The figure is kept in the artifacts either way.
     figures["load_per_core"] = round(os.getloadavg()[0] / (os.cpu_count() or 1), 2)
     if figures["load_per_core"] <= 1.5:
+        assert figures["stop_press_to_boundary_s"] <= 1.0, figures
         assert figures["stop_boundary_to_cell_end_s"] <= 1.0, figures
 
     # Draw times the kernel paid (the goal: at most 100 ms per update).
