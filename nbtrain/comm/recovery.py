@@ -381,8 +381,8 @@ def _on_interrupt(signum, frame):
         raise KeyboardInterrupt
     at = request_stop(_S.last_step, _lead())
     print(
-        f"nbtrain: stopping at a step boundary every rank agrees on (step {at} at the "
-        "latest; the next one where OptimManager steps; interrupt again to stop at once)",
+        f"nbtrain: stopping at the next step boundary every rank agrees on (by step {at}; "
+        "interrupt again to stop at once)",
         flush=True,  # information: stdout (JupyterLab shows stderr as an error)
     )
 

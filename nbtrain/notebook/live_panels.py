@@ -122,8 +122,13 @@ def learning_rate(summaries: dict):
     lead = summaries[min(summaries)]
     lr = metric_by_rank({0: lead}, "lr")[0]
     xs = sorted(lr)
-    title = f"learning rate ({lr[xs[-1]]:.3g})" if xs else "learning rate"
-    return title, ({"lr": (xs, [lr[x] for x in xs])} if xs else {}), None
+    if not xs:
+        return "learning rate", {}, None
+    ys = [lr[x] for x in xs]
+    # From 0: a constant rate is a line at its height, not two ticks of one value at
+    # the bottom of a zero-height range; a warm-up starts at the floor.
+    top = max(ys)
+    return f"learning rate ({ys[-1]:.3g})", {"lr": (xs, ys)}, ((0.0, 1.1 * top) if top > 0 else None)
 
 
 def hidden_share(summaries: dict):

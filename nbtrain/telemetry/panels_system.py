@@ -151,6 +151,11 @@ def _unit(values) -> tuple[float, str]:
     return 1.0, "B"
 
 
+def _human_bytes(n: float) -> str:
+    div, unit = _unit([n])
+    return f"{n / div:.3g} {unit}"
+
+
 def draw_comm(ax, summaries: dict) -> None:
     """Bytes per step moved by each kind of collective, and the bandwidth it achieved
     (bytes over the seconds its collectives were in flight): median bar, min-max whisker."""
@@ -178,7 +183,7 @@ def draw_comm(ax, summaries: dict) -> None:
                 [max(v) / div - m for m, v in zip(mid, vals)],
             ]
         )
-        target.bar(
+        bars = target.bar(
             x + offset,
             mid,
             0.4,
@@ -187,6 +192,12 @@ def draw_comm(ax, summaries: dict) -> None:
             capsize=3,
             label=("per step" if i == 0 else "achieved bandwidth"),
         )
+        if i == 0:  # a kind that moves a few bytes (the overflow flag) is no bare column
+            target.bar_label(
+                bars, [_human_bytes(np.median(v)) for v in vals], fontsize="xx-small", padding=2
+            )
+        # Head room: the legends sit above the bars, not over them.
+        target.set_ylim(0, 1.35 * max(float(np.max(mid + err[1])), 1e-9))
         target.set_ylabel(
             f"{unit} per step (per rank)" if i == 0 else f"{unit}/s achieved", color=color
         )

@@ -58,6 +58,12 @@ class JupyterLab:
 
     def __enter__(self) -> "JupyterLab":
         log = open(self.log_path, "w")  # noqa: SIM115 - kept open for the server's life
+        # No "notified about Jupyter news?" toast over the cells (news_url= alone still asks).
+        settings = os.path.join(self.root, ".lab-settings")
+        toast = os.path.join(settings, "@jupyterlab", "apputils-extension")
+        os.makedirs(toast, exist_ok=True)
+        with open(os.path.join(toast, "notification.jupyterlab-settings"), "w") as f:
+            f.write('{"fetchNews": "false"}')
         self.proc = subprocess.Popen(
             [
                 sys.executable,
@@ -70,6 +76,7 @@ class JupyterLab:
                 f"--IdentityProvider.token={self.token}",
                 f"--ServerApp.root_dir={self.root}",
                 "--LabApp.news_url=",
+                f"--LabApp.user_settings_dir={settings}",
                 "--ServerApp.terminals_enabled=False",
                 "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
             ]

@@ -130,6 +130,7 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
         img.wait_for(state="visible")
 
     # The stop button: every rank stops at one step, nothing on stderr, namespaces kept.
+    long_began = ld.now_ms(page)
     lab.run_cell(page, LONG, wait=False)
     page.wait_for_function(
         "() => [...document.querySelectorAll('.widget-vbox table')].some("
@@ -146,6 +147,12 @@ def test_the_tour_trains_under_the_dashboard_and_stops_with_the_button(page):
     lab.wait_cell_done(page, LONG, timeout_s=60)
     figures["stop_button_s"] = (ld.now_ms(page) - pressed) / 1e3
     ended_at = page.evaluate("() => Date.now()") / 1e3
+    # The screenshot after the stop shows the stopped step's picture, not an earlier one.
+    stopped = ld.wait_final_frame(page, long_began, ld.now_ms(page))
+    figures["stopped_final_frame_after_end_s"] = {
+        kind: stopped[kind]["final_frame_after_end_s"] for kind in stopped
+    }
+    assert None not in figures["stopped_final_frame_after_end_s"].values(), stopped
     _shot(page, "stopped")
     outputs = lab.cell_outputs(page, LONG)
     text = "\n".join(o["text"] for o in outputs)

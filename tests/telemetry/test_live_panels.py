@@ -108,6 +108,20 @@ def test_a_slow_first_step_is_left_out_of_the_range():
     assert fig.axes[1].tick_format == ",.4~r"  # 10,780 and 0.003: no exponent, no offset
 
 
+def test_a_constant_learning_rate_is_a_line_above_the_floor():
+    """A flat rate in a range of zero height drew two "0.003" ticks over each other at
+    the bottom; the range runs from 0, the line at its height."""
+    board = _board()
+    summaries = synthetic.summaries(2, 12)
+    for s in summaries.values():
+        for m in s["metrics"]:
+            m["lr"] = 3e-3
+    _feed(board, summaries, 1)
+    (fig,) = [f for f in board.live.figures if f.title.startswith("learning rate")]
+    scale = fig.axes[1].scale
+    assert (scale.min, scale.max) == (0.0, pytest.approx(3.3e-3))
+
+
 def test_without_bqplot_the_picture_holds_every_panel(monkeypatch):
     from nbtrain.notebook import dashboard
 

@@ -1,6 +1,6 @@
 """What makes the panels readable at a glance: the warm-up step does not set the scale,
-no offset notation, rates that add up, tokens counted without the user's help, and no
-column for a collective that moved nothing."""
+no offset notation, rates that add up, tokens counted without the user's help, no
+column for a collective that moved nothing, and a label on one that moved a few bytes."""
 
 import copy
 
@@ -81,6 +81,19 @@ def test_a_collective_kind_that_moved_nothing_has_no_column(run_of_two):
             row.setdefault("comm", {})["all_reduce"] = [0, 0.001]  # e.g. a 0-byte barrier
     comm = _axes(run_of_two)["communication by kind"]
     assert [t.get_text() for t in comm.get_xticklabels()] == ["all\ngather", "reduce\nscatter"]
+
+
+def test_a_kind_that_moves_a_few_bytes_is_labelled_and_no_legend_covers_a_bar(run_of_two):
+    """An overflow flag's 16 bytes beside 300 KiB of gathers is a bar too low to see:
+    its column says how much, and the legends sit in the head room above the bars."""
+    for s in run_of_two.values():
+        for row in s["steps"]:
+            row.setdefault("comm", {})["all_reduce"] = [16, 0.001]
+    comm = _axes(run_of_two)["communication by kind"]
+    labels = [t.get_text() for t in comm.texts]
+    assert "16 B" in labels, labels
+    tallest = max(b.get_height() + 0.0 for b in comm.patches)
+    assert comm.get_ylim()[1] >= 1.3 * tallest
 
 
 def test_the_next_picture_of_the_same_panels_reuses_their_layout():
