@@ -114,6 +114,23 @@ class InFlight:
 
 IN_FLIGHT = InFlight()
 
+# The generation of the process groups: one more each time they are made again after
+# a failure (nbtrain.comm.recovery.rebuild). A handle issued in an older generation
+# belongs to an aborted group: its owner drops it (`CommHandle.stale`), never waits on
+# it, and issues the collective again; a prefetch kept from a failed step otherwise
+# left one rank a collective behind the others (gloo then aborts the process).
+_GENERATION = [0]
+
+
+def generation() -> int:
+    return _GENERATION[0]
+
+
+def new_generation() -> None:
+    """The process groups were made again: every handle issued before is stale."""
+    _GENERATION[0] += 1
+    IN_FLIGHT.clear()
+
 
 def wait_in_flight(timeout_s: float | None = None) -> bool:
     """Blocks until every async collective issued through this module has completed.
@@ -163,6 +180,7 @@ class CommHandle:
         self.event_kind = event_kind(kind, label)
         self.issued_at = time.perf_counter()
         self.finished_at: float | None = None
+        self.generation = _GENERATION[0]
         self._stamp_at_wait = False
         if work is not None and events.active():
             self._record_completion()
@@ -199,6 +217,11 @@ class CommHandle:
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
+
+    @property
+    def stale(self) -> bool:
+        """Issued on a process group that a failure has since replaced: drop it."""
+        return self.generation != _GENERATION[0]
 
     def wait(self) -> None:
         if self._done:

@@ -252,7 +252,7 @@ def rebuild() -> None:
             if dist.is_initialized():
                 teardown.destroy_group()
         _S.generation += 1
-    collectives.IN_FLIGHT.clear()
+    collectives.new_generation()  # what was in flight belongs to the aborted group
     collectives.WATCH.reset()  # the new group's collectives count from 1
     if (
         threading.current_thread() is threading.main_thread()

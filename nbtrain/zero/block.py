@@ -250,7 +250,7 @@ class Block(nn.Module):
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             if kind is None and ctx.topology.tp_size > 1:
-                group.tp_layout = TpLayout(len(group_entries), ranks.group)
+                group.tp_layout = TpLayout(len(group_entries), ranks)
             if kind == "tp_replicated":  # the same shard on every tp rank: a norm's once
                 group.shard.tp_replicated = True
             self.register_parameter(f"flat_param_{i}", group.shard)

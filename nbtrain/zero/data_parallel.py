@@ -31,7 +31,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
-from .placement import is_tp_slice
+from .placement import is_tp_slice, live_group
 from .reducer import GradReducer, current_backward
 from .tp_partial import TpLayout
 
@@ -58,7 +58,8 @@ class DataParallelGrads:
         reducer: the model's reduction queue.
         bucket_numel: most elements per bucket.
         group: the ranks holding copies (None: every rank; a tensor-parallel slice is
-            held by its data-parallel group).
+            held by its data-parallel group): a group, or the name of its kind in the
+            topology ("zero", "dp"), looked up at each use.
         replicated: the parameters are held whole by the tp ranks too (False for
             tensor-parallel slices): a gradient partial over tp is summed there.
     """
@@ -71,13 +72,13 @@ class DataParallelGrads:
         group=None,
         replicated: bool = True,
     ):
-        self.reducer, self.group = reducer, group
+        self.reducer, self._group = reducer, group
         self.buckets = _make_buckets(params, bucket_numel)
         # Held whole by the tp ranks too: which gradients are partial over tp, per bucket
         # (tp_partial.py). Slices of a tp layer are never partial.
         for bucket in self.buckets:
             bucket.tp_layout = (
-                TpLayout(len(bucket.params), group)
+                TpLayout(len(bucket.params), group)  # a kind: looked up at use
                 if replicated
                 and get_context().topology.tp_size > 1
                 and not any(is_tp_slice(p) for p in bucket.params)
@@ -94,6 +95,13 @@ class DataParallelGrads:
         for b in self.buckets:
             for p in b.params:
                 p._nbtrain_dp_owned = True  # its gradient has an owner (see owned())
+
+
+    @property
+    def group(self):
+        """The process group averaged over, looked up at each use (`group` may name a
+        kind of the topology's groups): after a failing cell the groups are made again."""
+        return live_group(self._group)
 
     def remove(self) -> None:
         """Detaches the gradient hooks (the parameters get a new owner)."""

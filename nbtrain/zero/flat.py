@@ -107,6 +107,7 @@ class FlatGroup:
             self.full.untyped_storage().resize_(0)
         self.gathered = self.alias
         self._handle = self._staged = None
+        self._generation = C.generation()  # of the groups the last gather ran on
         # Across the micro-batches of a pipeline step (`zero.accumulate.micro_batches`):
         # stay gathered, and add the full gradients up here, reduced once at the end.
         self.hold = False
@@ -127,6 +128,7 @@ class FlatGroup:
 
         Collective: every rank calls this for the same group in the same order.
         """
+        self._forget_stale()
         if self.alias or self._handle is not None or self._fresh():
             return
         storage = self.full.untyped_storage()
@@ -134,6 +136,7 @@ class FlatGroup:
             storage.resize_(self._full_nbytes)
         self._version = self.full._version
         self._shard_version = self.shard._version
+        self._generation = C.generation()
         with torch.no_grad():
             self._staged = self._on_device(self.shard.detach())  # kept until the wait
             self._handle = C.all_gather(
@@ -143,6 +146,7 @@ class FlatGroup:
 
     def wait_gather(self) -> None:
         """Blocks until `full` holds every rank's data (gathers now if needed)."""
+        self._forget_stale()
         if self.alias or (self._handle is None and self._fresh()):
             return
         self.start_gather()
@@ -150,6 +154,16 @@ class FlatGroup:
         _restore_version(self.full, self._version)
         self._handle = self._staged = None
         self.gathered = True
+
+    def _forget_stale(self) -> None:
+        """After a failed cell the groups are made again (nbtrain.comm.recovery), and
+        the ranks were cut at different places: one had this group gathered, or its
+        gather in flight on the aborted group, another not. Each forgets what it had, so
+        every rank gathers anew at the next use, in the same order."""
+        if self._generation != C.generation() and not self.alias:
+            self._handle = self._staged = None
+            self.gathered = False
+            self._generation = C.generation()
 
     def _fresh(self) -> bool:
         """Gathered, and from the shard as it is now. A shard changed while gathered
@@ -164,6 +178,7 @@ class FlatGroup:
         is set, unless `force`."""
         if self.alias or (self.hold and not force):
             return
+        self._forget_stale()
         if self._handle is not None:  # never free under a collective in flight
             self.wait_gather()
         if self.gathered:

@@ -273,7 +273,7 @@ def tp_layout(param: DistributedParameter):
     layout = param.__dict__.get("_nbtrain_tp_layout")
     whole = is_tp_slice(param) or is_tp_replicated(param)  # never partial over tp
     if layout is None and not whole and get_context().topology.tp_size > 1:
-        layout = param._nbtrain_tp_layout = TpLayout(1, group_of(param).group)
+        layout = param._nbtrain_tp_layout = TpLayout(1, group_of(param))
     return layout
 
 

@@ -30,13 +30,33 @@ from ..comm.context import get_context
 
 @dataclass(frozen=True)
 class ShardGroup:
-    """A process group (None: the world; `topology.ALONE`: this rank only) with this
-    rank's place in it."""
+    """The ranks of one kind of the topology's groups (`kind`: "dp", "edp", "zero";
+    None: the world) with this rank's place in them."""
 
-    group: object
+    kind: str | None
     rank: int
     size: int
     grad_scale: float = 1.0  # applied to a gradient before its average over `group`
+
+    @property
+    def group(self):
+        """The process group (None: the world; `topology.ALONE`: this rank only), looked
+        up at each use: after a failing cell the groups are made again
+        (nbtrain.comm.recovery), and a collective on a group object kept from before
+        aborted the process (SIGABRT in gloo, the next training cell)."""
+        return None if self.kind is None else get_context().topology.group(self.kind)
+
+
+def live_group(group):
+    """The process group now for `group`: a kind of the topology's groups ("dp",
+    "zero", ...) or a `ShardGroup` is looked up (groups are made again after a failing
+    cell, and a collective on one kept from before aborts the process); a group object
+    or None (the world) is itself."""
+    if isinstance(group, str):
+        return get_context().topology.group(group)
+    if isinstance(group, ShardGroup):
+        return group.group
+    return group
 
 
 def is_tp_slice(param) -> bool:
@@ -70,13 +90,11 @@ def shard_group(tp_slice: bool | str | None = False, stage: bool = False) -> Sha
     ctx = get_context()
     topo = ctx.topology
     if tp_slice == "ep":
-        return ShardGroup(
-            topo.group("edp"), topo.edp_rank, topo.dp_size // topo.ep_size, 1.0 / topo.ep_size
-        )
+        return ShardGroup("edp", topo.edp_rank, topo.dp_size // topo.ep_size, 1.0 / topo.ep_size)
     if tp_slice:
-        return ShardGroup(topo.group("dp"), topo.dp_rank, topo.dp_size)
+        return ShardGroup("dp", topo.dp_rank, topo.dp_size)
     if stage:
-        return ShardGroup(topo.group("zero"), topo.zero_rank, topo.tp_size * topo.dp_size)
+        return ShardGroup("zero", topo.zero_rank, topo.tp_size * topo.dp_size)
     return ShardGroup(None, ctx.rank, ctx.world_size)
 
 

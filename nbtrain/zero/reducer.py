@@ -59,6 +59,8 @@ class GradReducer:
         """Waits for every queued reduction and applies its result, oldest first."""
         while self.queue:
             handle, finish = self.queue.popleft()
+            if getattr(handle, "stale", False):
+                continue  # its group was aborted by a failure: no result to apply
             handle.wait()
             finish()
 
@@ -75,7 +77,8 @@ class GradReducer:
         """The previous backward pass died before its end: finish its collectives (every
         rank issued them) and throw their results and end callbacks away."""
         for handle, _ in self.queue:
-            handle.wait()
+            if not getattr(handle, "stale", False):  # an aborted group's: never completes
+                handle.wait()
         self.queue.clear()
         self.end_callbacks.clear()
 

@@ -80,18 +80,20 @@ class ModelRoot:
         # The ranks holding copies: a pipeline stage's, or (outside a stage) the world's.
         stage = _stage_group() if is_stage(model) else None
         check_replicas_equal(named, group=stage)
+        # The buckets look their groups up at each use (made again after a failure).
+        kind = "zero" if is_stage(model) else None
         trainable = [p for _, p in named if p.requires_grad]
         bucket_numel = getattr(model, "dp_bucket_numel", BUCKET_NUMEL)
         self.data_parallel = None
         if trainable and stage is not ALONE and _holders(stage) > 1:
             self.data_parallel = DataParallelGrads(
-                trainable, self.reducer, bucket_numel, group=stage
+                trainable, self.reducer, bucket_numel, group=kind
             )
         self.tp_data_parallel = None
         dp_group = _tp_slice_group() if slices else ALONE
         if dp_group is not ALONE:
             self.tp_data_parallel = DataParallelGrads(
-                slices, self.reducer, bucket_numel, group=dp_group, replicated=False
+                slices, self.reducer, bucket_numel, group="dp", replicated=False
             )
 
 

@@ -34,6 +34,7 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.context import get_context
+from .placement import live_group
 
 TRIES = 3
 _RTOL = 1e-4  # fingerprints of gradients that agree differ by rounding at most
@@ -50,13 +51,14 @@ class TpLayout:
 
     Args:
         count: how many gradients the owner reduces together.
-        group: the process group they are then averaged over (None: every rank);
-            every rank of it decides together.
+        group: the process group they are then averaged over (None: every rank;
+            a `ShardGroup` or a kind's name, looked up at use); every rank of it
+            decides together.
     """
 
     def __init__(self, count: int, group=None):
         self.partial: list[bool | None] = [None] * count
-        self.group = group
+        self._group = group
         self.tries = [0] * count  # passes that found the gradient zero everywhere
 
     def apply(self, grads: list[torch.Tensor | None], active: list[bool] | None = None) -> bool:
@@ -104,7 +106,7 @@ class TpLayout:
         nonzero = peers[..., 2].amax(0) > 0
         # 2: partial somewhere, 1: whole, 0: zero everywhere; the largest verdict wins
         verdict = torch.where(differs, 2, torch.where(nonzero, 1, 0)).to(torch.float64)
-        C.all_reduce(verdict, op="max", group=self.group, label="tp layout")
+        C.all_reduce(verdict, op="max", group=live_group(self._group), label="tp layout")
         for i, v in enumerate(verdict.tolist()):
             if self.partial[i] is not None or (active is not None and not active[i]):
                 continue
