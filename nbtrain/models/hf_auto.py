@@ -245,6 +245,22 @@ def save_pretrained(
         )
     source = tokenizer_from or getattr(model, "name_or_path", None)
     writes = ctx.rank == 0
+    has_tokenizer = bool(source) and any(
+        os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES
+    )
+    if tokenizer_from and not has_tokenizer:
+        raise FileNotFoundError(
+            f"nbtrain.save_pretrained: tokenizer_from={tokenizer_from!r} has no tokenizer "
+            f"files (looked for {', '.join(TOKENIZER_FILES[:2])}, ...); give the folder "
+            "your tokenizer was saved to (tokenizer.save_pretrained(folder)), or leave "
+            "tokenizer_from out"
+        )
+    if writes and not has_tokenizer and not hasattr(model, "peft_config"):
+        print(
+            f"nbtrain.save_pretrained: no tokenizer files in {source!r}, so {folder!r} has "
+            "none; pass tokenizer_from=FOLDER to copy them",
+            flush=True,
+        )
 
     def prepare():
         if os.path.isdir(folder) and os.listdir(folder) and not overwrite:

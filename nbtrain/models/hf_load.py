@@ -59,6 +59,14 @@ def weight_files(path: str) -> dict[str, str]:
     if os.path.isfile(index):
         with open(index) as f:
             mapping = json.load(f)["weight_map"]
+        missing = sorted({f for f in mapping.values() if not os.path.isfile(os.path.join(path, f))})
+        if missing:
+            raise FileNotFoundError(
+                f"{path!r}: model.safetensors.index.json names {len(missing)} shard file(s) "
+                f"the folder lacks: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''}"
+                "; copy (or download) the missing shards into the folder, or save the "
+                "model again"
+            )
         return {name: os.path.join(path, file) for name, file in mapping.items()}
     single = os.path.join(path, "model.safetensors")
     if not os.path.isfile(single):

@@ -120,7 +120,8 @@ def test_the_folder_written_back_loads_in_transformers(hf_runs, case):
 
 def test_shards_with_an_index_and_errors_that_name_the_fix(hf_folders, tmp_path):
     """A model larger than one shard is written as shards with an index; an unknown
-    architecture and a non-empty output folder are refused with the fix named."""
+    architecture, a non-empty output folder, a shard missing from the index's list and
+    a tokenizer folder without a tokenizer are refused with the fix named."""
     dest = str(tmp_path / "small-shards")
     unknown = tmp_path / "unknown"
     unknown.mkdir()
@@ -141,8 +142,11 @@ def test_shards_with_an_index_and_errors_that_name_the_fix(hf_folders, tmp_path)
     b = transformers.AutoModelForCausalLM.from_pretrained(dest)
     for (name, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items()):
         assert torch.equal(p, q), name
-    for rank, (_, unknown_error, full_error) in enumerate(per_rank):
+    for rank, (_, unknown_error, full_error, shard_error, tokenizer_error) in enumerate(per_rank):
         assert "no-such-model" in unknown_error, unknown_error
+        assert "lacks: model-" in shard_error and "copy (or download)" in shard_error, shard_error
+        assert "has no tokenizer files" in tokenizer_error, tokenizer_error
+        assert "tokenizer.save_pretrained(folder)" in tokenizer_error, tokenizer_error
         if rank == 0:  # the rank that writes; the others say where to look
             assert "is not empty" in full_error and "overwrite=True" in full_error, full_error
         else:
@@ -151,6 +155,8 @@ def test_shards_with_an_index_and_errors_that_name_the_fix(hf_folders, tmp_path)
 
 
 def _shards_and_errors(src, dest, unknown, full):
+    import shutil
+
     import nbtrain
 
     model = nbtrain.from_pretrained(src, progress=False)
@@ -163,6 +169,18 @@ def _shards_and_errors(src, dest, unknown, full):
     try:
         nbtrain.save_pretrained(model, full)
     except (FileExistsError, RuntimeError) as err:
+        out.append(str(err))
+    # A shard the index names is missing (a download cut short).
+    broken = f"{dest}-rank{torch.distributed.get_rank()}"
+    shutil.copytree(dest, broken)
+    os.remove(os.path.join(broken, sorted(f for f in written if f.startswith("model-"))[-1]))
+    try:
+        nbtrain.from_pretrained(broken, progress=False)
+    except FileNotFoundError as err:
+        out.append(str(err))
+    try:  # a tokenizer folder without a tokenizer
+        nbtrain.save_pretrained(model, f"{broken}-out", tokenizer_from=unknown)
+    except FileNotFoundError as err:
         out.append(str(err))
     return out
 

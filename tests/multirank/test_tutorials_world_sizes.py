@@ -363,9 +363,13 @@ NOTEBOOKS = {
 # and its loops take 2 of 4 rows per rank (2 ranks); the instruments are tested in
 # test_locate_divergence.py and test_nonfinite_origin.py, and CI executes the notebook
 # at 2 ranks.
+# Tutorial 14's rank code is `from_pretrained` with LoRA, training and `save_pretrained`,
+# compared with PEFT on one process at world 2 and 3 in test_hf_auto.py; its batch rows
+# follow the world size, and CI executes the notebook at 2 ranks.
 ELSEWHERE = {
     "tutorials/10_runtime_and_your_own_model.ipynb",
     "tutorials/13_when_a_run_goes_wrong.ipynb",
+    "tutorials/14_fine_tune_a_hugging_face_model.ipynb",
 }
 # Tensor and pipeline parallelism split layers, not data: every rank takes the global batch.
 # Tutorial 12's context parallelism splits every row of one batch over all ranks (each
