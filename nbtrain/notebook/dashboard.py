@@ -31,10 +31,11 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..telemetry.panels import LAST_STEP, MAX_RANKS_SHOWN, png_bytes, step_times
-from ..telemetry.steplog import DEFAULT_HISTORY
+from ..telemetry.steplog import DEFAULT_HISTORY, thin
 
 # Points kept per rank and per history in the notebook: as many steps as each rank
-# keeps itself. (5000 made ~1.3M rows at 64 ranks, deep-copied at every redraw.)
+# keeps itself, thinned as the ranks thin theirs. (5000 made ~1.3M rows at 64 ranks,
+# deep-copied at every redraw.)
 MAX_HISTORY = DEFAULT_HISTORY
 
 # 960 x 680 px: with the table above it, the dashboard fits a 1400 x 1000 browser
@@ -87,7 +88,7 @@ def _merge_by_step(old: list, new: list) -> list:
         return list(new)  # the step counter went back: fresh ranks, fresh history
     first = _step(new[0]) if new else None
     kept = [p for p in old if first is None or _step(p) < first]
-    return (kept + list(new))[-MAX_HISTORY:]
+    return thin(kept + list(new), MAX_HISTORY)  # the whole run, sparser where older
 
 
 def _step(point):

@@ -88,9 +88,18 @@ def test_a_long_run_levels_off(tmp_path):
     run_dir = str(tmp_path / "telemetry")
     for rank, seen in enumerate(run_ranks(_train, 2, run_dir, timeout_s=300)):
         first, *_, last = (seen[s] for s in CHECKS)
-        grown = {k: (first[k], last[k]) for k in first if k != "rss" and last[k] > first[k]}
+        # The step histories thin themselves when full (steplog.History): between
+        # 3/4 of HISTORY and HISTORY rows from then on.
+        thinned = ("metrics", "steps", "overlap", "memory_history")
+        for check in CHECKS:
+            assert all(HISTORY * 3 // 4 <= seen[check][k] <= HISTORY for k in thinned), seen
+        grown = {
+            k: (first[k], last[k])
+            for k in first
+            if k not in ("rss", *thinned) and last[k] > first[k]
+        }
         assert not grown, f"rank {rank}: still growing after step {CHECKS[0]}: {grown}"
-        assert first["events"] == MAX_EVENTS and first["metrics"] == HISTORY
+        assert first["events"] == MAX_EVENTS
         # Loose: the containers above are what grew (~22 kB a step before they were
         # bounded); the allocator's own noise stays well under this.
         assert last["rss"] - first["rss"] < 8 * MiB, (rank, first["rss"], last["rss"])
@@ -145,5 +154,6 @@ def test_dashboard_history_is_bounded():
     for start in range(0, 3 * dashboard.MAX_HISTORY, 300):
         new = [{"step": s} for s in range(start, start + 300)]
         old = dashboard._merge_by_step(old, new)
-    assert len(old) == dashboard.MAX_HISTORY
+    assert len(old) <= dashboard.MAX_HISTORY
     assert old[-1]["step"] == 3 * dashboard.MAX_HISTORY - 1
+    assert old[0]["step"] == 0  # the whole run, thinned where older

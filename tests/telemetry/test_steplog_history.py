@@ -2,7 +2,7 @@
 
 import pytest
 
-from nbtrain.telemetry.steplog import StepLog
+from nbtrain.telemetry.steplog import History, StepLog
 
 
 def _step(log, step, t0, gap_s=0.0, **metrics):
@@ -78,6 +78,23 @@ def test_history_is_bounded():
     s = log.summary(max_points=3)
     assert [m["step"] for m in s["metrics"]] == [5, 6, 7]
     assert len(log.steps) == len(log.memory_history) == len(log.metrics) == 5
+
+
+def test_a_long_runs_history_spans_it_thinned_where_older_and_stays_bounded():
+    """20,000 steps in 1000 rows: the newest 500 steps whole, the older every 128th
+    step from the first (a loss curve still starts at step 0), and a row kept once
+    stays kept as the run grows (the curves' older points do not move)."""
+    history = History(1000)
+    seen = {}
+    for step in range(20_000):
+        history.append({"step": step})
+        if step in (5_000, 19_999):
+            seen[step] = [r["step"] for r in history]
+    steps = seen[19_999]
+    assert len(steps) <= 1000 and steps[0] == 0 and steps[-500:] == list(range(19_500, 20_000))
+    assert max(b - a for a, b in zip(steps, steps[1:])) == 128
+    older = [s for s in steps if s < 5_000 - 500]
+    assert set(older) <= set(seen[5_000])
 
 
 def test_routing_metrics_of_a_deep_moe_are_kept_and_user_metrics_stay_bounded():
