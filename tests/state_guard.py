@@ -44,8 +44,9 @@ import pytest
 
 PLUGIN_NAME = "nbtrain-state-guard"
 # Session-long helpers started on first use, by name: IPython's history writer (the
-# shell singleton lives as long as the process) and tqdm's monitor.
-SESSION_THREADS = ("IPythonHistorySavingThread", "tqdm_monitor")
+# shell singleton lives as long as the process), tqdm's monitor and the dashboard's
+# drawing thread (one for the session: nbtrain/notebook/dashboard.py).
+SESSION_THREADS = ("IPythonHistorySavingThread", "tqdm_monitor", "nbtrain-dashboard-draw")
 SESSION_CHILDREN = ("multiprocessing.forkserver", "multiprocessing.resource_tracker")
 # How long a thread or a child may take to end after the module's teardown (engine
 # nannies and gloo's threads take a few seconds). NBTRAIN_STATE_GRACE_S overrides it

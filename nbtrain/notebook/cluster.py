@@ -46,6 +46,8 @@ HISTORY_KEPT = 1000
 _JOB_END_S = 20.0  # a cancelled job's steps end within Slurm's KillWait (2 s in the tests)
 
 
+CLIENT_DIGESTS = 16384
+
 class Cluster:
     """N ranks in ipyparallel engines, each with torch.distributed initialised.
 
@@ -173,6 +175,9 @@ class Cluster:
             self._start_engines(n)
             self._record_launcher_processes()
             self.client = self._ipp.connect_client_sync()
+            # The digests of the messages received (replay protection): every cell brings
+            # ~25 per rank; jupyter_client keeps 65,536 (~7 MB), this the last 16,384.
+            self.client.session.digest_history_size = CLIENT_DIGESTS
             self._wait_for_engines(n)
             self._boot(n)
         except BaseException:
@@ -194,7 +199,11 @@ class Cluster:
 
     def _wait_for_engines(self, n: int) -> None:
         """Wait up to the start timeout for `n` engines; a Slurm job that ends fails at once."""
-        future = self.client.wait_for_engines(n, block=False, timeout=self.start_timeout_s)
+        # A text bar (stdout, one line redrawn): ipyparallel's widget bar was 11 widgets
+        # that the notebook kept for the session, every start and restart.
+        future = self.client.wait_for_engines(
+            n, block=False, timeout=self.start_timeout_s, widget=False
+        )
         while True:
             try:
                 return future.result(timeout=1.0)

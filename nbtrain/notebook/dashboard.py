@@ -27,7 +27,7 @@ import statistics
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
 from ..telemetry.panels import LAST_STEP, MAX_RANKS_SHOWN, png_bytes, step_times
@@ -325,18 +325,17 @@ def _live_panels():
         return None
 
 
+_DRAWER: ThreadPoolExecutor | None = None
+
+
 def _in_thread(fn, *args) -> Future:
-    """Runs fn(*args) in a thread of its own that ends with it; its Future."""
-    future: Future = Future()
-
-    def run():
-        try:
-            future.set_result(fn(*args))
-        except BaseException as err:  # shown by whoever waits on the future
-            future.set_exception(err)
-
-    threading.Thread(target=run, name="nbtrain-dashboard-draw", daemon=True).start()
-    return future
+    """Runs fn(*args) in the dashboard's drawing thread, one for the session; its
+    Future. (A thread of its own per picture gave each picture its own malloc arena:
+    the kernel's native heap grew with every picture drawn, 8-12 MiB a restart.)"""
+    global _DRAWER
+    if _DRAWER is None:
+        _DRAWER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nbtrain-dashboard-draw")
+    return _DRAWER.submit(fn, *args)
 
 
 def _warm_up() -> None:

@@ -85,6 +85,9 @@ def boot(env_by_engine: dict, backend: str | None, pg_timeout_s: float, tp_size:
     from . import engine_post_mortem
 
     engine_post_mortem.watch(shell)  # keeps a failing cell's frames for `%nbtrain debug`
+    from . import engine_bounds
+
+    engine_bounds.install(shell)  # the shell's history of cells, bounded
     from nbtrain.comm import recovery
 
     if recovery.arm(pg_timeout_s):
@@ -141,8 +144,11 @@ def rebuild() -> dict:
     """
     from nbtrain.comm import recovery
 
+    from . import engine_post_mortem
+
     origin, phase = recovery.failed_first(), recovery.interrupted_phase()
     recovery.rebuild()
+    engine_post_mortem.release_aborted_groups()  # their gloo threads and sockets
     return {"origin": origin, "phase": phase}
 
 

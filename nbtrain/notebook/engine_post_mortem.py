@@ -77,6 +77,51 @@ def _keep(result) -> None:
         _failure = _Failure(exc)
 
 
+# Frames of the collective machinery: after the groups are rebuilt, what they hold is
+# the aborted groups.
+_MACHINERY_FRAME = re.compile(
+    r"[/\\](torch[/\\]distributed|nbtrain[/\\](comm|zero|optim|pipeline|moe|context_parallel))[/\\]"
+)
+
+
+def release_aborted_groups() -> int:
+    """After a rebuild: clear the locals of the kept failures' frames inside the
+    collective machinery (nbtrain's and torch.distributed's; not the user's, which
+    `%nbtrain debug` reads). Through them a traceback kept the aborted process group
+    alive, and with it gloo's threads and sockets: two threads more per failure, and
+    one of its loops spinning a core on the sockets the abort closed. The failures
+    kept: this module's, and IPython's `sys.last_value`; IPython's traceback printer
+    keeps the last one whole for `%debug` (`InteractiveTB.tb`), which is let go (this
+    module's keeps the user's frames). Returns the frames cleared."""
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    printer = getattr(shell, "InteractiveTB", None)
+    if printer is not None and getattr(printer, "tb", None) is not None:
+        printer.tb = None
+    roots = [getattr(sys, "last_value", None), getattr(sys, "last_exc", None)]
+    if _failure is not None:
+        roots.append(_failure.exc)
+    cleared, seen = 0, set()
+    while roots:
+        exc = roots.pop()
+        if not isinstance(exc, BaseException) or id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        roots += [exc.__cause__, exc.__context__, getattr(exc, "backend_error", None)]
+        for frame, _ in traceback.walk_tb(exc.__traceback__):
+            if _MACHINERY_FRAME.search(frame.f_code.co_filename):
+                with contextlib.suppress(RuntimeError):  # a frame still running
+                    frame.clear()
+                    cleared += 1
+    # Frames and tracebacks refer to each other: only the cycle collector frees them
+    # (and the groups they held) before the next automatic collection, maybe much later.
+    import gc
+
+    gc.collect()
+    return cleared
+
+
 def _require() -> _Failure:
     if _failure is None:
         raise LookupError("no failed cell on this rank")

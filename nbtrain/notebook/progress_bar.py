@@ -5,6 +5,11 @@ its count with the telemetry (`summary["progress"]`, a few times a second), and
 `%%distributed` (the wait loop in `cell_run`) moves one tqdm bar here, in the cell's
 output: tqdm's widget in Jupyter, a text bar in a terminal. A new loop (another
 `nbtrain.progress` in the same cell) closes the bar and opens the next.
+
+A finished widget bar becomes its last line of text in the cell's output, and its
+widgets are closed: each bar is 11 widgets (a box, a progress bar, two labels, their
+layouts and styles) that the kernel would otherwise keep for the rest of the session
+(~11 widgets a training cell). The text is also what a saved notebook shows.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ class CellProgress:
         if self.bar is not None:
             self.bar.refresh()
             self.bar.close()
+            _to_text(self.bar)
             self.bar = None
 
     def _published(self) -> dict | None:
@@ -53,8 +59,30 @@ class CellProgress:
 def _new_bar(published: dict):
     from tqdm.auto import tqdm
 
-    return tqdm(
-        total=published.get("total"),
-        desc=published.get("desc"),
-        unit=published.get("unit") or "it",
-    )
+    kwargs = {
+        "total": published.get("total"),
+        "desc": published.get("desc"),
+        "unit": published.get("unit") or "it",
+    }
+    from tqdm.notebook import tqdm as widget_tqdm
+
+    if not issubclass(tqdm, widget_tqdm):  # a terminal's text bar
+        return tqdm(**kwargs)
+    from IPython.display import display
+
+    bar = tqdm(**kwargs, display=False)  # tqdm's widget, shown where it can be replaced
+    bar._nbtrain_display = display(bar.container, display_id=True)
+    return bar
+
+
+def _to_text(bar) -> None:
+    """A closed widget bar: its output becomes its last line, its widgets are closed."""
+    handle = getattr(bar, "_nbtrain_display", None)
+    if handle is None:
+        return
+    handle.update({"text/plain": str(bar)}, raw=True)
+    for widget in [bar.container, *bar.container.children]:
+        for part in (getattr(widget, "layout", None), getattr(widget, "style", None)):
+            if part is not None:
+                part.close()
+        widget.close()

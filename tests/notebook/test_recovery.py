@@ -225,3 +225,46 @@ def test_a_pipeline_stage_raising_frees_the_stages_waiting_on_it(ipython, cluste
         # 1 idle: see the tests' notes in docs/testing.md).
         run(ipython, "nbt.init_distributed()", "--timeout 60")
     still_works(ipython)
+
+
+GLOO_THREADS = """import glob as _glob, os as _os, time as _time
+def _gloo():
+    out = {}
+    for t in _glob.glob(f"/proc/{_os.getpid()}/task/*"):
+        try:
+            if "gloo" in open(t + "/comm").read():
+                out[t] = int(open(t + "/stat").read().rsplit(")", 1)[1].split()[11])
+        except OSError:
+            pass
+    return out
+_a = _gloo(); _time.sleep(1.0); _b = _gloo()
+print("gloo", len(_b), "busy", sum(_b[t] - _a.get(t, 0) for t in _b))
+"""
+
+
+def test_failures_leave_no_gloo_threads_behind(ipython, cluster):
+    """Each failure's traceback, kept for `%nbtrain debug` and IPython's `%debug`, held
+    the aborted group alive through the frames of the collective machinery: 2 gloo
+    threads more per failure, and one loop spinning a core on the closed sockets."""
+
+    def gloo():
+        out = run(ipython, GLOO_THREADS)
+        found = re.findall(r"\[rank (\d)\] gloo (\d+) busy (\d+)", out)
+        return {int(r): (int(n), int(busy)) for r, n, busy in found}
+
+    before = gloo()
+    for _ in range(3):
+        with pytest.raises(RankError):
+            run(
+                ipython,
+                "import time\nif nbt.rank() == 1:\n    time.sleep(0.3)\n"
+                "    raise ValueError('bad batch on rank 1')\n"
+                "torch.distributed.all_reduce(torch.ones(1))",
+            )
+    after = gloo()
+    for r in range(3):
+        # At most the last failure's group (2 runloops and a tcp loop): 3 failures left
+        # 9 threads more before.
+        assert after[r][0] <= before[r][0] + 3, (before, after)
+        assert after[r][1] <= 20, (before, after)  # clock ticks (100 a second) in 1 s
+    still_works(ipython)

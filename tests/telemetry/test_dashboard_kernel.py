@@ -75,27 +75,18 @@ def test_widget_state_is_stored_with_the_figure(executed):
     later = nb.cells[dashboard_notebook.DASHBOARD_CELL].outputs
     assert [o["output_type"] for o in later] == ["display_data"]
     assert "application/vnd.jupyter.widget-view+json" in later[0]["data"]
-    # Progress: one tqdm widget in the cell's output, moved by rank 0's loop, finished
-    # (green) at the last step; no text lines of a bar from any rank.
+    # Progress: one tqdm widget in the cell's output, moved by rank 0's loop (the test
+    # below), which at the last step became its last line of text with the loss, its
+    # widgets closed (11 a cell stayed in the kernel); no text lines of a bar from a rank.
     outputs = nb.cells[dashboard_notebook.TRAIN_CELL].outputs
     text = "".join(o.get("text", "") for o in outputs)
     assert "train:" not in text and "[rank 1]" not in text, text
+    # (nbclient keeps a closed widget's last state in the file; the kernel's registry
+    # is counted per cell by tests/notebook/test_engine_memory.py.)
     steps = dashboard_notebook.STEPS
-    bars = [  # (the other is `%nbtrain start`'s, of its engines)
-        m["state"]
-        for m in state.values()
-        if m["model_name"] == "FloatProgressModel" and m["state"]["max"] == steps
-    ]
-    assert len(bars) == 1, bars
-    assert (bars[0]["value"], bars[0]["max"], bars[0]["bar_style"]) == (steps, steps, "success")
-    counts = [
-        m["state"]["value"]
-        for m in state.values()
-        if m["model_name"] == "HTMLModel" and f"{steps}/{steps}" in str(m["state"].get("value"))
-    ]
-    assert len(counts) == 1 and "loss=" in counts[0], counts  # the last loss beside it
-    shown = [o for o in outputs if "text/plain" in o.get("data", {})]
-    assert sum("train:" in o["data"]["text/plain"] for o in shown) == 1, shown
+    shown = [o["data"]["text/plain"] for o in outputs if "text/plain" in o.get("data", {})]
+    finals = [t for t in shown if "train:" in t]
+    assert len(finals) == 1 and f"{steps}/{steps}" in finals[0] and "loss=" in finals[0], shown
 
 
 def test_the_progress_bar_moves_while_the_cell_runs(executed):
