@@ -48,6 +48,7 @@ _JOB_END_S = 20.0  # a cancelled job's steps end within Slurm's KillWait (2 s in
 
 CLIENT_DIGESTS = 16384
 
+
 class Cluster:
     """N ranks in ipyparallel engines, each with torch.distributed initialised.
 

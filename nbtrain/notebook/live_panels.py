@@ -128,7 +128,8 @@ def learning_rate(summaries: dict):
     # From 0: a constant rate is a line at its height, not two ticks of one value at
     # the bottom of a zero-height range; a warm-up starts at the floor.
     top = max(ys)
-    return f"learning rate ({ys[-1]:.3g})", {"lr": (xs, ys)}, ((0.0, 1.1 * top) if top > 0 else None)
+    y_range = (0.0, 1.1 * top) if top > 0 else None
+    return f"learning rate ({ys[-1]:.3g})", {"lr": (xs, ys)}, y_range
 
 
 def hidden_share(summaries: dict):

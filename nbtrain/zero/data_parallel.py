@@ -96,7 +96,6 @@ class DataParallelGrads:
             for p in b.params:
                 p._nbtrain_dp_owned = True  # its gradient has an owner (see owned())
 
-
     @property
     def group(self):
         """The process group averaged over, looked up at each use (`group` may name a

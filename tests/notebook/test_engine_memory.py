@@ -41,7 +41,7 @@ def test_engines_and_kernel_grow_within_bounds_over_a_hundred_cells():
     # What grew per cell or per failure before, counted: the kernel's widgets (11 a
     # cell) and each engine's gloo threads (3 a failure, one spinning a core).
     # (Once one bar's 11 stayed over a run: not yet explained; 100 cells left 1100.)
-    (was, now), = re.findall(r"widgets: (\d+) -> (\d+)", report)
+    ((was, now),) = re.findall(r"widgets: (\d+) -> (\d+)", report)
     assert int(now) <= int(was) + 11, report
     for was, now in re.findall(r"gloo threads: (\d+) -> (\d+)", report):
         assert int(now) <= int(was) + 3, report

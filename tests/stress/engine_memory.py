@@ -106,7 +106,10 @@ def _shell_parts(ip):
     return out
 """
 # What an engine keeps per cell, by part.
-PARTS = "%%distributed\n" + BYTES + """
+PARTS = (
+    "%%distributed\n"
+    + BYTES
+    + """
 from nbtrain import telemetry as _t
 _p = _shell_parts(get_ipython())
 _p["telemetry raw events"] = _bytes(_t.RECORDER.events)
@@ -116,8 +119,11 @@ _p["gloo threads (count)"] = sum("gloo" in open(_t + "/comm").read()
                                  for _t in __import__("glob").glob("/proc/self/task/*"))
 print("PARTS", _json.dumps(_p), flush=True)
 """
+)
 # What the notebook's kernel keeps per cell.
-KERNEL_PARTS = BYTES + """
+KERNEL_PARTS = (
+    BYTES
+    + """
 import ipywidgets.widgets.widget as _w
 from nbtrain.notebook import dashboard as _d, magics as _m
 _c = _m.current_cluster().client
@@ -129,6 +135,7 @@ _p["dashboard"] = _bytes(_d.current().summaries) if _d.current() else 0
 _p["objects (count)"] = len(_gc.get_objects())
 print("PARTS", _json.dumps(_p), flush=True)
 """
+)
 
 
 class Session:
@@ -258,7 +265,9 @@ class Session:
         )
         first, last = self.parts[0], self.parts[-1]
         who = [f"engine {r}" for r in range(len(last["ranks"]))] + ["kernel"]
-        for name, a, b in zip(who, first["ranks"] + [first["kernel"]], last["ranks"] + [last["kernel"]]):
+        for name, a, b in zip(
+            who, first["ranks"] + [first["kernel"]], last["ranks"] + [last["kernel"]]
+        ):
             print(f"{name} keeps (after warm-up -> end, per cell):")
             for part in b:
                 was, now = a.get(part, 0), b[part]
@@ -275,7 +284,9 @@ class Session:
         print(f"processes left over: {len(left)}" + (f" (pids {left})" if left else ""))
         bad = bool(self.unexpected or left)
         if any(g > args.max_engine_mib for g in grew) or kernel > args.max_kernel_mib:
-            print(f"over the limits: engines {args.max_engine_mib} MiB, kernel {args.max_kernel_mib} MiB")
+            print(
+                f"over the limits: engines {args.max_engine_mib} MiB, kernel {args.max_kernel_mib} MiB"
+            )
             bad = True
         return 1 if bad else 0
 
