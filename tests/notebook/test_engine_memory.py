@@ -63,7 +63,8 @@ def test_an_engines_shell_keeps_the_last_hundred_cells(ipython, cluster):
         "names = ip.compile._filename_map\n"
         "cached = sorted(v for k, v in names.items() if k in linecache.cache)\n"
         f"print('old', repr(In[{first}]), '_i{first}' in globals(), {first} in cached)\n"
-        "print('new', repr(In[n - 1]), f'_i{n - 1}' in globals(), n - 1 in cached)\n"
+        "m = len(In) - 2  # the cell before this one (In ends with this one)\n"
+        "print('new', repr(In[m]), f'_i{m}' in globals(), m in cached)\n"
         "try:\n    old_function()\nexcept ValueError:\n"
         "    print('frame', traceback.format_exc().count('raise ValueError'))",
     )
