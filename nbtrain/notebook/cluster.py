@@ -110,6 +110,7 @@ class Cluster:
         self.client = None
         self.ranks: list[dict] = []  # per rank: engine_id, pid, host, device, ...
         self._ipp = None
+        self._nannies: dict[int, list] = {}  # local engine pid -> its nanny processes
         self._stuck = None  # the AsyncResult of a cell that would not stop
         self._pending: PendingCell | None = None  # a --noblock cell not yet collected
         self._watchdog: Watchdog | None = None  # what this cluster started, to end it
@@ -266,7 +267,7 @@ class Cluster:
             for launcher in getattr(engine_set, "launchers", {}).values()
             if getattr(launcher, "output_file", None)
         ]
-        _teardown.exit_engines(client, local, _EXIT_WAIT_S, logs)
+        _teardown.exit_engines(client, local, _EXIT_WAIT_S, logs, self._nannies)
 
     def restart(self, n: int | None = None) -> "Cluster":
         """Fresh engines and a fresh rendezvous port; rank namespaces start empty.
@@ -306,6 +307,7 @@ class Cluster:
             info["local"] = info.get("machine") == here  # its pid can be checked from here
             if info["local"]:
                 self._watchdog.watch(info["pid"])
+        self._nannies = _teardown.nannies_of(i["pid"] for i in self.ranks if i["local"])
         master_addr = rendezvous.master_address(self.ranks, self.master_addr_override)
         rank0 = self.client[self.ranks[0]["engine_id"]]
         try:
