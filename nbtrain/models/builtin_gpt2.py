@@ -18,6 +18,8 @@ Checkpoint mapping: GPT-2's Conv1D layers store (in, out) weights where nn.Linea
     transformer.h.N.mlp.c_proj (T)      -> layers.N.mlp.2      (rows under tp)
     transformer.ln_f                    -> ln_f
     lm_head (or wte when tied)          -> head
+
+`hf_config` writes GPT-2's config back (`Runtime.save_pretrained`).
 """
 
 from __future__ import annotations
@@ -73,6 +75,30 @@ def make_config(model_config: dict, hf_config: dict | None = None) -> GPTConfig:
         activation=_GELU[act],
         ln_eps=c.get("layer_norm_epsilon", 1e-5),
     )
+
+
+def hf_config(config: GPTConfig) -> dict:
+    """GPT-2's config.json fields for `config` (what `make_config` reads back)."""
+    act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[config.activation]
+    if not config.qkv_bias:
+        raise ValueError("qkv_bias=False: GPT-2's c_attn has a bias; build with qkv_bias=True")
+    drop = config.dropout
+    return {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": config.vocab_size,
+        "n_positions": config.seq_len,
+        "n_embd": config.hidden,
+        "n_head": config.heads,
+        "n_layer": config.layers,
+        "n_inner": config.mlp_ratio * config.hidden,
+        "activation_function": act,
+        "layer_norm_epsilon": config.ln_eps,
+        "tie_word_embeddings": config.tie_embeddings,
+        "resid_pdrop": drop,
+        "embd_pdrop": drop,
+        "attn_pdrop": drop,
+    }
 
 
 _LAYER = {

@@ -8,6 +8,8 @@ names; without a folder, model_config is the whole config, e.g. {"vocab_size": 6
 "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
 "num_attention_heads": 4, "num_key_value_heads": 2}).
 
+`hf_config` writes the config back (`Runtime.save_pretrained`).
+
 Checkpoint mapping: nbtrain's Llama has Hugging Face's parameter names, so each name
 maps to itself; a tied head (tie_word_embeddings, no lm_head.weight in the files)
 reads the embedding. Under tensor parallelism (`hf_tp.llama_plan`) q, k, v and the
@@ -16,6 +18,8 @@ columns, the embedding and head by vocabulary; norms stay whole.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from .builtin_gpt import make_forward_step  # noqa: F401 (the protocol's; model(ids, pos))
 from .hf_load import HFWeight, read_hf_config
@@ -39,6 +43,19 @@ def hf_names(config=None):
         return [HFWeight(plain)]
 
     return names
+
+
+def hf_config(config: LlamaConfig) -> dict:
+    """config.json's fields for `config` (what `make_config` reads back)."""
+    fields = dataclasses.asdict(config)
+    del fields["qkv_bias"]  # Qwen2 has q, k, v biases by its model type
+    if config.qkv_bias != (config.model_type == "qwen2"):
+        raise ValueError(
+            f"qkv_bias={config.qkv_bias} with model_type {config.model_type!r}: a Hugging "
+            "Face folder has q, k, v biases exactly when its model type is 'qwen2'"
+        )
+    arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[config.model_type]
+    return {**fields, "hidden_act": "silu", "architectures": [arch]}
 
 
 def build_model(config: LlamaConfig, parallel=None) -> Llama:

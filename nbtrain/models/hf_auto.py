@@ -16,31 +16,21 @@ either. Both are collective: every rank calls them.
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 
 import torch
 
 from ..checkpoint import stream
 from ..checkpoint.layout import agreed
-from ..comm import collectives as C
 from ..comm.context import get_context
-from .hf_load import HFWeight, load_hf_weights, read_hf_config, record_plain_names, weight_files
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "tokenizer.model",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
+from .hf_folder import (
+    SHARD_BYTES,
+    prepare,
+    rank0_list,
+    tokenizer_source,
+    write_folder,
 )
-SHARD_BYTES = 2 << 30  # what one safetensors shard holds at most (transformers: 5 GB)
+from .hf_load import HFWeight, load_hf_weights, read_hf_config, record_plain_names, weight_files
 
 
 def from_pretrained(
@@ -243,78 +233,33 @@ def save_pretrained(
             f"nbtrain.save_pretrained needs a transformers model (with .config); got "
             f"{type(model).__name__}: use nbtrain.save(model, 'model.safetensors')"
         )
+    what = f"nbtrain.save_pretrained({folder!r})"
     source = tokenizer_from or getattr(model, "name_or_path", None)
-    writes = ctx.rank == 0
-    has_tokenizer = bool(source) and any(
-        os.path.isfile(os.path.join(source, name)) for name in TOKENIZER_FILES
-    )
-    if tokenizer_from and not has_tokenizer:
-        raise FileNotFoundError(
-            f"nbtrain.save_pretrained: tokenizer_from={tokenizer_from!r} has no tokenizer "
-            f"files (looked for {', '.join(TOKENIZER_FILES[:2])}, ...); give the folder "
-            "your tokenizer was saved to (tokenizer.save_pretrained(folder)), or leave "
-            "tokenizer_from out"
-        )
-    if writes and not has_tokenizer and not hasattr(model, "peft_config"):
-        print(
-            f"nbtrain.save_pretrained: no tokenizer files in {source!r}, so {folder!r} has "
-            "none; pass tokenizer_from=FOLDER to copy them",
-            flush=True,
-        )
-
-    def prepare():
-        if os.path.isdir(folder) and os.listdir(folder) and not overwrite:
-            raise FileExistsError(
-                f"nbtrain.save_pretrained: {folder!r} is not empty; give a new folder, "
-                "or overwrite=True to replace its files"
-            )
-        os.makedirs(folder, exist_ok=True)
-
-    agreed(f"nbtrain.save_pretrained({folder!r})", prepare, run_here=writes)
-    if hasattr(model, "peft_config"):
-        return _save_adapter(model, folder, writes)
+    peft = hasattr(model, "peft_config")
+    has_tokenizer = tokenizer_source(what, source, bool(tokenizer_from), note=not peft)
+    prepare(what, folder, overwrite)
+    if peft:
+        return _save_adapter(model, folder, ctx.rank == 0)
     aliases = _aliases(model)
-    shards, writer, size = [], None, 0
-    try:
-        for key, tensor in stream.units(model):
-            if not writes or key in aliases:
-                continue
-            nbytes = tensor.numel() * tensor.element_size()
-            if writer is None or (size and size + nbytes > shard_bytes):
-                if writer is not None:
-                    writer.close()
-                writer = stream.PartWriter(os.path.join(folder, f".part{len(shards)}"))
-                shards.append(writer)
-                size = 0
-            writer.add(key, tensor)
-            size += nbytes
-            del tensor
-    finally:
-        if writer is not None:
-            writer.close()
 
-    def finish() -> list[str]:
-        written = _write_shards(folder, shards)
-        config.save_pretrained(folder)
-        written.append("config.json")
+    def write_config(out: str) -> list[str]:
+        config.save_pretrained(out)
+        written = ["config.json"]
         generation = getattr(model, "generation_config", None)
         if generation is not None:
-            generation.save_pretrained(folder)
+            generation.save_pretrained(out)
             written.append("generation_config.json")
-        for name in TOKENIZER_FILES:
-            if source and os.path.isfile(os.path.join(source, name)):
-                shutil.copyfile(os.path.join(source, name), os.path.join(folder, name))
-                written.append(name)
         return written
 
-    try:
-        written = agreed(f"nbtrain.save_pretrained({folder!r})", finish, run_here=writes)
-    finally:
-        for part in shards:
-            stream.remove_quietly(part.path)
-    if ctx.world_size > 1:
-        written = C.all_gather_object(written)[0]  # rank 0's list on every rank
-    return written
+    items = ((k, t) for k, t in stream.units(model) if k not in aliases)
+    return write_folder(
+        what,
+        folder,
+        items,
+        write_config,
+        tokenizer_from=source if has_tokenizer else None,
+        shard_bytes=shard_bytes,
+    )
 
 
 def _save_adapter(model, folder: str, writes: bool) -> list[str]:
@@ -341,10 +286,7 @@ def _save_adapter(model, folder: str, writes: bool) -> list[str]:
             config.save_pretrained(folder)
         return ["adapter_config.json", "adapter_model.safetensors"]
 
-    written = agreed(f"nbtrain.save_pretrained({folder!r})", finish, run_here=writes)
-    if get_context().world_size > 1:
-        written = C.all_gather_object(written)[0]
-    return written
+    return rank0_list(agreed(f"nbtrain.save_pretrained({folder!r})", finish, run_here=writes))
 
 
 def _aliases(model) -> set[str]:
@@ -356,30 +298,3 @@ def _aliases(model) -> set[str]:
             out.add(name)
         seen.add(id(p))
     return out
-
-
-def _write_shards(folder: str, parts: list) -> list[str]:
-    """The part files as safetensors shards (one file when there is one), and the index."""
-    if len(parts) <= 1:
-        names = ["model.safetensors"]
-    else:
-        names = [f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors" for i in range(len(parts))]
-    weight_map, total = {}, 0
-    for part, name in zip(parts, names):
-        final = os.path.join(folder, name)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        try:
-            stream.join_parts(tmp, [(part.path, part.entries)])
-            os.replace(tmp, final)  # whole or not at all
-        except BaseException:
-            stream.remove_quietly(tmp)
-            raise
-        for key, _, _, nbytes in part.entries:
-            weight_map[key] = name
-            total += nbytes
-    if len(parts) <= 1:
-        return names
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
-    return [*names, "model.safetensors.index.json"]

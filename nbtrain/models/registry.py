@@ -15,6 +15,9 @@ A model package (a module, or its import path) provides:
         the checkpoint mapping: where each parameter is in a Hugging Face folder
         (and whether it is stored transposed); how it splits under tensor
         parallelism is the tp plan's business, so the mapping names full tensors.
+    hf_config(config) -> dict (optional)
+        config.json's fields for `config`, for `Runtime.save_pretrained`; the first
+        name `hf_names` gives is where a parameter is written.
 
 and each implementation (`impls`, default: the package itself) is a protocol module:
 

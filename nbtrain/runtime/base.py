@@ -12,8 +12,9 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from ..checkpoint import load_checkpoint, save_checkpoint
+from ..checkpoint import load_checkpoint, save_checkpoint, stream
 from ..comm import context as _context
+from ..models.hf_load import read_hf_config
 from ..optim.lr_scheduler import NoDecay
 from .config import RuntimeConfig
 from .contracts import IGNORE_INDEX, ModelHandle, PackedBatch
@@ -139,6 +140,81 @@ class Runtime:
             path,
             handle.manager,
             step={"steps": handle.steps, "lr_scheduler": handle.scheduler.state_dict()},
+        )
+
+    def save_pretrained(
+        self,
+        handle: ModelHandle,
+        folder: str,
+        *,
+        tokenizer_from: str | None = None,
+        shard_bytes: int | None = None,
+        overwrite: bool = False,
+    ) -> list[str]:
+        """Writes the model as a Hugging Face folder that transformers'
+        `AutoModelForCausalLM.from_pretrained` reads: config.json (the model package's
+        `hf_config`), safetensors shards with their index, under the names and layout
+        (transposed where stored so) of the package's `hf_names`, and the tokenizer
+        files of `tokenizer_from` (default: `hf_path`, when it has them).
+
+        Returns the names written. Collective: every rank calls this; each Block is
+        gathered in turn (over ZeRO and tensor-parallel ranks) and rank 0 writes, so
+        no rank holds the whole model. A pipeline-parallel model is refused.
+        """
+        from ..models import hf_folder
+
+        what = f"Runtime.save_pretrained({folder!r})"
+        package = self.nb.entry().package
+        if not hasattr(package, "hf_config"):
+            raise NotImplementedError(
+                f"{what}: model {self.nb.model_name!r} has no Hugging Face config writer; "
+                f"add hf_config(config) -> dict (config.json's fields) to its package "
+                f"{package.__name__}, or use Runtime.save"
+            )
+        layout = handle.extra.get("layout")
+        if layout is not None and layout[1] > 1:
+            raise ValueError(
+                f"{what}: this model is cut into {layout[1]} pipeline stages, and the "
+                "folder is written from ranks that each hold every layer; build it with "
+                "pipe_size=1 (Runtime.save, then load that checkpoint at pipe_size=1) "
+                "to export it"
+            )
+        config = self.nb.make_config(self.cfg.hf_path)
+        fields = package.hf_config(config)
+        source = tokenizer_from or self.cfg.hf_path
+        has_tokenizer = hf_folder.tokenizer_source(what, source, tokenizer_from is not None)
+        hf_folder.prepare(what, folder, overwrite)
+        model = handle.model
+        plain = getattr(model, "plain_names", None) or {
+            name: name for name, _ in model.named_parameters()
+        }
+        where = package.hf_names(config)
+        dtype = next(iter(model.parameters())).dtype
+
+        def items():
+            for key, tensor in stream.units(model):
+                if key not in plain:  # buffers (rotary tables) are not in the folder
+                    continue
+                target = where(plain[key])[0]  # the first name is the folder's own
+                yield target.name, tensor.t().contiguous() if target.transpose else tensor
+
+        def write_config(out: str) -> list[str]:
+            import transformers
+
+            merged = {**(read_hf_config(self.cfg.hf_path) if self.cfg.hf_path else {})}
+            merged.update(fields, dtype=str(dtype).removeprefix("torch."))
+            for stale in ("transformers_version", "torch_dtype", "rope_scaling"):
+                merged.pop(stale, None)
+            transformers.AutoConfig.for_model(**merged).save_pretrained(out)
+            return ["config.json"]
+
+        return hf_folder.write_folder(
+            what,
+            folder,
+            items(),
+            write_config,
+            tokenizer_from=source if has_tokenizer else None,
+            shard_bytes=shard_bytes or hf_folder.SHARD_BYTES,
         )
 
     def load(self, handle: ModelHandle, path: str) -> None:

@@ -68,8 +68,7 @@ class NBTrainRuntime(Runtime):
             model = parallelize(model, protocol.tp_plan(config))
         positions = StagePositions()  # the micro-batch's position ids, for every stage
         stage = pipeline.stage_of(protocol.pp_stages(model, par.pipe_size, positions))
-        if hf_path:
-            record_plain_names(stage, model)
+        record_plain_names(stage, model)  # for hf_path's names, and save_pretrained's
         stage = wrap(stage, zero_level=par.zero_level)
         if hf_path:
             protocol.load_hf_weights(stage, hf_path)

@@ -218,3 +218,120 @@ def hf_contract_example(path: str):
             rt.lr_scheduler_step(handle)
         out[backend] = (result.metrics["loss"], ok, grad_norm, num_zeros)
     return out
+
+
+def exported(folders: dict, layouts: list, out_root: str, steps: int = 2):
+    """For each folder (kind -> path) and layout: the "nbtrain" backend loaded from the
+    folder trains `steps` SGD steps (so its weights are its own), writes itself with
+    `Runtime.save_pretrained`, and transformers reads that folder back: {(kind, i):
+    (largest |logit difference| against the trained runtime, the trained runtime's
+    against the folder it started from, files written)}."""
+    import os
+
+    import transformers
+
+    import nbtrain
+    from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
+
+    out = {}
+    for kind, path in folders.items():
+        start = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        batch = _rows_batch(start.config.vocab_size)
+        with torch.no_grad():
+            before = start(batch.input_ids).logits.float()
+        for i, parallel in enumerate(layouts):
+            nb = NBConfig(
+                model_name=MODEL_OF[kind],
+                parallel=ParallelConfig(**parallel),
+                optimizer={"name": "sgd", "lr": 0.5, "momentum": 0.9},
+            )
+            rt = create_runtime(RuntimeConfig("nbtrain", hf_path=path, backend_cfg=nb))
+            handle = rt.build_model()
+            with rt.train_mode(handle):
+                for _ in range(steps):
+                    rt.zero_grad(handle)
+                    rt.forward_backward(handle, batch)
+                    rt.optimizer_step(handle)
+            with rt.eval_mode(handle):
+                got = rt.logits(handle, batch)
+            folder = os.path.join(out_root, f"{kind}-{i}")
+            written = rt.save_pretrained(handle, folder)
+            nbtrain.synchronize()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+            with torch.no_grad():
+                want = hf(batch.input_ids).logits.float()
+            moved = float((got - before).abs().max())
+            out[(kind, i)] = (float((got - want).abs().max()), moved, sorted(written))
+    return out
+
+
+def export_edges(root: str):
+    """A Llama built from model_config alone (no folder) written in several shards with
+    its index and a tokenizer copied in; then what is refused. {name: value}."""
+    import os
+
+    import tokenizers
+    import transformers
+
+    import nbtrain
+    from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
+
+    tok_dir = os.path.join(root, "tok")
+    if nbtrain.rank() == 0:
+        os.makedirs(tok_dir, exist_ok=True)
+        vocab = {"[UNK]": 0, "a": 1, "b": 2}
+        tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]")).save(
+            os.path.join(tok_dir, "tokenizer.json")
+        )
+    nbtrain.synchronize()
+    sizes = {
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    rt = create_runtime(
+        RuntimeConfig("nbtrain", backend_cfg=NBConfig(model_name="llama", model_config=sizes))
+    )
+    handle = rt.build_model()
+    batch = _rows_batch(96)
+    with rt.eval_mode(handle):
+        got = rt.logits(handle, batch)
+    folder = os.path.join(root, "plain")
+    written = rt.save_pretrained(handle, folder, tokenizer_from=tok_dir, shard_bytes=40_000)
+    nbtrain.synchronize()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        want = hf(batch.input_ids).logits.float()
+    out = {"diff": float((got - want).abs().max()), "written": written}
+    with (
+        open(os.path.join(tok_dir, "tokenizer.json")) as a,
+        open(os.path.join(folder, "tokenizer.json")) as b,
+    ):
+        out["tokenizer_copied"] = a.read() == b.read()
+
+    def error(call):
+        try:
+            call()
+        except Exception as err:  # noqa: BLE001 - the test reads its type and text
+            return f"{type(err).__name__}: {err}"
+        return None
+
+    out["not_empty"] = error(lambda: rt.save_pretrained(handle, folder))
+    out["no_tokenizer"] = error(
+        lambda: rt.save_pretrained(handle, os.path.join(root, "x"), tokenizer_from=root)
+    )
+    gpt = create_runtime(RuntimeConfig("nbtrain", backend_cfg=NBConfig(model_name="gpt")))
+    out["no_writer"] = error(lambda: gpt.save_pretrained(gpt.build_model(), root + "/g"))
+    piped = create_runtime(
+        RuntimeConfig(
+            "nbtrain",
+            backend_cfg=NBConfig(
+                model_name="llama", model_config=sizes, parallel=ParallelConfig(pipe_size=2)
+            ),
+        )
+    )
+    out["pipeline"] = error(lambda: piped.save_pretrained(piped.build_model(), root + "/p"))
+    return out

@@ -10,19 +10,34 @@
   tensor at a time, never the whole model).
 - Training from a loaded folder: reference against tp 2, dp 2 ZeRO-3, pp 2 and cp 2,
   10 steps.
+- Back out: the runtime's "gpt2" and "llama" (Llama, Qwen2) models trained 2 SGD steps
+  from a folder write themselves with `Runtime.save_pretrained` at world 2 (dp 2 ZeRO-3
+  and tp 2), and transformers reads the folder back with the trained logits within
+  1e-5; a Llama from model_config alone is written in shards with its index and a
+  tokenizer copied in; a non-empty folder, a tokenizer folder without one, a model with
+  no config writer and a pipeline-parallel model are refused, naming the fix.
 - A model package living only in this folder (toy_lm) registered with register_model
   trains through the runtime against its reference, at dp 2 ZeRO-3, tp 2 and pp 2,
   with nothing else changed.
 """
 
 import pytest
-from model_cases import hf_logits, hf_training, load_peak, save_hf_model, toy_parity
+from model_cases import (
+    export_edges,
+    exported,
+    hf_logits,
+    hf_training,
+    load_peak,
+    save_hf_model,
+    toy_parity,
+)
 from support.cli import run_cli
 from support.ranks import run_ranks
 
 STEPS = 10
 # at world 2: dp 2 ZeRO-3, tp 2, pp 2, cp 2
 LAYOUTS = [{}, {"tp_size": 2}, {"pipe_size": 2}, {"cp_size": 2}]
+EXPORT_LAYOUTS = [{}, {"tp_size": 2}]  # save_pretrained refuses pipeline stages
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +62,38 @@ def test_the_llama_folder_is_sharded(folders):
 @pytest.fixture(scope="module")
 def logits2(folders):
     return run_ranks(hf_logits, 2, folders, LAYOUTS, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def exports2(folders, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("exported"))
+    return run_ranks(exported, 2, folders, EXPORT_LAYOUTS, out, timeout_s=300)
+
+
+@pytest.mark.parametrize("layout", range(len(EXPORT_LAYOUTS)), ids=["dp2", "tp2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
+def test_a_trained_model_goes_back_to_transformers(exports2, kind, layout):
+    diff, moved, written = exports2[0][(kind, layout)]
+    assert moved > 0.1, moved  # the written weights are the trained ones, not the folder's
+    assert diff < 1e-5, (diff, moved)
+    assert written == ["config.json", "model.safetensors"], written
+    assert exports2[1][(kind, layout)][2] == written  # every rank returns rank 0's list
+
+
+def test_export_shards_copies_the_tokenizer_and_refuses_with_the_fix(tmp_path):
+    first, second = run_ranks(export_edges, 2, str(tmp_path), timeout_s=300)
+    assert first["diff"] < 1e-5, first["diff"]
+    written = first["written"]
+    assert "model.safetensors.index.json" in written and "tokenizer.json" in written, written
+    assert sum(n.endswith(".safetensors") for n in written) > 2, written
+    assert first["tokenizer_copied"]
+    assert "is not empty" in first["not_empty"] and "overwrite=True" in first["not_empty"]
+    assert second["not_empty"].startswith("RuntimeError") and "another rank" in second["not_empty"]
+    for out in (first, second):
+        assert out["no_tokenizer"].startswith("FileNotFoundError"), out["no_tokenizer"]
+        assert "leave tokenizer_from out" in out["no_tokenizer"]
+        assert "add hf_config(config)" in out["no_writer"], out["no_writer"]
+        assert "pipe_size=1" in out["pipeline"], out["pipeline"]
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2"])
