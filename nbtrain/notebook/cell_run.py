@@ -8,8 +8,11 @@ so output appears in order, labelled by rank, in the cell that asked for it.
 
 from __future__ import annotations
 
+import contextlib
 import re
+import signal
 import sys
+import threading
 import time
 
 from .errors import RESTART_HINT, CellTimeoutError, RankDiedError, RankError
@@ -162,38 +165,41 @@ def follow_cell(
     give_up = None if patience_s is None else now + patience_s
     next_check = now + _DEATH_CHECK_S
     interrupted = False
-    while True:
-        try:
-            if ar.wait(0 if patience_s == 0 else _POLL_S):
-                break
-            printer.flush()
-            if on_poll is not None:
-                on_poll(ranks, ar._metadata, False)
-            now = time.monotonic()
-            if now >= next_check or give_up is not None and now >= give_up:
-                next_check = now + _DEATH_CHECK_S
-                _raise_if_dead(cluster, ranks, printer)
-            if timeout_s is not None and now - start > timeout_s:
-                _on_timeout(cluster, ar, ranks, timeout_s, printer)
-            if give_up is not None and now >= give_up:
-                return None
-        except KeyboardInterrupt:
-            if not interrupted:
-                # First stop: a loop in nbtrain.progress ends at a step boundary every
-                # rank agrees on; other code raises KeyboardInterrupt, and recovery
-                # makes the ranks waiting on it fail too. Keep following the cell.
-                interrupted = True
-                cluster.interrupt(_busy(ar, ranks))
-                print(
-                    "nbtrain: interrupting the ranks (training loops in nbtrain.progress stop "
-                    "at the next agreed step; interrupt again to stop at once)",
-                    flush=True,  # information, not an error: stdout
-                )
-                continue
-            _on_interrupt(cluster, ar, ranks, printer)
-            if not _busy(ar, ranks):
-                _finish_failed(cluster, ar, ranks)
-            raise
+    with counted_interrupts() as pressed:
+        while True:
+            try:
+                if pressed():
+                    raise KeyboardInterrupt  # here, where it is handled
+                if ar.wait(0 if patience_s == 0 else _POLL_S):
+                    break
+                printer.flush()
+                if on_poll is not None:
+                    on_poll(ranks, ar._metadata, False)
+                now = time.monotonic()
+                if now >= next_check or give_up is not None and now >= give_up:
+                    next_check = now + _DEATH_CHECK_S
+                    _raise_if_dead(cluster, ranks, printer)
+                if timeout_s is not None and now - start > timeout_s:
+                    _on_timeout(cluster, ar, ranks, timeout_s, printer)
+                if give_up is not None and now >= give_up:
+                    return None
+            except KeyboardInterrupt:
+                if not interrupted:
+                    # First stop: a loop in nbtrain.progress ends at a step boundary every
+                    # rank agrees on; other code raises KeyboardInterrupt, and recovery
+                    # makes the ranks waiting on it fail too. Keep following the cell.
+                    interrupted = True
+                    cluster.interrupt(_busy(ar, ranks))
+                    print(
+                        "nbtrain: interrupting the ranks (training loops in nbtrain.progress stop "
+                        "at the next agreed step; interrupt again to stop at once)",
+                        flush=True,  # information, not an error: stdout
+                    )
+                    continue
+                _on_interrupt(cluster, ar, ranks, printer)
+                if not _busy(ar, ranks):
+                    _finish_failed(cluster, ar, ranks)
+                raise
     ar.wait_for_output(1.0)
     printer.flush(final=True)
     if on_poll is not None:
@@ -203,6 +209,40 @@ def follow_cell(
     if interrupted:
         print("nbtrain: every rank stopped cleanly; the cell finished", flush=True)
     return ar
+
+
+@contextlib.contextmanager
+def counted_interrupts():
+    """While a cell is followed, SIGINT (the stop button) is counted, not raised: the
+    wait loop takes each press (`pressed()` is true once per press) at its next poll.
+
+    Raised by Python's default handler, a press landed wherever the kernel's main
+    thread was, and when that was a weakref callback or a `__del__` (a collected
+    widget or figure), Python printed "Exception ignored ... KeyboardInterrupt" and
+    dropped it: the stop button did nothing and the loop ran on (seen once in a
+    thousand-cell run). In a thread other than the main one, signals are not ours to
+    handle: presses arrive as KeyboardInterrupt, as before.
+    """
+    presses = [0]
+
+    def take() -> bool:
+        if presses[0]:
+            presses[0] -= 1
+            return True
+        return False
+
+    if threading.current_thread() is not threading.main_thread():
+        yield take
+        return
+
+    def count(signum, frame):
+        presses[0] += 1
+
+    previous = signal.signal(signal.SIGINT, count)
+    try:
+        yield take
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _failed_ranks(ar, ranks: list[int]) -> list[int]:

@@ -154,6 +154,48 @@ def test_progress_loop_stops_gracefully_at_the_same_step(ipython, cluster):
     still_works(ipython)
 
 
+def test_a_press_landing_in_a_weakref_callback_still_stops_the_loop(ipython, cluster):
+    """SIGINT raised as KeyboardInterrupt inside a weakref callback (or a __del__) is
+    printed as "Exception ignored" and dropped by Python: the press did nothing and the
+    loop ran on (seen once in a thousand-cell run). Presses are counted while the cell
+    is followed, so this one stops the loop like any other."""
+    import weakref
+
+    from IPython.utils.capture import capture_output
+
+    from nbtrain.notebook import magics
+
+    class Collected:
+        pass
+
+    began, kept = time.monotonic(), []
+
+    def press_from_a_callback(ref):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10_000):  # the handler runs here, inside the callback
+            pass
+
+    def poll(ranks, metadata, final):  # the dashboard's hook: the kernel's main thread
+        if not kept and time.monotonic() - began > 2.0:
+            thing = Collected()
+            kept.append(weakref.ref(thing, press_from_a_callback))
+            del thing  # collected now: the callback runs in this thread
+
+    with capture_output() as cap:
+        magics.current_cluster().execute(
+            "import time\ndone = -1\nx = torch.ones(1)\n"
+            "for step in nbt.progress(range(4000), print_s=60):\n"
+            "    torch.distributed.all_reduce(x)\n    time.sleep(0.002)\n    done = step\n"
+            "print('after the loop', done)",
+            on_poll=poll,
+        )
+    assert kept, "the callback never ran"
+    assert "every rank stopped cleanly" in cap.stdout, cap.stdout
+    steps = {int(m) for m in re.findall(r"after the loop (\d+)", cap.stdout)}
+    assert len(steps) == 1 and 0 < steps.pop() < 3999, cap.stdout
+    still_works(ipython)
+
+
 def test_an_optimizer_step_cut_half_way_says_so(ipython, cluster):
     with pytest.raises(RankError) as info:
         run(
