@@ -44,9 +44,9 @@ _EXIT_WAIT_S = 3.0
 # status query or pull, for as long as the cluster runs): trimmed to this many.
 HISTORY_KEPT = 1000
 _JOB_END_S = 20.0  # a cancelled job's steps end within Slurm's KillWait (2 s in the tests)
-
-
-CLIENT_DIGESTS = 16384
+# Message digests the client's session remembers (replay protection; jupyter_client keeps
+# 65,536, ~10 MB): ~16 messages a cell at 3 ranks, so the last ~250 cells' (620 KB).
+CLIENT_DIGESTS = 4096
 
 
 class Cluster:

@@ -168,6 +168,7 @@ class LivePanels:
         import ipywidgets as w
 
         self._bq = bq
+        self._widget_type = w.Widget
         self._tooltip = bq.Tooltip(fields=["name"], labels=["line"])  # shared by every line
         self.figures, self._lines, self._scales = [], [], []
         width, height = PANEL_PX
@@ -203,6 +204,19 @@ class LivePanels:
         self.widget = w.Box([self.legend, grid], layout=w.Layout(flex_flow="column"))
         self.widget.add_class("nbtrain-live")
         self.step = 0
+
+    def close(self) -> None:
+        """Close every widget of the curves (figures, their marks, axes, scales and
+        interactions, the legend): their models leave the kernel and the page."""
+        parts = [self.widget, self.legend, self._tooltip, *self.widget.children[1:]]
+        for fig in self.figures:
+            parts += [fig, fig.interaction, fig.scale_x, fig.scale_y, *fig.marks, *fig.axes]
+        parts += [scale for pair in self._scales for scale in pair]
+        parts += [getattr(part, k, None) for part in parts for k in ("layout", "style")]
+        for part in parts:
+            if isinstance(part, self._widget_type):
+                part.close()
+        self.figures, self._lines, self._scales = [], [], []
 
     def update(self, summaries: dict) -> None:
         """New data to every panel's lines (a line per new rank is added once)."""

@@ -1,7 +1,7 @@
 """Do engines that live for thousands of cells keep their memory per cell bounded?
 
     python tests/stress/engine_memory.py [--cells 1000] [--ranks 3] [--errors 20]
-                                         [--interrupts 20] [--steps 4] [--warmup 100]
+                                         [--interrupts 20] [--steps 4] [--warmup 300]
                                          [--max-engine-mib 4] [--max-kernel-mib 16]
                                          [--every 100]
 
@@ -16,7 +16,8 @@ warm-up has one of each besides: the first failure pays once for what later ones
 reuse (~19 MiB an engine: the traceback formatter's imports and caches, the
 post-mortem of the last failure).
 
-After `--warmup` cells it takes each engine's and the kernel's RSS as the baseline, and
+After `--warmup` cells (default: until the bounded buffers are full, the step history's
+1000 rows a rank, 300 cells of 4 steps) it takes each engine's and the kernel's RSS as the baseline, and
 the bytes of each part that keeps something per cell (the IPython shell's input history,
 output cache, history database and cells in linecache, the kernel session's message
 digests, the traceback formatter's source caches, nbtrain's telemetry; in the kernel
@@ -38,7 +39,10 @@ import tempfile
 import time
 
 # Run by path, this folder is first on the search path: the soak's kernel driver.
-from soak_session import PROCS, Kernel, identity, rss_mib, survivors
+from soak_session import PROCS, REPO, Kernel, identity, rss_mib, survivors
+
+sys.path.insert(0, REPO)  # the checkout's nbtrain, as the kernel's
+from nbtrain.telemetry.steplog import DEFAULT_HISTORY  # noqa: E402 (after the path)
 
 SETUP = """%%distributed
 import time, torch
@@ -298,12 +302,16 @@ def main(argv=None) -> int:
     parser.add_argument("--errors", type=int, default=20, help="cells where a rank raises")
     parser.add_argument("--interrupts", type=int, default=20, help="cells stopped by interrupt")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per cell")
-    parser.add_argument("--warmup", type=int, default=None, help="default cells/10, at least 5")
+    parser.add_argument(
+        "--warmup", type=int, default=None, help="default: the cells that fill the step history"
+    )
     parser.add_argument("--max-engine-mib", type=float, default=4.0)
     parser.add_argument("--max-kernel-mib", type=float, default=16.0)
     parser.add_argument("--every", type=int, default=100, help="cells between progress lines")
     args = parser.parse_args(argv)
-    args.warmup = max(5, args.cells // 10) if args.warmup is None else args.warmup
+    if args.warmup is None:  # until the bounded buffers are full: cells/10, at least
+        # the cells that fill the step history (DEFAULT_HISTORY rows a rank) and 50 more
+        args.warmup = max(5, args.cells // 10, -(-DEFAULT_HISTORY // args.steps) + 50)
     if args.errors + args.interrupts > (args.cells - args.warmup) // 2:
         parser.error("errors and interrupts need at least two cells each after warm-up")
     with tempfile.TemporaryDirectory(prefix="nbtrain-memory-") as work:

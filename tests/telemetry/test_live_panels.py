@@ -146,3 +146,31 @@ def test_after_a_cell_the_picture_holds_every_panel_and_the_button_brings_the_cu
     _feed(board, synthetic.summaries(2, 12), 3)  # the next cell: the curves again
     assert board.live.widget.layout.display is None and board.image.layout.display is None
     assert board.toggle.layout.display == "none"
+
+
+def test_a_newer_dashboard_retires_the_old_one_to_its_numbers_and_picture():
+    """Each `--dashboard` cell shows a new dashboard; the one it replaces keeps its table
+    and last picture and lets go of its ranks' histories and its curves' widgets (every
+    old one kept its 96 widgets and its histories for the session)."""
+    import ipywidgets.widgets.widget as widget
+
+    start = set(widget._instances)
+    old = _board()
+    old.show()
+    summaries = synthetic.summaries(2, 8)
+    _feed(old, summaries, 1)
+    old.update({r: dict(s, seq=2) for r, s in summaries.items()}, final=True)
+    old.wait_drawn(120)
+    picture, table = old.image.value, old.header.value
+    assert picture and "<table" in table
+    olds = set(widget._instances) - start
+    _board().show()
+    assert old.summaries == {} and old.live is None
+    assert old.widget.children == (old.header, old.image)
+    assert old.image.value == picture and old.header.value == table
+    assert old.image.layout.display is None  # the picture, not the hidden curves
+    # What is left of it: its box, table and picture, their layouts, the table's style.
+    kept = {widget._instances[k] for k in olds & set(widget._instances)}
+    parts = (old.widget, old.header, old.image)
+    want = {*parts, *(w.layout for w in parts), old.header.style}
+    assert {id(w) for w in kept} == {id(w) for w in want}, (len(olds), kept)
