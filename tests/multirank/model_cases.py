@@ -67,20 +67,27 @@ def _rows_batch(vocab: int, rows: int = 4):
     )
 
 
+def _transformers_logits(path: str, batch=None):
+    """(the batch, transformers' own logits for it from the folder `path`); the batch
+    is made for the folder's vocabulary when not given."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    batch = batch if batch is not None else _rows_batch(model.config.vocab_size)
+    with torch.no_grad():
+        return batch, model(batch.input_ids).logits.float()
+
+
 def hf_logits(folders: dict, layouts: list):
     """For each folder (kind -> path) and layout (parallel kwargs): the largest |logit
     difference| of the "nbtrain" backend loaded from the folder against transformers'
     own model loaded from it, and of the "reference" backend: {(kind, i): (nb, ref)}."""
-    import transformers
 
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
 
     out = {}
     for kind, path in folders.items():
-        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        batch = _rows_batch(hf.config.vocab_size)
-        with torch.no_grad():
-            want = hf(batch.input_ids).logits.float()
+        batch, want = _transformers_logits(path)
         for i, parallel in enumerate(layouts):
             diffs = []
             for backend in ("nbtrain", "reference"):
@@ -228,17 +235,12 @@ def exported(folders: dict, layouts: list, out_root: str, steps: int = 2):
     against the folder it started from, files written)}."""
     import os
 
-    import transformers
-
     import nbtrain
     from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
 
     out = {}
     for kind, path in folders.items():
-        start = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        batch = _rows_batch(start.config.vocab_size)
-        with torch.no_grad():
-            before = start(batch.input_ids).logits.float()
+        batch, before = _transformers_logits(path)
         for i, parallel in enumerate(layouts):
             nb = NBConfig(
                 model_name=MODEL_OF[kind],
@@ -257,9 +259,7 @@ def exported(folders: dict, layouts: list, out_root: str, steps: int = 2):
             folder = os.path.join(out_root, f"{kind}-{i}")
             written = rt.save_pretrained(handle, folder)
             nbtrain.synchronize()
-            hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-            with torch.no_grad():
-                want = hf(batch.input_ids).logits.float()
+            _, want = _transformers_logits(folder, batch)
             moved = float((got - before).abs().max())
             out[(kind, i)] = (float((got - want).abs().max()), moved, sorted(written))
     return out

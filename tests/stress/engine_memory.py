@@ -44,8 +44,8 @@ from soak_session import PROCS, REPO, Kernel, identity, rss_mib, survivors
 sys.path.insert(0, REPO)  # the checkout's nbtrain, as the kernel's
 from nbtrain.telemetry.steplog import DEFAULT_HISTORY  # noqa: E402 (after the path)
 
-SETUP = """%%distributed
-import time, torch
+# The model every cell trains (restart_memory.py builds it too).
+MODEL = """import time, torch
 from nbtrain.models import GPT, GPTConfig
 torch.manual_seed(0)
 model = nbt.wrap(GPT(GPTConfig(vocab_size=64, hidden=32, heads=2, layers=2, seq_len=16)),
@@ -53,7 +53,11 @@ model = nbt.wrap(GPT(GPTConfig(vocab_size=64, hidden=32, heads=2, layers=2, seq_
 opt = nbt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
 manager = nbt.optim.OptimManager(loss_scale=None)
 manager.add_optimizer(opt)
-step = 0
+"""
+SETUP = (
+    "%%distributed\n"
+    + MODEL
+    + """step = 0
 
 def train(steps, fail_on=None, pause_s=0.0):
     global step
@@ -69,6 +73,7 @@ def train(steps, fail_on=None, pause_s=0.0):
         time.sleep(pause_s)
 print("ready", flush=True)
 """
+)
 TRAIN = """%%distributed
 print("cell {i} start", flush=True)
 train({steps}, fail_on={fail_on}, pause_s={pause_s})

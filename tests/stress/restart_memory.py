@@ -22,23 +22,20 @@ import sys
 import tempfile
 
 # Run by path, this folder is first on the search path: the soak's kernel driver.
+from engine_memory import MODEL
 from soak_session import Kernel, rss_mib
 
-TRAIN = """%%distributed --dashboard
-import torch
-from nbtrain.models import GPT, GPTConfig
-torch.manual_seed(0)
-model = nbt.wrap(GPT(GPTConfig(vocab_size=64, hidden=32, heads=2, layers=2, seq_len=16)),
-                 zero_level=3)
-opt = nbt.optim.AdamOptimizer(model.parameters(), lr=1e-3)
-manager = nbt.optim.OptimManager(loss_scale=None)
-manager.add_optimizer(opt)
+TRAIN = (
+    "%%distributed --dashboard\n"
+    + MODEL
+    + """\
 for n in nbt.progress(range(8), desc="train"):
     data = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(n))
     manager.zero_grad()
     manager.backward(model.loss(data, data.roll(1, dims=1)))
     manager.step()
 """
+)
 WIDGETS = """import gc, ipywidgets.widgets.widget as _w
 gc.collect()
 print("WIDGETS", len(_w._instances))
