@@ -218,7 +218,7 @@ def test_load_peak_per_rank_is_about_its_shard(tmp_path):
     print("\nfrom_pretrained peak per rank (MiB above baseline, shard):", report)
 
 
-LORA_CASES = [("sgd", 2), ("adamw", 3)]
+LORA_CASES = [("sgd", 2), ("adamw", 3), ("adamw", 2), ("sgd", 3)]
 
 
 @pytest.mark.parametrize("case", LORA_CASES, ids=lambda c: "-".join(map(str, c)))

@@ -39,10 +39,9 @@ import tempfile
 import time
 
 # Run by path, this folder is first on the search path: the soak's kernel driver.
-from soak_session import PROCS, REPO, Kernel, identity, rss_mib, survivors
+from soak_session import PROCS, Kernel, identity, rss_mib, survivors
 
-sys.path.insert(0, REPO)  # the checkout's nbtrain, as the kernel's
-from nbtrain.telemetry.steplog import DEFAULT_HISTORY  # noqa: E402 (after the path)
+from nbtrain.telemetry.steplog import DEFAULT_HISTORY
 
 # The model every cell trains (restart_memory.py builds it too).
 MODEL = """import time, torch

@@ -58,20 +58,26 @@ def test_widget_state_is_stored_with_the_figure(executed):
     # Each dashboard is its table, the curves' button and grid and its figure: progress
     # is rank 0's bar in the cell's output only (a progress widget in the dashboard
     # showed it a second time). After its cell the figure holds every panel and is
-    # shown, the curves hidden: what a saved or exported notebook shows.
+    # shown, the curves hidden: what a saved or exported notebook shows. The first,
+    # retired by the second, is its table and figure alone (its curves closed).
     boards = [m["state"] for m in state.values() if m["model_name"] == "VBoxModel"]
+    boards.sort(key=lambda b: len(b["children"]))  # the retired one first
     kinds = [
         [state[c.removeprefix("IPY_MODEL_")]["model_name"] for c in b["children"]] for b in boards
     ]
-    assert kinds == [["HTMLModel", "ToggleButtonModel", "BoxModel", "ImageModel"]] * 2, kinds
+    assert kinds == [
+        ["HTMLModel", "ImageModel"],
+        ["HTMLModel", "ToggleButtonModel", "BoxModel", "ImageModel"],
+    ], kinds
 
     def display(child):
         layout = state[child.removeprefix("IPY_MODEL_")]["state"]["layout"]
         return state[layout.removeprefix("IPY_MODEL_")]["state"].get("display")
 
-    for b in boards:
-        _, button, grid, image = b["children"]
-        assert (display(button), display(grid), display(image)) == (None, "none", None)
+    _, image = boards[0]["children"]
+    assert display(image) is None  # the retired board shows its figure
+    _, button, grid, image = boards[1]["children"]
+    assert (display(button), display(grid), display(image)) == (None, "none", None)
     later = nb.cells[dashboard_notebook.DASHBOARD_CELL].outputs
     assert [o["output_type"] for o in later] == ["display_data"]
     assert "application/vnd.jupyter.widget-view+json" in later[0]["data"]
