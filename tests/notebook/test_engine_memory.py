@@ -82,7 +82,11 @@ def test_restarts_with_dashboards_leave_the_kernel_bounded():
     (old dashboards kept their histories and curves): now the old board's table and
     picture (7 widgets), and well under 1 MiB."""
     cmd = [sys.executable, os.path.join(ROOT, "tests", "stress", "restart_memory.py")]
-    done = subprocess.run(cmd + ["--rounds", "5"], capture_output=True, text=True, timeout=400)
+    # RSS settles over the first rounds on a loaded machine (CI: +2.2, +0.7, +0.3 MiB from
+    # the second round): 2.5 MiB a round here, against 5.5-7.6 before; the widgets are
+    # the sharp check (+118 a round before).
+    args = ["--rounds", "5", "--max-mib-a-round", "2.5"]
+    done = subprocess.run(cmd + args, capture_output=True, text=True, timeout=400)
     print(done.stdout[-2000:])
     assert "restart memory:" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.returncode == 0, done.stdout[-2000:]

@@ -123,8 +123,15 @@ _p = _shell_parts(get_ipython())
 _p["telemetry raw events"] = _bytes(_t.RECORDER.events)
 _p["telemetry step history"] = _bytes(_t.RECORDER.log)
 _p["objects (count)"] = len(_gc.get_objects())
-_p["gloo threads (count)"] = sum("gloo" in open(_t + "/comm").read()
-                                 for _t in __import__("glob").glob("/proc/self/task/*"))
+def _gloo_threads():
+    n = 0
+    for task in __import__("glob").glob("/proc/self/task/*"):
+        try:
+            n += "gloo" in open(task + "/comm").read()
+        except OSError:  # the thread ended meanwhile
+            pass
+    return n
+_p["gloo threads (count)"] = _gloo_threads()
 print("PARTS", _json.dumps(_p), flush=True)
 """
 )
