@@ -51,6 +51,7 @@ LAST_STEP_EVERY_S = 5.0
 LIVE_EVERY_S = 0.3
 
 _CURRENT: "Dashboard | None" = None
+_RETIRING: list = []  # dashboards a newer one replaced, retired after its first cell
 
 
 def current() -> "Dashboard | None":
@@ -151,15 +152,16 @@ class Dashboard:
         global _CURRENT
         if _CURRENT is not self:
             settle()
-            if _CURRENT is not None:
-                _CURRENT.retire()
+            if _CURRENT is not None:  # retired once this one's first cell is done
+                _RETIRING.append(_CURRENT)
         _CURRENT = self
         self._ipython_display_()
         return self
 
     def retire(self) -> None:
-        """A newer dashboard took over: this one keeps its numbers and its last picture
-        in the notebook, and lets go of its ranks' histories and its live curves. Each
+        """A newer dashboard took over (retired when the newer one's first cell ends):
+        this one keeps its numbers and its last picture in the notebook, and lets go of
+        its ranks' histories and its live curves. Each
         `%%distributed --dashboard` cell shows a new dashboard, and every old one kept
         its histories (5 MB at 3 ranks) and its curves' widgets (63) for the session."""
         self.summaries, self._queued, self._first_step, self._seen = {}, None, {}, {}
@@ -190,6 +192,9 @@ class Dashboard:
                 merged["last_step"] = None  # the previous cell's
             self.summaries[rank] = merged
             self._dirty = True
+        if final:
+            while _RETIRING:  # after the cell: closing its widgets held up the first frame
+                _RETIRING.pop().retire()
         if not self._dirty:
             return
         self._update_numbers()

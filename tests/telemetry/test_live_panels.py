@@ -164,7 +164,12 @@ def test_a_newer_dashboard_retires_the_old_one_to_its_numbers_and_picture():
     picture, table = old.image.value, old.header.value
     assert picture and "<table" in table
     olds = set(widget._instances) - start
-    _board().show()
+    new = _board()
+    new.show()
+    assert old.live is not None  # kept while the new board's cell runs
+    _feed(new, synthetic.summaries(2, 4), 1)
+    assert old.live is not None
+    new.update({}, final=True)  # the new board's cell ended
     assert old.summaries == {} and old.live is None
     assert old.widget.children == (old.header, old.image)
     assert old.image.value == picture and old.header.value == table
