@@ -19,12 +19,15 @@ else
     python3 -m pip install -q "torch==2.13.0" || python3 -m pip install -q "torch>=2.4"
     python3 -m pip install -q -e ".[test,notebook]"  # notebook: JupyterLab, for its test
 fi
-# Optional system tools for the MPI launcher test and the browser screenshot test;
-# the tests that need them skip with a reason when these cannot be installed.
+# Optional system tools for the MPI launcher tests, the browser screenshot test and the
+# Slurm tests (installed here once, not by two test workers at a time); the tests that
+# need them skip with a reason when these cannot be installed.
 if [ "$quick" = 0 ] && command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
-    if ! command -v mpiexec >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1; then
-        (apt-get update -qq && apt-get install -y -qq openmpi-bin libopenmpi-dev chromium >/dev/null) \
-            || echo "note: apt-get could not install openmpi/chromium; their tests will skip"
+    if ! command -v mpiexec >/dev/null 2>&1 || ! command -v chromium >/dev/null 2>&1 \
+        || ! command -v slurmd >/dev/null 2>&1; then
+        (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+            openmpi-bin libopenmpi-dev chromium slurm-wlm munge >/dev/null) \
+            || echo "note: apt-get could not install openmpi/chromium/slurm; their tests will skip"
     fi
     python3 -m pip install -q mpi4py || echo "note: mpi4py not installed; the MPI test will skip"
 fi

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from . import collectives, links, teardown
 from . import topology as _topology
 from .renamed import renamed_kwargs
-from .store import rendezvous_store
+from .store import rendezvous_store, use_interface_toward
 from .topology import Topology
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -196,6 +196,8 @@ def init_distributed(
                     f"WORLD_SIZE={world} but {', '.join(missing)} is not set; "
                     "launch with torchrun or set the rendezvous address"
                 )
+            if backend == "gloo":  # gloo's connections on the interface toward MASTER_ADDR
+                use_interface_toward(os.environ["MASTER_ADDR"])
             with links.recording():  # the group's connections, closed on a failure
                 # The store listens on MASTER_ADDR only, not on every interface (store.py).
                 store = rendezvous_store(rank, world, timeout)

@@ -7,6 +7,13 @@ anyone who can reach the port could abort or stop a run. Here rank 0 binds the
 listening socket itself, to MASTER_ADDR (127.0.0.1 for a notebook cluster on one
 host: loopback only), and hands it to TCPStore (`master_listen_fd`).
 
+Gloo's own connections (a listener per peer) bind to the address its device picks: by
+default the one this host's name resolves to, and loopback when the name does not
+resolve, which no other host reaches (the ranks of a second node then fail with
+"connectFullMesh ... Connection refused, remote=[127.0.0.1]"). `use_interface_toward`
+points gloo (GLOO_SOCKET_IFNAME) at the interface this rank reaches MASTER_ADDR through,
+unless the user chose one.
+
 Not covered, and why:
   * under torchrun (TORCHELASTIC_USE_AGENT_STORE=True) the ranks use the store of
     torchrun's own agent, which torchrun binds to every interface; nbtrain opens no
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import warnings
 from datetime import timedelta
 
@@ -51,6 +59,45 @@ def _bound_listener(addr: str, port: int) -> socket.socket | None:
                     f"the rendezvous port {addr}:{port} is in use; pick another MASTER_PORT"
                 ) from err
     return None
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def interface_of(ip: str) -> str | None:
+    """The name of this host's interface that holds IPv4 address `ip` (Linux), or None."""
+    if not hasattr(socket, "if_nameindex"):
+        return None
+    import fcntl
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+        for _, name in socket.if_nameindex():
+            try:
+                request = struct.pack("256s", name.encode())
+                answer = fcntl.ioctl(sock.fileno(), _SIOCGIFADDR, request)
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(answer[20:24]) == ip:
+                return name
+    return None
+
+
+def use_interface_toward(master_addr: str) -> str | None:
+    """Sets GLOO_SOCKET_IFNAME to the interface this host reaches `master_addr` through
+    (the user's own GLOO_SOCKET_IFNAME wins); returns the name set, or None."""
+    if os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        target = socket.getaddrinfo(master_addr, None, socket.AF_INET)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((target, 9))  # UDP: picks the route, sends nothing
+            source = sock.getsockname()[0]
+    except OSError:
+        return None  # no IPv4 route: gloo's default, as before
+    name = interface_of(source)
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = name
+    return name
 
 
 def rendezvous_store(rank: int, world: int, timeout: timedelta) -> dist.Store | None:

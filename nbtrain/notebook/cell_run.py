@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 
-from .errors import RESTART_HINT, CellTimeoutError, RankDiedError, RankError
+from .errors import RESTART_HINT, CellTimeoutError, RankError
 from .progress_bar import CellProgress
 from .recover import abort_from_notebook, recover_group
 
@@ -275,7 +275,7 @@ def _raise_if_dead(cluster, ranks: list[int], printer: RankOutput) -> None:
     dead = cluster.dead_ranks(ranks)
     if dead:
         printer.flush(final=True)
-        raise RankDiedError(dead)
+        raise cluster.died(dead)
 
 
 def _on_timeout(cluster, ar, ranks, timeout_s, printer) -> None:

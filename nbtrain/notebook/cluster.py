@@ -18,6 +18,7 @@ cluster (HMAC-SHA256); nbtrain opens no listener of its own.
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import sys
 import time
@@ -68,6 +69,9 @@ class Cluster:
             e.g. ["--qos=high"]). `n` must equal nodes x ntasks_per_node (refused
             before submitting); either may be left out and is then derived.
         master_addr: the rendezvous address (MASTER_ADDR); default rank 0's address.
+        mpi_args: extra mpiexec arguments for launcher="mpi" (a list, or one string
+            split like a shell line), e.g. "--host node1:2,node2:2" for ranks on two
+            hosts; the engines' environment is passed to remote ranks by name.
         profile_dir: ipyparallel profile directory (default: ipyparallel's).
     """
 
@@ -83,6 +87,7 @@ class Cluster:
         profile_dir: str | None = None,
         tp_size: int = 1,
         master_addr: str | None = None,
+        mpi_args: list | str | None = None,
     ):
         if launcher not in LAUNCHERS:
             raise ValueError(f"launcher={launcher!r}: use one of {', '.join(LAUNCHERS)}")
@@ -94,6 +99,11 @@ class Cluster:
             raise ValueError(
                 f"slurm options {sorted(slurm)} need launcher='slurm', not {launcher!r}"
             )
+        if mpi_args and launcher != "mpi":
+            raise ValueError(f"mpi_args need launcher='mpi', not {launcher!r}")
+        if isinstance(mpi_args, str):
+            mpi_args = shlex.split(mpi_args)
+        self.mpi_args = list(mpi_args or [])
         if launcher == "slurm":
             n, slurm = _slurm.resolve_layout(n, slurm or {})  # before anything is submitted
         self.n, self.backend, self.launcher, self.tp_size = n, backend, launcher, tp_size
@@ -165,7 +175,7 @@ class Cluster:
                 "--HeartMonitor.period=500",
                 "--HeartMonitor.max_heartmonitor_misses=60",
             ],
-            config=engine_config(self.launcher, self.slurm),
+            config=engine_config(self.launcher, self.slurm, self.mpi_args),
             **kwargs,
         )
         _LIVE.add(self)
@@ -212,6 +222,12 @@ class Cluster:
             except TimeoutError:
                 if future.done():
                     break
+            except Exception as err:  # ipyparallel's EngineError: the launcher exited
+                tail = self._launcher_output()
+                raise DistributedError(
+                    f"the engines' {self.launcher} launcher ended before {n} engines "
+                    f"registered ({err})" + (f"; its output ends with:\n{tail}" if tail else "")
+                ) from None
             if self.job is not None and not self.job.running(max_age_s=0):
                 raise self.job.ended_error("before all its engines registered")
         tail = self.job.output_tail() if self.job is not None else ""
@@ -220,6 +236,16 @@ class Cluster:
             f"{self.start_timeout_s:g} s"
             + (f"; the job's output ends with:\n{tail}" if tail else "")
         )
+
+    def _launcher_output(self, lines: int = 60) -> str:
+        """The last lines the engines' launcher (mpiexec, ...) printed."""
+        out = []
+        for launcher in self._ipp.engines.values():
+            try:
+                out += launcher.get_output(remove=False).splitlines()
+            except OSError:
+                pass
+        return "\n".join(out[-lines:])
 
     def stop(self) -> None:
         """Stop every engine and the controller; no process of the cluster remains."""
@@ -396,8 +422,13 @@ class Cluster:
         self._forget_finished()
         dead = self.dead_ranks(range(self.world_size))
         if dead:
-            raise RankDiedError(dead)
+            raise self.died(dead)
         return ranks
+
+    def died(self, dead: list[int]) -> RankDiedError:
+        """The error for ranks `dead`, naming their hosts when the ranks span several."""
+        hosts = {r: info["host"] for r, info in enumerate(self.ranks)}
+        return RankDiedError(dead, hosts if len(set(hosts.values())) > 1 else None)
 
     def _forget_finished(self) -> None:
         """Bound what the client keeps per request: an hours-long session sends

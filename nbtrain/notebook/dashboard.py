@@ -22,6 +22,7 @@ The picture is redrawn at most once per `redraw_s` (matplotlib, same panels as
 
 from __future__ import annotations
 
+import html
 import statistics
 import threading
 import time
@@ -322,10 +323,19 @@ class Dashboard:
                     mem.get("cuda_allocated_bytes", mem.get("rss_bytes")),
                 )
             )
+        # A host column once the ranks span several hosts (a rank's host, or how many
+        # hosts an aggregated row covers).
+        hosts = {rank: s.get("host") for rank, s in self.summaries.items() if s.get("host")}
+        several = len(set(hosts.values())) > 1
         if len(rows) > MAX_RANKS_SHOWN:
             rows = _aggregate(rows)
+            where = {row[0]: f"{len(set(hosts.values()))} hosts" for row in rows}
+        else:
+            where = {row[0]: html.escape(hosts.get(row[0], "-")) for row in rows}
         cells = "".join(
-            f"<tr><td>{r}</td><td>{step}</td><td>{_fmt(loss, '.4f')}</td>"
+            f"<tr><td>{r}</td>"
+            + (f"<td>{where[r]}</td>" if several else "")
+            + f"<td>{step}</td><td>{_fmt(loss, '.4f')}</td>"
             f"<td>{_fmt(ms, '.1f')} ms</td>"
             f"<td>{_fmt(None if ov is None else 100 * ov, '.0f')}%</td>"
             f"<td>{_fmt(None if mem is None else mem / 2**20, '.0f')} MiB</td></tr>"
@@ -333,7 +343,8 @@ class Dashboard:
         )
         self.header.value = (
             "<table style='font-family:monospace'><tr><th>rank</th>"
-            "<th>step</th><th>loss</th><th>step time</th>"
+            + ("<th>host</th>" if several else "")
+            + "<th>step</th><th>loss</th><th>step time</th>"
             "<th>hidden comm</th><th>memory</th>"
             f"</tr>{cells}</table>"
         )

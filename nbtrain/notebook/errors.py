@@ -60,9 +60,13 @@ class RankError(DistributedError):
 class RankDiedError(DistributedError):
     """A rank's engine process exited while a cell ran (OOM killer, SIGKILL, crash)."""
 
-    def __init__(self, ranks: list[int]):
+    def __init__(self, ranks: list[int], hosts: dict[int, str] | None = None):
+        """`hosts`: each rank's host, named in the message (a cluster of several hosts)."""
         self.ranks = sorted(ranks)
-        who = ", ".join(f"rank {r}" for r in self.ranks)
+        self.hosts = dict(hosts or {})
+        who = ", ".join(
+            f"rank {r}" + (f" on {self.hosts[r]}" if r in self.hosts else "") for r in self.ranks
+        )
         super().__init__(
             f"{who} died while the cell ran (killed, out of memory or crashed). "
             f"The other ranks cannot finish a collective without it. {RESTART_HINT}"

@@ -93,22 +93,98 @@ def slurm_template(
     )
 
 
+def mpi_flavour(mpiexec: str = "mpiexec") -> str | None:
+    """ "openmpi", "hydra" (MPICH, Intel MPI) or None, from `mpiexec --version`."""
+    import subprocess
+
+    try:
+        done = subprocess.run(
+            [mpiexec, "--version"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    text = done.stdout + done.stderr
+    if "Open MPI" in text or "OpenRTE" in text:
+        return "openmpi"
+    if "HYDRA" in text or "Intel(R) MPI" in text:
+        return "hydra"
+    return None
+
+
+def mpi_env_args(names, flavour: str | None) -> list[str]:
+    """mpiexec arguments that pass the variables `names` to ranks on other hosts.
+
+    mpiexec starts a remote rank with the remote login's environment (ssh): the
+    engine's variables must be named to reach it. Open MPI: `-x NAME` each; Hydra:
+    `-genvlist A,B`; an unknown mpiexec gets none (its ranks get what its launcher gives).
+    """
+    names = sorted(names)
+    if flavour == "openmpi":
+        return [arg for name in names for arg in ("-x", name)]
+    if flavour == "hydra":
+        return ["-genvlist", ",".join(names)]
+    return []
+
+
+# Variables of the notebook's process that remote engines need too: where IPython finds
+# the cluster's profile and connection files, and nbtrain's own settings.
+_FORWARDED_PREFIXES = ("IPYTHONDIR", "JUPYTER_", "MPLCONFIGDIR", "NBTRAIN_", "GLOO_", "NCCL_")
+# What ipyparallel gives an engine set when it starts it: the controller's address and key
+# (passed by name, so the key is not on mpiexec's command line), the cluster and profile.
+_IPP_VARIABLES = ("IPP_CONNECTION_INFO", "IPP_CLUSTER_ID", "IPP_PROFILE_DIR")
+
+
+def mpi_engine_launcher_class():
+    """ipyparallel's MPIEngineSetLauncher, without MPI in the engines.
+
+    ipyparallel starts each engine with `--mpi`: it imports mpi4py, so MPI_Init runs at
+    boot, and Open MPI then listens on every interface (its TCP transport, ports from
+    1024) on every rank, while nbtrain's ranks talk through torch.distributed and read
+    their MPI ranks from the environment (engine_boot). Without the flag an engine
+    needs no mpi4py; a cell that imports mpi4py still gets MPI as before.
+    """
+    from ipyparallel.cluster.launcher import MPIEngineSetLauncher
+
+    class NbtrainMPIEngineSetLauncher(MPIEngineSetLauncher):
+        entrypoint_name = "mpi"  # cluster files name it so; ipyparallel's own can stop it
+
+        @property
+        def program(self):
+            return self.engine_cmd
+
+    return NbtrainMPIEngineSetLauncher
+
+
 def engine_launcher(launcher: str):
     """What `ipyparallel.Cluster(engines=...)` gets for `launcher`."""
     if launcher == "slurm":
         from .slurm import engine_launcher_class
 
         return engine_launcher_class()
+    if launcher == "mpi":
+        return mpi_engine_launcher_class()
     return launcher
 
 
-def engine_config(launcher: str, slurm: dict | None = None):
-    """traitlets Config for ipyparallel's engine launcher of kind `launcher`."""
+def engine_config(launcher: str, slurm: dict | None = None, mpi_args: list | None = None):
+    """traitlets Config for ipyparallel's engine launcher of kind `launcher`.
+
+    `mpi_args`: extra mpiexec arguments (hosts, a remote agent); the engine
+    environment is passed on to remote ranks by name (`mpi_env_args`).
+    """
     from traitlets.config import Config
 
     cfg = Config()
     section = cfg[_ENGINE_SET_CLASSES[launcher]]
     section.environment = engine_environment(launcher)
+    if launcher == "mpi":
+        names = set(section.environment) | set(_IPP_VARIABLES)
+        names |= {name for name in os.environ if name.startswith(_FORWARDED_PREFIXES)}
+        section.mpi_args = mpi_env_args(names, mpi_flavour()) + list(mpi_args or [])
     if launcher == "slurm":
         from .slurm import resolve_layout
 

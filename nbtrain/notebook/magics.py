@@ -158,6 +158,13 @@ class NbtrainMagics(Magics):
         metavar="ADDR",
         help="start: rendezvous address (MASTER_ADDR; default: rank 0's address)",
     )
+    @argument(
+        "--mpi-args",
+        default=None,
+        metavar="ARGS",
+        help="start, mpi: extra mpiexec arguments in one quoted string, e.g. "
+        '--mpi-args "--host node1:2,node2:2" for ranks on two hosts',
+    )
     @argument("--nodes", type=int, default=None, help="start, slurm: number of nodes (default 1)")
     @argument(
         "--ntasks-per-node",
@@ -270,6 +277,14 @@ class NbtrainMagics(Magics):
         args.expr = expr
         check_n(args.n)
         args.slurm = slurm_options(args)
+        if args.mpi_args is not None:
+            if args.launcher != "mpi":
+                raise UsageError(
+                    "--mpi-args: mpiexec arguments, for `%nbtrain start --launcher mpi`"
+                )
+            quote = args.mpi_args[:1]  # IPython's splitting keeps the quotes of "A B"
+            if quote in ("'", '"') and args.mpi_args.endswith(quote) and len(args.mpi_args) > 1:
+                args.mpi_args = args.mpi_args[1:-1]
         if args.action == "start" and args.timeout is not None:
             warn_renamed("`%nbtrain start --timeout`", "--start-timeout-s", stacklevel=2)
             if args.start_timeout_s is None:
@@ -333,6 +348,7 @@ class NbtrainMagics(Magics):
             start_timeout_s=timeout,
             slurm=args.slurm,
             master_addr=args.master_addr,
+            mpi_args=args.mpi_args,
             **extra,
         )
         _current = cluster.start()

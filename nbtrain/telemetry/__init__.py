@@ -92,7 +92,11 @@ class Recorder:
         with self._lock:
             out = self.log.summary(max_points)
             out.update(
-                rank=io.current_rank(), step=self.step, seq=self.last_seq, progress=self.progress
+                rank=io.current_rank(),
+                host=io.host_name(),
+                step=self.step,
+                seq=self.last_seq,
+                progress=self.progress,
             )
         return out
 

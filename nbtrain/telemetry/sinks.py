@@ -33,12 +33,17 @@ def _world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def host_name() -> str:
+    """This rank's host: `NBTRAIN_HOST` (a test's pretend host) or the host name."""
+    return os.environ.get("NBTRAIN_HOST") or socket.gethostname()
+
+
 def meta() -> dict:
     return {
         "rank": current_rank(),
         "world_size": _world_size(),
         "pid": os.getpid(),
-        "host": socket.gethostname(),
+        "host": host_name(),
         "wall_time": time.time(),
     }
 

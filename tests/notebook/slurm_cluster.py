@@ -56,7 +56,9 @@ def install() -> str | None:
     if shutil.which("apt-get") is None:
         return "Slurm is not installed and there is no apt-get to install slurm-wlm and munge"
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install_cmd = ["apt-get", "install", "-y", "-qq", "slurm-wlm", "munge"]
+    # Another test worker may hold dpkg's lock: wait for it rather than fail.
+    install_cmd = ["apt-get", "-o", "DPkg::Lock::Timeout=200", "install", "-y", "-qq"]
+    install_cmd += ["slurm-wlm", "munge"]
     # Measured: about a minute with a network; the three steps stay under the tests'
     # 600 s timeout, which counts this fixture's setup too.
     for attempt, limit_s in (
@@ -78,12 +80,20 @@ def install() -> str | None:
 
 
 class SlurmCluster:
-    """One controller and one node (this host) with their own config, logs and munge."""
+    """One controller and one node (this host) with their own config, logs and munge.
 
-    def __init__(self):
+    With `machines` (tests/support/netns.py's three machines) the controller runs on
+    `login` and one slurmd on each of `node1` and `node2`, each node with its own name,
+    address and spool; munged stays here (its socket is a file every machine reaches), and
+    `run` asks the controller from `login`.
+    """
+
+    def __init__(self, machines=None):
         self.dir = tempfile.mkdtemp(prefix="nbtrain-slurm-")
         os.chmod(self.dir, 0o700)
+        self.machines = machines
         self.node = socket.gethostname().split(".")[0]
+        self.nodes = ["node1", "node2"] if machines is not None else [self.node]
         self.conf = os.path.join(self.dir, "slurm.conf")
         self.munge_socket = os.path.join(self.dir, "munge.socket")
         self.procs: dict[str, subprocess.Popen] = {}
@@ -95,13 +105,23 @@ class SlurmCluster:
         with open(key, "wb") as f:
             f.write(os.urandom(1024))
         os.chmod(key, 0o400)
-        for sub in ("state", "spool"):
+        for sub in ["state", "spool"] + [f"spool-{node}" for node in self.nodes]:
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
         cpus = max(2, os.cpu_count() or 1)
         d = self.dir
+        if self.machines is None:
+            controller = f"{self.node}(127.0.0.1)"
+            nodes = [f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN"]
+        else:  # every machine has its own ports: any free one here serves
+            controller = f"login({self.machines.address['login']})"
+            nodes = [
+                f"NodeName={node} NodeHostname={node} NodeAddr={self.machines.address[node]} "
+                f"CPUs={cpus} State=UNKNOWN"
+                for node in self.nodes
+            ]
         lines = [
             "ClusterName=nbtrain-test",
-            f"SlurmctldHost={self.node}(127.0.0.1)",
+            f"SlurmctldHost={controller}",
             f"SlurmctldPort={_free_port()}",
             f"SlurmdPort={_free_port()}",
             "SlurmUser=root",
@@ -127,22 +147,22 @@ class SlurmCluster:
             "InactiveLimit=0",
             "PropagateResourceLimits=NONE",
             f"StateSaveLocation={d}/state",
-            f"SlurmdSpoolDir={d}/spool",
+            f"SlurmdSpoolDir={d}/spool" + ("-%n" if self.machines is not None else ""),
             f"SlurmctldPidFile={d}/slurmctld.pid",
-            f"SlurmdPidFile={d}/slurmd.pid",
+            f"SlurmdPidFile={d}/slurmd-%n.pid",
             f"SlurmctldLogFile={d}/slurmctld.log",
-            f"SlurmdLogFile={d}/slurmd.log",
-            f"NodeName={self.node} NodeAddr=127.0.0.1 CPUs={cpus} State=UNKNOWN",
+            f"SlurmdLogFile={d}/slurmd-%n.log",
+            *nodes,
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "PartitionName=short Nodes=ALL MaxTime=1 State=UP",
         ]
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")
 
-    def _start(self, name: str, argv: list[str]) -> None:
+    def _start(self, name: str, argv: list[str], machine: str | None = None) -> None:
         log = open(os.path.join(self.dir, f"{name}.out"), "wb")
         self.procs[name] = subprocess.Popen(
-            argv,
+            argv if machine is None else self.machines.argv(machine, argv),
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
@@ -157,6 +177,8 @@ class SlurmCluster:
 
     def run(self, *argv: str, timeout: float = 30) -> subprocess.CompletedProcess:
         """A Slurm command against this cluster (SLURM_CONF set), output captured."""
+        if self.machines is not None:
+            argv = self.machines.argv("login", list(argv))
         return subprocess.run(
             list(argv), env=self.env(), capture_output=True, text=True, timeout=timeout
         )
@@ -180,14 +202,20 @@ class SlurmCluster:
             ],
         )
         self._wait(lambda: os.path.exists(self.munge_socket), 15, "munged did not start")
-        self._start("slurmctld", [_which("slurmctld"), "-D", "-f", self.conf])
-        self._start("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.node])
+        if self.machines is None:
+            self._start("slurmctld", [_which("slurmctld"), "-D", "-f", self.conf])
+            self._start("slurmd", [_which("slurmd"), "-D", "-f", self.conf, "-N", self.node])
+        else:
+            self._start("slurmctld", [_which("slurmctld"), "-D", "-f", self.conf], "login")
+            for node in self.nodes:
+                argv = [_which("slurmd"), "-D", "-f", self.conf, "-N", node]
+                self._start(f"slurmd-{node}", argv, node)
         self._old_conf = os.environ.get("SLURM_CONF")
         os.environ["SLURM_CONF"] = self.conf  # sbatch/squeue/scancel of the code under test
 
         def idle():
-            out = self.run("sinfo", "-h", "-o", "%T", timeout=10).stdout.split()
-            return "idle" in out
+            out = self.run("sinfo", "-h", "-N", "-o", "%T", timeout=10).stdout.split()
+            return bool(out) and all(state == "idle" for state in out)  # a line a partition
 
         self._wait(idle, timeout_s, "the Slurm node did not become idle")
         return self
@@ -204,14 +232,10 @@ class SlurmCluster:
 
     def logs(self, lines: int = 15) -> str:
         out = []
-        for name in (
-            "munged.out",
-            "munged.log",
-            "slurmctld.out",
-            "slurmctld.log",
-            "slurmd.out",
-            "slurmd.log",
-        ):
+        names = ["munged.out", "munged.log", "slurmctld.out", "slurmctld.log"]
+        for node in self.nodes:
+            names += [f"slurmd-{node}.out" if self.machines else "slurmd.out", f"slurmd-{node}.log"]
+        for name in names:
             path = os.path.join(self.dir, name)
             if os.path.exists(path):
                 with open(path, errors="replace") as f:
@@ -227,10 +251,8 @@ class SlurmCluster:
     def _end_daemons(self) -> None:
         """End the daemons this cluster started, by their PIDs. Also run at exit: a
         test run stopped with Ctrl-C left munged, slurmctld and slurmd behind."""
-        for name in reversed(_DAEMONS):
-            proc = self.procs.pop(name, None)
-            if proc is None:
-                continue
+        for name in reversed(list(self.procs)):  # the nodes, the controller, munged
+            proc = self.procs.pop(name)
             proc.terminate()
             try:
                 proc.wait(timeout=10)

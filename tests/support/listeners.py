@@ -19,6 +19,15 @@ def _address(hex_addr: str) -> str:
 
 def listening(pid: int) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket `pid` listens on."""
+    return [local for local, _ in _sockets(pid, "0A")]  # 0A: LISTEN
+
+
+def connected(pid: int) -> list[tuple[tuple[str, int], tuple[str, int]]]:
+    """(local, remote) (address, port) pairs of every established TCP connection of `pid`."""
+    return _sockets(pid, "01")  # 01: ESTABLISHED
+
+
+def _sockets(pid: int, wanted: str) -> list:
     inodes = set()
     fd_dir = f"/proc/{pid}/fd"
     for name in os.listdir(fd_dir):
@@ -37,8 +46,15 @@ def listening(pid: int) -> list[tuple[str, int]]:
             continue
         for row in rows:
             cols = row.split()
-            local, state, inode = cols[1], cols[3], cols[9]
-            if state == "0A" and inode in inodes:  # 0A: LISTEN
-                addr, port = local.split(":")
-                found.append((_address(addr), int(port, 16)))
+            local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+            if state == wanted and inode in inodes:
+                found.append((_endpoint(local), _endpoint(remote)))
     return found
+
+
+def _endpoint(text: str) -> tuple[str, int]:
+    addr, port = text.split(":")
+    addr = _address(addr)
+    if addr.startswith("::ffff:") and "." in addr:  # an IPv4 peer of an IPv6 socket
+        addr = addr[len("::ffff:") :]
+    return addr, int(port, 16)
