@@ -94,7 +94,7 @@ def slurm_template(
 
 
 def mpi_flavour(mpiexec: str = "mpiexec") -> str | None:
-    """ "openmpi", "hydra" (MPICH, Intel MPI) or None, from `mpiexec --version`."""
+    """Which MPI `mpiexec` is: "openmpi", "hydra" (MPICH, Intel MPI) or None (unknown)."""
     import subprocess
 
     try:

@@ -141,6 +141,7 @@ def test_bad_targets_in_a_cell_are_usage_errors(ipython, cluster):
         ("frobnicate", "invalid choice: 'frobnicate'"),
         ("start -n 0", "-n 0"),
         ("restart -n 0", "-n 0"),
+        ("start --mpi-args '--host a:2'", "--mpi-args: mpiexec arguments, for .*--launcher mpi"),
     ],
 )
 def test_bad_usage_is_a_usage_error(ipython, cluster, line, message):

@@ -22,6 +22,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import time
 
 import pytest
@@ -311,3 +313,52 @@ def test_mpi_across_two_nodes(machines, login, tmp_path, capsys):
         stop_and_check_gone(login)
     with capsys.disabled():
         print(f"\nthree machines, MPI: {time.monotonic() - began:.1f} s")
+
+
+TWO_NODES = """
+import os, socket, torch, nbtrain as nbt
+ctx = nbt.init_distributed(pg_timeout_s=30)
+x = torch.ones(1) * (ctx.rank + 1)
+torch.distributed.all_reduce(x)
+print("RANK", ctx.rank, socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"),
+      int(x.item()), flush=True)
+"""
+
+
+def test_torchrun_across_two_nodes(machines, tmp_path):
+    """The same script as a notebook cell, under torchrun on each node: before gloo was
+    pointed at the interface toward MASTER_ADDR, rank 1 failed with "connectFullMesh
+    failed ... Connection refused, remote=[127.0.0.1]" (measured here)."""
+    script = tmp_path / "two_nodes.py"
+    script.write_text(TWO_NODES)
+    procs = []
+    for node_rank, node in enumerate(("node1", "node2")):
+        argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2"]
+        argv += ["--nproc-per-node", "2", "--node-rank", str(node_rank)]
+        argv += ["--master-addr", machines.address["node1"], "--master-port", "29500"]
+        procs.append(
+            machines.popen(
+                node,
+                argv + [str(script)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, "OMP_NUM_THREADS": "1"},
+            )
+        )
+    outs = []
+    for proc in procs:
+        try:
+            outs.append(proc.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            machines.end(proc)
+            outs.append(proc.communicate()[0])
+    text = "\n".join(outs)
+    assert [p.returncode for p in procs] == [0, 0], text[-3000:]
+    rows = sorted(re.findall(r"RANK (\d) (\S+) (\S+) (\d+)", text))
+    assert rows == [
+        ("0", "node1", "eth0", "10"),
+        ("1", "node1", "eth0", "10"),
+        ("2", "node2", "eth0", "10"),
+        ("3", "node2", "eth0", "10"),
+    ], text[-3000:]

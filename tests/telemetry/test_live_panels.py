@@ -179,3 +179,16 @@ def test_a_newer_dashboard_retires_the_old_one_to_its_numbers_and_picture():
     parts = (old.widget, old.header, old.image)
     want = {*parts, *(w.layout for w in parts), old.header.style}
     assert {id(w) for w in kept} == {id(w) for w in want}, (len(olds), kept)
+
+
+def test_the_table_names_each_ranks_host_once_they_span_hosts():
+    board = _board()
+    summaries = synthetic.summaries(4, steps=3)
+    _feed(board, summaries, seq=1)
+    assert "<th>host</th>" not in board.header.value  # one host: no column
+    for rank, s in summaries.items():
+        s["host"] = "node1" if rank < 2 else "node2"
+    _feed(board, summaries, seq=2)
+    assert "<th>host</th>" in board.header.value
+    for rank in range(4):
+        assert f"<tr><td>{rank}</td><td>node{1 + rank // 2}</td>" in board.header.value
