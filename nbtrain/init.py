@@ -9,6 +9,6 @@ topology from the config dict; nbtrain's is made by init_distributed and read fr
 
 from . import init_distributed
 from .comm.context import is_initialized
-from .comm.topology import Topology as topology  # noqa: N813 (BMTrain's name)
+from .comm.topology import Topology as topology  # BMTrain's name
 
 __all__ = ["init_distributed", "is_initialized", "topology"]

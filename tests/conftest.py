@@ -20,25 +20,25 @@ except ImportError:  # torch missing: every test module will say so itself
 # Fail a run over the whole tests/ folder that silently leaves a test file out
 # (a folder matching norecursedirs, a name not matching python_files): see
 # tests/collection_guard.py.
-import signal  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
+import signal
+import sys
+from pathlib import Path
 
-import pytest  # noqa: E402
+import pytest
 
 try:
     from collection_guard import CollectionGuard  # tests/ is on sys.path (prepend mode)
 except ImportError:  # --import-mode=importlib leaves it off
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from collection_guard import CollectionGuard
-import module_order  # noqa: E402
-import timing  # noqa: E402
-from module_order import (  # noqa: E402,F401
+import module_order
+import timing
+from module_order import (  # noqa: F401
     pytest_configure_node,
     pytest_report_header,
     pytest_terminal_summary,
 )
-from state_guard import StateGuard  # noqa: E402
+from state_guard import StateGuard
 
 # The tests stand in for a notebook kernel, where the stop button is SIGINT and a cell
 # runs with Python's default handler (ipykernel installs it around each cell). A run

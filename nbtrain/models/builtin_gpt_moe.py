@@ -22,7 +22,7 @@ from .builtin_gpt import (  # noqa: F401
     hf_names,
     load_hf_weights,
     make_forward_step,
-    pp_stages,  # noqa: F401 (the GPT's layers, MoE MLPs inside)
+    pp_stages,  # the GPT's layers, MoE MLPs inside
 )
 from .gpt_moe import MoEGPT, MoEGPTConfig
 

@@ -110,17 +110,17 @@ def _not_here(name: str):
     )
 
 
-def getUniqueId() -> bytes:  # noqa: N802 (BMTrain's name)
+def getUniqueId() -> bytes:  # BMTrain's name
     """Not available: see the module's notes."""
     _not_here("getUniqueId")
 
 
-def commInitRank(unique_id: bytes, world_size: int, rank: int):  # noqa: N802
+def commInitRank(unique_id: bytes, world_size: int, rank: int):
     """Not available: see the module's notes."""
     _not_here("commInitRank")
 
 
-def commDestroy(comm) -> None:  # noqa: N802
+def commDestroy(comm) -> None:
     """Not available: nbtrain's groups end with its context (nbtrain.comm.shutdown)."""
     _not_here("commDestroy")
 
@@ -202,17 +202,17 @@ def _reduce_into(out: torch.Tensor, op: str, group, size: int, label: str) -> No
 # -- collectives ----------------------------------------------------------------------
 
 
-def commCount(comm) -> int:  # noqa: N802
+def commCount(comm) -> int:
     """How many ranks `comm` has. Local."""
     return _group(comm)[1]
 
 
-def commRank(comm) -> int:  # noqa: N802
+def commRank(comm) -> int:
     """This rank's place in `comm`. Local."""
     return _group(comm)[2]
 
 
-def allReduce(src, dst, op: str, comm) -> None:  # noqa: N802
+def allReduce(src, dst, op: str, comm) -> None:
     """`src` reduced over `comm` (op "sum", "prod", "max", "min" or "avg") into `dst`
     (same size and dtype; `src` may be `dst`). Collective."""
     group, size, _ = _group(comm)
@@ -255,7 +255,7 @@ def broadcast(src, dst, root: int, comm) -> None:
     bufs.done(1)
 
 
-def allGather(src, dst, comm) -> None:  # noqa: N802
+def allGather(src, dst, comm) -> None:
     """Every rank's `src`, in rank order, into `dst` (`size` times as large). Collective."""
     group, size, _ = _group(comm)
     bufs = _OnDevice(src, dst)
@@ -265,7 +265,7 @@ def allGather(src, dst, comm) -> None:  # noqa: N802
     bufs.done(1)
 
 
-def reduceScatter(src, dst, op: str, comm) -> None:  # noqa: N802
+def reduceScatter(src, dst, op: str, comm) -> None:
     """`src` reduced over `comm`; rank r keeps the r-th of `size` equal parts in `dst`.
     Collective."""
     group, size, rank = _group(comm)
@@ -299,13 +299,13 @@ class _Batch(threading.local):
 _BATCH = _Batch()
 
 
-def groupStart() -> None:  # noqa: N802
+def groupStart() -> None:
     """Starts a group: sends and receives until the matching groupEnd are posted as
     one batch (a pair may then send to each other without deadlock). Local."""
     _BATCH.depth += 1
 
 
-def groupEnd() -> None:  # noqa: N802
+def groupEnd() -> None:
     """Ends a group: posts its sends and receives together and waits for them."""
     if _BATCH.depth == 0:
         raise RuntimeError("nccl.groupEnd without a groupStart")

@@ -338,7 +338,7 @@ class Cluster:
         rank0 = self.client[self.ranks[0]["engine_id"]]
         try:
             master_port = rank0.apply_sync(_engine_boot.free_port, master_addr)
-        except Exception as err:  # noqa: BLE001 - an ipyparallel RemoteError wraps the OSError
+        except Exception as err:  # an ipyparallel RemoteError wraps the OSError
             raise DistributedError(
                 f"rank 0 (on {self.ranks[0]['host']}) cannot listen on "
                 f"{master_addr} ({err}): the rendezvous address must be one "

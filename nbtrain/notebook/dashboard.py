@@ -79,7 +79,7 @@ def settle(timeout_s: float = SETTLE_S) -> None:
         board.wait_drawn(timeout_s)
     except FutureTimeout:
         print(f"nbtrain: the dashboard's last picture is not drawn after {timeout_s:g} s")
-    except Exception as err:  # noqa: BLE001 - shown, never lost, never fatal
+    except Exception as err:  # shown, never lost, never fatal
         print(f"nbtrain: the dashboard could not draw its picture: {err!r}")
 
 

@@ -202,6 +202,6 @@ def exit_now() -> None:
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
-        except Exception:  # noqa: BLE001 - a closed stream must not keep the engine alive
+        except Exception:  # a closed stream must not keep the engine alive
             pass
     os._exit(0)

@@ -214,7 +214,7 @@ def _bounded_repr(value, limit: int) -> str:
     shorten.maxstring = shorten.maxother = limit
     try:
         text = shorten.repr(value)
-    except Exception as err:  # noqa: BLE001 - a broken __repr__ must not end the session
+    except Exception as err:  # a broken __repr__ must not end the session
         return f"<repr failed: {type(err).__name__}: {err}>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -241,7 +241,7 @@ def evaluate(source: str, index: int, want_value: bool) -> dict:
             else:
                 value = eval(code, frame.f_globals, scope)
                 text = _show(value)
-    except Exception as err:  # noqa: BLE001 - the user's expression: report it, as pdb does
+    except Exception as err:  # the user's expression: report it, as pdb does
         return {"output": printed.getvalue(), "text": None, "value": None, "error": _line(err)}
     return {
         "output": printed.getvalue(),

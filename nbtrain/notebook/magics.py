@@ -479,7 +479,7 @@ class NbtrainMagics(Magics):
         action="store_true",
         default=False,
         help="return at once; the ranks run the cell while the notebook stays "
-        "free; `%%nbtrain wait` or `%%nbtrain result` collects it",
+        "free; `%nbtrain wait` or `%nbtrain result` collects it",
     )
     @argument(
         "--block",

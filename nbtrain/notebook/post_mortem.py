@@ -27,7 +27,7 @@ def _ask(cluster, ranks: list[int], fn, *args) -> list:
     view = cluster.client.direct_view([cluster.engine_id(r) for r in ranks])
     try:
         return view.apply_async(fn, *args).get(timeout=_ANSWER_TIMEOUT_S)
-    except Exception as err:  # noqa: BLE001 - a RemoteError or a timeout, named below
+    except Exception as err:  # a RemoteError or a timeout, named below
         names = ", ".join(map(str, ranks))
         raise DistributedError(
             f"rank(s) {names} did not answer the post-mortem ({type(err).__name__}: {err}); "

@@ -34,7 +34,7 @@ def recover_group(cluster, timeout_s: float = 120.0) -> int | None:
     view = cluster.client.direct_view([cluster.engine_id(r) for r in range(cluster.world_size)])
     try:
         results = view.apply_async(engine_boot.rebuild).get(timeout=timeout_s)
-    except Exception as exc:  # noqa: BLE001 - whatever went wrong, the group is unusable
+    except Exception as exc:  # whatever went wrong, the group is unusable
         raise DistributedError(
             f"the process group could not be re-established after the "
             f"failure ({type(exc).__name__}: {exc}). {RESTART_HINT}"
@@ -68,5 +68,5 @@ def abort_from_notebook(cluster, reason: str) -> bool:
             _KEY.format(generation=cluster.recovery_generation), "", f"the notebook: {reason}"
         )
         return True
-    except Exception:  # noqa: BLE001 - the store's host (rank 0) may be gone
+    except Exception:  # the store's host (rank 0) may be gone
         return False

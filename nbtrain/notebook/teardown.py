@@ -64,7 +64,7 @@ def exit_engines(
     try:
         remove_logs(logs)
         client[list(living)].apply_async(engine_boot.exit_now)
-    except Exception:  # noqa: BLE001 - gone meanwhile, or the client broke: signal them
+    except Exception:  # gone meanwhile, or the client broke: signal them
         return
     alive = wait_ended(procs, timeout_s, reap=False)  # ipyparallel reaps its engines
     ended = [nanny for proc in procs if proc not in alive for nanny in nannies.get(proc.pid, [])]

@@ -77,7 +77,7 @@ class Recorder:
         with self._lock:
             self.events.clear()
 
-    def snapshot(self, type: str | None = None) -> list[dict]:  # noqa: A002 (event field name)
+    def snapshot(self, type: str | None = None) -> list[dict]:  # event field name
         with self._lock:
             out = list(self.events)
         return out if type is None else [e for e in out if e["type"] == type]

@@ -14,7 +14,7 @@ if not torch.cuda.is_available():
 
 pytest.importorskip("triton", reason="triton is not installed; the kernel tests need it")
 
-import nbtrain.kernels as kernels  # noqa: E402  (after TRITON_INTERPRET on purpose)
+import nbtrain.kernels as kernels  # after TRITON_INTERPRET on purpose
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -217,7 +217,7 @@ def hf_contract_example(path: str):
             backend_cfg=NBConfig(model_name="llama", parallel=ParallelConfig(tp_size=2, ep_size=1)),
         )
         rt = create_runtime(cfg)
-        handle = rt.build_model()  # noqa: E702 (as quoted)
+        handle = rt.build_model()  # as quoted
         with rt.train_mode(handle):
             rt.zero_grad(handle)
             result = rt.forward_backward(handle, data, loss_fn=None, num_micro_batches=2)
@@ -315,7 +315,7 @@ def export_edges(root: str):
     def error(call):
         try:
             call()
-        except Exception as err:  # noqa: BLE001 - the test reads its type and text
+        except Exception as err:  # the test reads its type and text
             return f"{type(err).__name__}: {err}"
         return None
 

@@ -7,7 +7,7 @@ from support.homes import use_private_homes
 
 use_private_homes("nbtrain-nbtests-")
 
-import pytest  # noqa: E402
+import pytest
 
 
 @pytest.fixture(scope="module")

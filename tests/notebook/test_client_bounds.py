@@ -5,9 +5,9 @@ ipyparallel Client's request history is trimmed, and the hub stores no results
 import pytest
 
 pytest.importorskip("ipyparallel")
-from IPython.utils.capture import capture_output  # noqa: E402
+from IPython.utils.capture import capture_output
 
-from nbtrain.notebook import cluster as cluster_module  # noqa: E402
+from nbtrain.notebook import cluster as cluster_module
 from nbtrain.notebook import magics
 
 pytestmark = pytest.mark.timeout(240)

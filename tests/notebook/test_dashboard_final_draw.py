@@ -8,7 +8,7 @@ import time
 import pytest
 
 pytest.importorskip("ipywidgets")
-from nbtrain.notebook import dashboard  # noqa: E402
+from nbtrain.notebook import dashboard
 
 
 def summary(seq: int, loss: float) -> dict:

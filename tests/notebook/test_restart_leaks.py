@@ -10,8 +10,8 @@ import pytest
 
 for _needed in ("nbformat", "nbclient", "ipyparallel"):
     pytest.importorskip(_needed)
-from nbclient import NotebookClient  # noqa: E402
-from nbformat.v4 import new_code_cell, new_notebook  # noqa: E402
+from nbclient import NotebookClient
+from nbformat.v4 import new_code_cell, new_notebook
 
 pytestmark = pytest.mark.timeout(300)
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

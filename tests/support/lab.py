@@ -57,7 +57,7 @@ class JupyterLab:
         return f"http://127.0.0.1:{self.port}/{path.lstrip('/')}"
 
     def __enter__(self) -> "JupyterLab":
-        log = open(self.log_path, "w")  # noqa: SIM115 - kept open for the server's life
+        log = open(self.log_path, "w")  # kept open for the server's life
         # No "notified about Jupyter news?" toast over the cells (news_url= alone still asks).
         settings = os.path.join(self.root, ".lab-settings")
         toast = os.path.join(settings, "@jupyterlab", "apputils-extension")
@@ -179,7 +179,7 @@ def run_cell(page, index: int, timeout_s: float = 180.0, wait: bool = True) -> N
                 timeout=10_000,
             )
             break
-        except Exception:  # noqa: BLE001 - playwright's TimeoutError: press again
+        except Exception:  # playwright's TimeoutError: press again
             if attempt:
                 raise
     if wait:
