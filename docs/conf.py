@@ -42,8 +42,9 @@ html_title = "nbtrain"
 # page only. The top-level page lists every name once more, without index entries.
 PAGES = ["nbtrain", "nbtrain.comm", "nbtrain.zero", "nbtrain.nn", "nbtrain.context_parallel",
          "nbtrain.moe", "nbtrain.pipeline", "nbtrain.optim", "nbtrain.checkpoint",
-         "nbtrain.models", "nbtrain.telemetry", "nbtrain.notebook", "nbtrain.runtime",
-         "nbtrain.distributed", "nbtrain.inspect"]
+         "nbtrain.models", "nbtrain.telemetry", "nbtrain.debug", "nbtrain.notebook",
+         "nbtrain.runtime", "nbtrain.distributed", "nbtrain.planner", "nbtrain.inspect",
+         "nbtrain.kernels"]
 _documenting = {"module": None}
 
 

@@ -9,7 +9,7 @@ outside the counters they measure.
 
 Bytes are counted per rank as a ring moves them: an all-gather or reduce-scatter
 over a flat buffer of B bytes moves B x (N-1)/N, an all-reduce twice that. These
-are the numbers the ZeRO paper's arithmetic uses (../ENGINE_NOTES in the design).
+are the numbers the ZeRO paper's arithmetic uses (Rajbhandari et al., 2020, section 7).
 """
 
 from __future__ import annotations

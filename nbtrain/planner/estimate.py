@@ -2,7 +2,7 @@
 behind `nbtrain.plan`; docs/larger-than-device.md says what each term counts).
 
 Bytes of a rank holding P parameters sharded over its D data-parallel ranks
-(ENGINE_NOTES.md's ZeRO arithmetic), b bytes per parameter element:
+(the ZeRO paper's arithmetic), b bytes per parameter element:
     parameters   b P / D, + the whole gathered blocks ZeRO-2 keeps from forward to backward
     gradients    b P / D
     optimizer    AdamW's two moments 8 P / D (+ an fp32 master 4 P / D when b = 2);

@@ -153,6 +153,9 @@ def problems(path: Path, text: str | None = None) -> list[str]:
                 full = words
             words = words[1:] if name else words
         else:
+            from IPython.utils.process import arg_split
+
+            words = arg_split(rest)  # as IPython splits a magic's line (quotes kept)
             magics = magics or _magic_parsers()
             parser = magics[kind]
             if parser is None:

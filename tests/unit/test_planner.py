@@ -1,6 +1,7 @@
-"""nbtrain.plan's arithmetic (one process): the ZeRO terms against ENGINE_NOTES.md's
-formulas, what each option moves, the verdict, the command line. Its accuracy against
-measured peaks is tests/multirank/test_plan_accuracy.py."""
+"""nbtrain.plan's arithmetic (one process): the ZeRO terms against the ZeRO paper's
+formulas (nbtrain/planner/estimate.py writes them out), what each option moves, the
+verdict, the command line. Its accuracy against measured peaks is
+tests/multirank/test_plan_accuracy.py."""
 
 import pytest
 import torch
