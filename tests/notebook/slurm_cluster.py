@@ -17,6 +17,7 @@ PartitionTimeLimit: a job that can never start).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import resource
 import shutil
@@ -277,6 +278,17 @@ class SlurmCluster:
         else:
             os.environ["SLURM_CONF"] = self._old_conf
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def running(machines=None):
+    """A cluster that is up inside the block (`SlurmCluster(machines).up()`) and taken
+    down after it, however the block or the start ends."""
+    cluster = SlurmCluster(machines)
+    try:
+        yield cluster.up()
+    finally:
+        cluster.down()
 
 
 if __name__ == "__main__":  # bring a cluster up by hand, Ctrl-C to stop it

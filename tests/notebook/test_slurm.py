@@ -26,7 +26,7 @@ for _needed in ("IPython", "ipyparallel"):
 from IPython.core.error import UsageError
 from IPython.utils.capture import capture_output
 from procs import wait_gone
-from slurm_cluster import SlurmCluster, install
+from slurm_cluster import install, running
 
 from nbtrain import RankDiedError
 from nbtrain.notebook import magics
@@ -62,14 +62,8 @@ def slurm(request):
         with capture.global_and_fixture_disabled():
             print(f"\nSKIP the real-Slurm tests: {reason}")
         pytest.skip(reason)
-    cluster = SlurmCluster()
-    try:
-        cluster.up()
-    except BaseException:
-        cluster.down()
-        raise
-    yield cluster
-    cluster.down()
+    with running() as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")

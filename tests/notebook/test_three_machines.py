@@ -31,7 +31,7 @@ import pytest
 for _needed in ("IPython", "ipyparallel", "nbclient"):
     pytest.importorskip(_needed)
 from procs import wait_gone
-from slurm_cluster import SlurmCluster, install
+from slurm_cluster import install, running
 from support import netns
 from support.kernel_proxy import KernelProxy
 from support.listeners import WILDCARDS, listening
@@ -125,14 +125,8 @@ def slurm3(machines):
     reason = install()
     if reason:
         pytest.skip(reason)
-    cluster = SlurmCluster(machines)
-    try:
-        cluster.up()
-    except BaseException:
-        cluster.down()
-        raise
-    yield cluster
-    cluster.down()
+    with running(machines) as cluster:
+        yield cluster
 
 
 @pytest.fixture(scope="module")
