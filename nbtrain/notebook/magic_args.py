@@ -32,6 +32,49 @@ def format_status(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# The flags (argparse names) each action reads. A flag given to an action that does not
+# read it is refused, not ignored: `%nbtrain status --tp-size 4` used to do nothing.
+_START_FLAGS = {
+    "n", "backend", "launcher", "start_timeout_s", "timeout", "tp_size", "pg_timeout_s",
+    "controller_ip", "master_addr", "mpi_args", "nodes", "ntasks_per_node",
+    "gpus_per_node", "partition", "time", "account", "sbatch",
+}  # fmt: skip
+ACTION_FLAGS = {
+    "start": _START_FLAGS,
+    "restart": {"n"},
+    "stop": set(),
+    "status": set(),
+    "dashboard": set(),
+    "result": set(),
+    "wait": {"timeout"},
+    "pull": {"names", "targets"},
+    "push": {"names", "targets"},
+    "debug": {"rank", "frame", "all_frames", "interactive", "clear"},
+}
+
+
+def refuse_other_actions_flags(parser, args, bare) -> None:
+    """Refuses a flag that `args.action` does not read, naming the actions that do.
+
+    `bare`: what the parser makes of the action alone (its defaults); a flag counts as
+    given when its value differs from that.
+
+    Raises:
+        UsageError: naming the flag, the action and where the flag belongs.
+    """
+    spelled = {}
+    for action in parser._actions:
+        if action.option_strings:
+            spelled.setdefault(action.dest, max(action.option_strings, key=len))
+    wanted = ACTION_FLAGS[args.action] | {"action", "names"}  # NAMES: each action checks
+    for dest, value in vars(args).items():
+        if dest not in wanted and value != getattr(bare, dest, value):
+            flag = spelled.get(dest, dest)
+            owners = [a for a, flags in ACTION_FLAGS.items() if dest in flags]
+            where = " or ".join(f"`%nbtrain {a}`" for a in owners) or "no action"
+            raise UsageError(f"%nbtrain {args.action} takes no {flag}: it is a flag of {where}")
+
+
 def check_n(n: int | None) -> None:
     if n is not None and n < 1:
         raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")

@@ -24,7 +24,14 @@ from .autodistribute import autodistributed_on, set_autodistributed
 from .cluster import Cluster, _default_n
 from .errors import NoClusterError
 from .launchers import LAUNCHERS
-from .magic_args import check_n, format_status, slurm_layout, slurm_options, start_differences
+from .magic_args import (
+    check_n,
+    format_status,
+    refuse_other_actions_flags,
+    slurm_layout,
+    slurm_options,
+    start_differences,
+)
 from .post_mortem import clear_failures, post_mortem, split_expression
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
@@ -240,7 +247,8 @@ class NbtrainMagics(Magics):
         Actions:
           start      start N ranks with torch.distributed ready (-n, --backend,
                      --launcher, --start-timeout-s, --pg-timeout-s, --tp-size,
-                     --controller-ip, --master-addr); keeps a running cluster. With
+                     --controller-ip, --master-addr; --mpi-args with --launcher
+                     mpi); keeps a running cluster. With
                      --launcher slurm: --nodes, --ntasks-per-node, --gpus-per-node,
                      --partition, --time, --account, --sbatch=OPTION; the job's wait
                      in the queue is shown and not counted against --start-timeout-s
@@ -274,6 +282,8 @@ class NbtrainMagics(Magics):
         """
         line, expr = split_expression(line)  # debug's EXPR, verbatim
         args = parse_argstring(self.nbtrain, line)
+        bare = parse_argstring(self.nbtrain, args.action)
+        refuse_other_actions_flags(self.nbtrain.parser, args, bare)
         args.expr = expr
         check_n(args.n)
         args.slurm = slurm_options(args)
@@ -479,7 +489,7 @@ class NbtrainMagics(Magics):
         action="store_true",
         default=False,
         help="return at once; the ranks run the cell while the notebook stays "
-        "free; `%nbtrain wait` or `%nbtrain result` collects it",
+        "free; `%%nbtrain wait` or `%%nbtrain result` collects it",
     )
     @argument(
         "--block",

@@ -142,6 +142,9 @@ def test_bad_targets_in_a_cell_are_usage_errors(ipython, cluster):
         ("start -n 0", "-n 0"),
         ("restart -n 0", "-n 0"),
         ("start --mpi-args '--host a:2'", "--mpi-args: mpiexec arguments, for .*--launcher mpi"),
+        ("status --tp-size 4", "status takes no --tp-size: it is a flag of `%nbtrain start`"),
+        ("pull x --rank 1", "pull takes no --rank: it is a flag of `%nbtrain debug`"),
+        ("stop -n 3", "stop takes no -n: it is a flag of `%nbtrain start` or `%nbtrain restart`"),
     ],
 )
 def test_bad_usage_is_a_usage_error(ipython, cluster, line, message):
