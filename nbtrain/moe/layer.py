@@ -156,7 +156,6 @@ class MoE(nn.Module, FullStateDict):
             (self.w_in, (num_experts, hidden, ffn_hidden)),
             (self.w_out, (num_experts, ffn_hidden, hidden)),
         ):
-            p._nbtrain_expert = True
             if self.ep_size > 1 and _is_topology_ep(self.group):
                 p.tp_split_dim, p.tp_full_shape, p.tp_groups = 0, full, 1
                 p.tp_slice_group = "ep"

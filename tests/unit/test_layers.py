@@ -15,6 +15,8 @@ ROOT = pathlib.Path(nbtrain.__file__).parent
 KERNELS = "nbtrain.kernels"  # the kernels/ folder, installed under this name
 LAYERS = [
     "comm",
+    "distributed",  # BMTrain's differentiable collectives, over comm
+    "utils",  # BMTrain's helpers (sum_loss, print_rank), over comm and distributed
     "zero",
     "context_parallel",
     "nn",
