@@ -30,27 +30,26 @@ from __future__ import annotations
 
 import enum
 import time
-from types import SimpleNamespace
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
-from ..comm import collectives as C
 from ..comm import events
 from ..comm.context import get_context
+from . import block_state
 from .compile import CompiledModule, CompileStats, compile_options
+from .entries import ParamEntry, collect_entries
 from .flat import FlatGroup
 from .init import init_block
 from .members import become_part, sync_requires_grad
 from .named_members import NamedMembers
 from .parameter import DistributedParameter, Placeholder
 from .partition import FlatLayout
-from .placement import copy_tp_meta, is_tp_slice, shard_group, shard_kind
+from .placement import shard_group, shard_kind
 from .reducer import GradReducer
 from .tp_partial import TpLayout
-from .tp_slices import full_from_slice, slice_from_full
 
 
 class ZeroLevel(enum.IntEnum):
@@ -68,41 +67,6 @@ class ZeroLevel(enum.IntEnum):
                 f"zero_level={value!r}: use 2 (keep parameters gathered from "
                 "forward to backward) or 3 (gather again for backward)"
             ) from None
-
-
-class _ParamEntry:
-    """One distinct parameter: its names (ties) and the modules that use it."""
-
-    def __init__(self, name, param):
-        self.names = [name]
-        self.owners = []  # (module, attribute name)
-        self.param = param
-        # A DistributedParameter stays the user's object after the block takes its
-        # values: its `.data` becomes this rank's part of it in the block's shard,
-        # `.grad` the same part of the shard's gradient (BMTrain's layout).
-        self.member = param if isinstance(param, DistributedParameter) else None
-        self.rest = None  # what the owners' attribute shows outside forward
-        self.tp = None  # a tensor-parallel slice's split dimension and full shape
-        if is_tp_slice(param):
-            self.tp = SimpleNamespace()
-            copy_tp_meta(param, self.tp)
-
-
-def _collect(module: nn.Module) -> list[_ParamEntry]:
-    entries: dict[int, _ParamEntry] = {}
-    for mod_name, mod in module.named_modules(remove_duplicate=False):
-        for pname, param in mod._parameters.items():
-            if param is None:
-                continue
-            full = f"{mod_name}.{pname}" if mod_name else pname
-            entry = entries.get(id(param))
-            if entry is None:
-                entry = entries[id(param)] = _ParamEntry(full, param)
-            elif full not in entry.names:
-                entry.names.append(full)
-            if (mod, pname) not in [(m, n) for m, n in entry.owners]:
-                entry.owners.append((mod, pname))
-    return list(entries.values())
 
 
 class Block(nn.Module):
@@ -181,7 +145,7 @@ class Block(nn.Module):
         self.mode = mode
         self.offload = bool(offload)
         level = ZeroLevel.parse(zero_level)
-        entries = _collect(module)  # none (dropout, an activation): a block that only runs
+        entries = collect_entries(module)  # none (dropout, an activation): a block that only runs
         ctx = get_context()
         for sub in module.modules():
             # A DistributedModule inside gave its plain parameters data-parallel
@@ -212,7 +176,7 @@ class Block(nn.Module):
             self.compile(**options)
 
     # -- construction -------------------------------------------------------
-    def _build_groups(self, entries: list[_ParamEntry], ctx, reduce_dtype=None) -> None:
+    def _build_groups(self, entries: list[ParamEntry], ctx, reduce_dtype=None) -> None:
         by_key: dict = {}
         for entry in entries:
             key = (entry.param.dtype, entry.param.requires_grad, shard_kind(entry.param))
@@ -473,16 +437,7 @@ class Block(nn.Module):
         gathered group instead of copies (a streaming writer's: one group's memory).
         `groups`: only these of the block's flat groups. Collective: every rank of
         the block's groups iterates in step."""
-        for group in self._groups if groups is None else groups:
-            full = group.gather_copy()
-            for view, entry in zip(group.param_views(full), group.entries):
-                if entry.tp is not None:
-                    value = full_from_slice(view, entry.tp)
-                else:
-                    value = view.clone() if copy else view
-                for name in entry.names:
-                    yield prefix + name, value
-            del full
+        yield from block_state.full_items(self._groups if groups is None else groups, prefix, copy)
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -500,33 +455,7 @@ class Block(nn.Module):
             )
         finally:
             self._parameters = params
-        own = set()
-        for group in self._groups:
-            entries = group.entries
-            for index, (slot, entry) in enumerate(zip(group.layout.slots, entries)):
-                keys = [prefix + n for n in entry.names]
-                own.update(keys)
-                present = [k for k in keys if k in state_dict]
-                if not present:
-                    missing_keys.append(keys[0])
-                    continue
-                value = state_dict[present[0]]
-                if entry.tp is not None:  # the full tensor, or this rank's slice
-                    value = slice_from_full(value, entry.tp, slot.shape)
-                    if value is None:
-                        raise ValueError(
-                            f"load_state_dict: {present[0]!r} has shape "
-                            f"{tuple(state_dict[present[0]].shape)} in the state dict but "
-                            f"{tuple(entry.tp.tp_full_shape)} in the model (this rank's "
-                            f"tensor-parallel slice: {slot.shape})"
-                        )
-                if tuple(value.shape) != slot.shape:
-                    raise ValueError(
-                        f"load_state_dict: {present[0]!r} has shape "
-                        f"{tuple(value.shape)} in the state dict but {slot.shape} "
-                        "in the model"
-                    )
-                group.load_full(index, value.to(group.shard.dtype))
+        own = block_state.load_groups(self._groups, state_dict, prefix, missing_keys)
         unexpected_keys[:] = [k for k in unexpected_keys if k not in own]
         # The module's own submodules load after this and would call our keys
         # unexpected (their Parameters moved here): the post-hook drops them.
@@ -547,22 +476,7 @@ class Block(nn.Module):
 
     def full_named_grads(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """Gathered gradients by parameter name (None-grads skipped). Collective."""
-        out = {}
-        for group in self._groups:
-            entries = group.entries
-            grad = getattr(group.shard, "main_grad", None)
-            grad = group.shard.grad if grad is None else grad
-            if grad is None:
-                continue
-            full = torch.empty(
-                group.layout.padded_numel, dtype=grad.dtype, device=group.shard.device
-            )
-            C.all_gather(full, grad.detach(), group=group.ranks.group, label=group.label + ".grad")
-            for view, entry in zip(group.param_views(full), entries):
-                out[prefix + entry.names[0]] = (
-                    view.clone() if entry.tp is None else full_from_slice(view, entry.tp)
-                )
-        return out
+        return block_state.full_named_grads(self._groups, prefix)
 
 
 class _BlockExit(torch.autograd.Function):
