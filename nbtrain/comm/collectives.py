@@ -99,6 +99,12 @@ class InFlight:
         with self._lock:
             self._handles.discard(handle)
 
+    def discard_works(self, works) -> None:
+        """Drops the entries of these works (point-to-point works, waited on)."""
+        ids = {id(w) for w in works}
+        with self._lock:
+            self._handles = {h for h in self._handles if id(h._work) not in ids}
+
     def handles(self) -> list:
         with self._lock:
             return list(self._handles)
@@ -113,6 +119,25 @@ class InFlight:
 
 
 IN_FLIGHT = InFlight()
+
+
+class _Posted:
+    """One work of a point-to-point batch (`send_recv`, `post_p2p`) in the in-flight
+    registry, so that teardown waits for a ring's or a pipeline's transfers as it does for
+    the collectives' handles; it leaves once seen completed (or on `wait_send_recv`)."""
+
+    __slots__ = ("_work",)
+
+    def __init__(self, work):
+        self._work = work
+
+
+def _posted(works: list) -> list:
+    """Registers a point-to-point batch's works in flight; returns them."""
+    for work in works:
+        IN_FLIGHT.add(_Posted(work))
+    return works
+
 
 # The generation of the process groups: one more each time they are made again after
 # a failure (nbtrain.comm.recovery.rebuild). A handle issued in an older generation
@@ -509,7 +534,7 @@ def send_recv(
     nbytes = sum(t.numel() * t.element_size() for t in sends)
     COUNTERS.add(CommKind.P2P, nbytes)
     events.instant("comm_issue", label, kind=CommKind.P2P.value, bytes=nbytes)
-    return dist.batch_isend_irecv(ops)
+    return _posted(dist.batch_isend_irecv(ops))
 
 
 def post_p2p(ops: list, *, label: str = "") -> list:
@@ -529,13 +554,14 @@ def post_p2p(ops: list, *, label: str = "") -> list:
     nbytes = sum(t.numel() * t.element_size() for kind, t, _ in ops if kind == "send")
     COUNTERS.add(CommKind.P2P, nbytes)
     events.instant("comm_issue", label, kind=CommKind.P2P.value, bytes=nbytes)
-    return dist.batch_isend_irecv(posted) if posted else []
+    return _posted(dist.batch_isend_irecv(posted)) if posted else []
 
 
 def wait_send_recv(works: list, label: str = "") -> None:
     """Waits on the works of `send_recv` (anything with `wait()`), then records the wait."""
     for work in works:
         work.wait()
+    IN_FLIGHT.discard_works(works)
     events.instant("comm_wait", label, kind=CommKind.P2P.value)
 
 

@@ -61,3 +61,28 @@ def test_reduce_op_is_validated():
         from nbtrain.comm.collectives import _reduce_op
 
         _reduce_op("mean")
+
+
+def _ring_transfers_in_flight():
+    from nbtrain.comm import collectives as C
+
+    rank, world = nbt.rank(), nbt.world_size()
+    peers = dict(dst=(rank + 1) % world, src=(rank - 1) % world)
+    C.IN_FLIGHT.clear()
+    send, recv = torch.full((4,), float(rank)), torch.empty(4)
+    works = C.send_recv([send], [recv], [0], **peers)
+    registered = len(C.IN_FLIGHT)  # a send and a receive, seen by shutdown's drain
+    drained = C.wait_in_flight()  # as `shutdown` does: waits for the ring's transfers
+    received = recv.clone()
+    C.IN_FLIGHT.discard_works(works)  # (gloo's works must not be waited on twice)
+    # Through the owner's path, nothing stays registered once waited.
+    C.wait_send_recv(C.send_recv([send], [torch.empty(4)], [1], **peers))
+    return registered, drained, len(C.IN_FLIGHT), received
+
+
+def test_ring_transfers_are_in_flight_until_waited():
+    for rank, (registered, drained, left, received) in enumerate(
+        run_ranks(_ring_transfers_in_flight, 2)
+    ):
+        assert registered == 2 and drained and left == 0
+        assert torch.equal(received, torch.full((4,), float(1 - rank)))
