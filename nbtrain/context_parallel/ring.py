@@ -197,27 +197,33 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, doc_ids, ring):
         kernel = _kernel(ring.kernel, q, doc_ids is not None)
         n, scale = q.shape[2], 1.0 / math.sqrt(q.shape[3])
-        qk, out, lse = q.to(kernel.dtype), None, None
+        q_in, out, lse = q.to(kernel.dtype), None, None
         held, doc, first = (k, v), doc_ids, (None, None, None)
         for step in range(ring.size):
             source = (ring.rank - step) % ring.size
             if step + 1 < ring.size:  # post the next block before computing this one
                 works, nxt = _post_kv(ring, held, doc, source, n, f"cp ring kv step {step + 1}")
             with events.compute_span(f"cp ring attention step {step}", "forward"):
-                kk, vk = (t.to(kernel.dtype) for t in held)
+                k_in, v_in = (t.to(kernel.dtype) for t in held)
                 for block in ring.blocks(step, n, kernel.fused is not None):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
-                    bo, bl = kernel.forward(
-                        qk[..., rows, :], kk[..., :keys, :], vk[..., :keys, :], block, mask, scale
+                    block_out, block_lse = kernel.forward(
+                        q_in[..., rows, :],
+                        k_in[..., :keys, :],
+                        v_in[..., :keys, :],
+                        block,
+                        mask,
+                        scale,
                     )
                     if out is None and rows.start == 0 and rows.stop == n:
-                        out, lse = bo, bl  # the first result of every row: nothing to merge
+                        # the first result of every row: nothing to merge
+                        out, lse = block_out, block_lse
                         continue
                     if out is None:
                         out, lse = _no_keys_yet(q, kernel.acc)
                     out[..., rows, :], lse[..., rows] = _merge(
-                        out[..., rows, :], lse[..., rows], bo, bl
+                        out[..., rows, :], lse[..., rows], block_out, block_lse
                     )
             if step + 1 < ring.size:  # needed now: the next step computes on it
                 _wait(works, f"cp ring kv step {step + 1}")
@@ -244,7 +250,7 @@ class _RingAttention(torch.autograd.Function):
         # rowsum(dO * O): the math kernel's; a fused backward computes its own
         delta = (do * out).sum(dim=-1) if kernel.fused is None else None
         safe_lse = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-        qk, dok, outk = q.to(kernel.dtype), do.to(kernel.dtype), out.to(kernel.dtype)
+        q_in, dout_in, out_in = q.to(kernel.dtype), do.to(kernel.dtype), out.to(kernel.dtype)
         dq = None
         last = ring.size - 1
         held, doc = ((first_k, first_v), first_doc) if last else ((k, v), doc_ids)
@@ -259,16 +265,16 @@ class _RingAttention(torch.autograd.Function):
             span = _dkv_keys(ring, ring.rank, source, n)  # the dK/dV rows this rank sends on
             dk = dv = None
             with events.compute_span(f"cp ring attention step {step}", "backward"):
-                kk, vk = (t.to(kernel.dtype) for t in held)
+                k_in, v_in = (t.to(kernel.dtype) for t in held)
                 for block in ring.blocks(back, n, kernel.fused is not None):
                     rows, keys = block.rows, block.keys
                     mask = _visible(block, doc_ids, doc)
                     dq_rows, dk_rows, dv_rows = kernel.backward(
-                        dok[..., rows, :],
-                        qk[..., rows, :],
-                        kk[..., :keys, :],
-                        vk[..., :keys, :],
-                        outk[..., rows, :],
+                        dout_in[..., rows, :],
+                        q_in[..., rows, :],
+                        k_in[..., :keys, :],
+                        v_in[..., :keys, :],
+                        out_in[..., rows, :],
                         safe_lse[..., rows],
                         None if delta is None else delta[..., rows],
                         block,
