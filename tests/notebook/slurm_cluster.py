@@ -153,6 +153,9 @@ class SlurmCluster:
             f"SlurmdPidFile={d}/slurmd-%n.pid",
             f"SlurmctldLogFile={d}/slurmctld.log",
             f"SlurmdLogFile={d}/slurmd-%n.log",
+            # Job ids apart from another cluster's (a test worker beside this one): a job's
+            # steps are found by their id ("slurmstepd: [1.0]").
+            f"FirstJobId={1 if self.machines is None else 1001}",
             *nodes,
             "PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
             "PartitionName=short Nodes=ALL MaxTime=1 State=UP",

@@ -12,7 +12,11 @@ cluster. What these tests found, each fixed in the library:
   its timeout: nbtrain.comm.store.use_interface_toward;
 - a dead rank was named without its host, and the dashboard showed no hosts;
 - the MPI launcher had no way to name hosts, and remote ranks lost the engines'
-  environment: `--mpi-args`, and the variables passed by name (launchers.mpi_env_args).
+  environment: `--mpi-args`, and the variables passed by name (launchers.mpi_env_args);
+- every MPI engine ran MPI_Init at boot, and Open MPI then listened on every interface in
+  it: the engines start without it (launchers.mpi_engine_launcher_class);
+- a launcher that ended early gave "Engine set stopped: exit_code 1" and nothing else: its
+  last output is shown.
 
 Skipped with the reason where namespaces cannot be made (not root, no `ip`) or Slurm
 cannot be installed; the MPI test where Open MPI is missing.
@@ -88,6 +92,10 @@ _c = _m.current_cluster()
 print("CLUSTER", json.dumps({"ranks": _c.ranks, "pids": _c.pids(), "kernel": os.getpid(),
       "master": [_c.master_addr, _c.master_port], "job": _c.job and _c.job.job_id}))
 """
+
+
+def train_cell(tp: int) -> str:
+    return TRAIN.replace("TP", str(tp))
 
 
 def cluster_of(kernel) -> dict:
@@ -174,10 +182,10 @@ def test_slurm_across_three_machines(machines, slurm3, login, capsys):
         status, _ = login.run("%nbtrain status")
         assert re.findall(r"^\s+\d\s+\d+\s+(node\d)", status, re.M) == ["node1"] * 2 + ["node2"] * 2
 
-        text, seconds["zero3"] = login.run(TRAIN.replace("TP)", "1)").replace("TP >", "1 >"))
+        text, seconds["zero3"] = login.run(train_cell(1))
         parity(text, tp=1)
         check_listeners(machines, state)
-        text, seconds["tp2xdp2"] = login.run(TRAIN.replace("TP)", "2)").replace("TP >", "2 >"))
+        text, seconds["tp2xdp2"] = login.run(train_cell(2))
         parity(text, tp=2)
 
         # The dashboard's table names each rank's host.
@@ -300,7 +308,7 @@ def test_mpi_across_two_nodes(machines, login, tmp_path, capsys):
         assert where(login, machines) == [
             (r, "node1" if r < 2 else "node2", addr["node1"], "eth0", 4) for r in range(4)
         ]
-        text, _ = login.run(TRAIN.replace("TP)", "1)").replace("TP >", "1 >"))
+        text, _ = login.run(train_cell(1))
         parity(text, tp=1)
         check_listeners(machines, state)
     finally:
@@ -311,7 +319,7 @@ def test_mpi_across_two_nodes(machines, login, tmp_path, capsys):
 
 TWO_NODES = """
 import os, socket, torch, nbtrain as nbt
-ctx = nbt.init_distributed(pg_timeout_s=30)
+ctx = nbt.init_distributed(pg_timeout_s=120)  # 4 ranks importing torch on 2 loaded cores
 x = torch.ones(1) * (ctx.rank + 1)
 torch.distributed.all_reduce(x)
 print("RANK", ctx.rank, socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"),
@@ -343,7 +351,7 @@ def test_torchrun_across_two_nodes(machines, tmp_path):
     outs = []
     for proc in procs:
         try:
-            outs.append(proc.communicate(timeout=120)[0])
+            outs.append(proc.communicate(timeout=300)[0])
         except subprocess.TimeoutExpired:
             machines.end(proc)
             outs.append(proc.communicate()[0])
