@@ -87,7 +87,8 @@ def test_a_stop_after_a_killed_rank_asks_the_others_to_leave(ipython, cluster):
     victim.wait(timeout=10)
     began = time.monotonic()
     ipython.run_line_magic("nbtrain", "stop")
-    assert time.monotonic() - began < 2.5
+    # 0.4 s here; 3.5 s once in CI under load. Without the fix: 4.3 s idle, 5.4 s held.
+    assert time.monotonic() - began < 4.0
     assert all(_ended(nanny) for nanny in nannies)
 
 
