@@ -9,6 +9,7 @@ job itself: its options, its wait in the queue, its end).
 
 from __future__ import annotations
 
+import functools
 import os
 
 LAUNCHERS = ("local", "mpi", "slurm")
@@ -93,6 +94,7 @@ def slurm_template(
     )
 
 
+@functools.lru_cache(maxsize=None)  # once a process: every start and restart asks
 def mpi_flavour(mpiexec: str = "mpiexec") -> str | None:
     """Which MPI `mpiexec` is: "openmpi", "hydra" (MPICH, Intel MPI) or None (unknown)."""
     import subprocess
