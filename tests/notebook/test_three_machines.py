@@ -115,7 +115,8 @@ def where(kernel, machines) -> list[tuple]:
     text, _ = kernel.run(WHERE)
     rows = re.findall(r"\[rank (\d)\] WHERE (\S+) (\S+) (\S+) (\d)", text)
     assert len(rows) == 4, text
-    return [(int(r), host, master, ifname, int(total)) for r, host, master, ifname, total in rows]
+    # Each rank's output is shown as it arrives, so the rows come in arrival order.
+    return sorted((int(r), host, master, ifname, int(total)) for r, host, master, ifname, total in rows)
 
 
 @pytest.fixture(scope="module")

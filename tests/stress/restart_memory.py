@@ -36,9 +36,21 @@ for n in nbt.progress(range(8), desc="train"):
     manager.step()
 """
 )
-WIDGETS = """import gc, ipywidgets.widgets.widget as _w
+# The widgets outside the dashboard shown now: those of the old dashboards and of
+# anything else left behind. (The current one's own count varies from round to round:
+# its live panels make their marks as their data first arrives.)
+WIDGETS = """import gc, ipywidgets as _iw, ipywidgets.widgets.widget as _w
+from nbtrain.notebook import dashboard as _d
 gc.collect()
-print("WIDGETS", len(_w._instances))
+_seen, _todo = set(), [_d.current().widget] if _d.current() else []
+while _todo:
+    _x = _todo.pop()
+    if isinstance(_x, (list, tuple)):
+        _todo.extend(_x)
+    elif isinstance(_x, _iw.Widget) and _x.model_id not in _seen:
+        _seen.add(_x.model_id)
+        _todo.extend(getattr(_x, _n, None) for _n in _x.keys)
+print("WIDGETS", len(set(_w._instances) - _seen), len(_w._instances))
 """
 
 
@@ -70,7 +82,7 @@ def main(argv=None) -> int:
                 local("%nbtrain restart")
                 widgets = int(local(WIDGETS).split("WIDGETS", 1)[1].split()[0])
                 rows.append((widgets, rss_mib(kernel.pid)))
-                print(f"round {r}: widgets {widgets}, kernel {rows[-1][1]:.1f} MiB", flush=True)
+                print(f"round {r}: widgets outside the shown dashboard {widgets}, kernel {rows[-1][1]:.1f} MiB", flush=True)
             local("%nbtrain stop")
         finally:
             kernel.shutdown()
