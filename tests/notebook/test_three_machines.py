@@ -116,7 +116,9 @@ def where(kernel, machines) -> list[tuple]:
     rows = re.findall(r"\[rank (\d)\] WHERE (\S+) (\S+) (\S+) (\d)", text)
     assert len(rows) == 4, text
     # Each rank's output is shown as it arrives, so the rows come in arrival order.
-    return sorted((int(r), host, master, ifname, int(total)) for r, host, master, ifname, total in rows)
+    return sorted(
+        (int(r), host, master, ifname, int(total)) for r, host, master, ifname, total in rows
+    )
 
 
 @pytest.fixture(scope="module")

@@ -82,7 +82,10 @@ def main(argv=None) -> int:
                 local("%nbtrain restart")
                 widgets = int(local(WIDGETS).split("WIDGETS", 1)[1].split()[0])
                 rows.append((widgets, rss_mib(kernel.pid)))
-                print(f"round {r}: widgets outside the shown dashboard {widgets}, kernel {rows[-1][1]:.1f} MiB", flush=True)
+                print(
+                    f"round {r}: widgets outside the shown dashboard {widgets}, kernel {rows[-1][1]:.1f} MiB",
+                    flush=True,
+                )
             local("%nbtrain stop")
         finally:
             kernel.shutdown()
