@@ -3,7 +3,8 @@
 `Cluster` starts N ipyparallel engines, gives each one its torchrun variables
 (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, a free MASTER_PORT; see
 `nbtrain.notebook.rendezvous`) and runs `nbtrain.init_distributed()` on all of them, so
-torch.distributed is ready before the first cell. The magics in
+torch.distributed is ready before the first cell (`nbtrain.notebook.cluster_boot`;
+`status()` is `nbtrain.notebook.cluster_status`). The magics in
 `nbtrain.notebook.magics` are a thin layer over this class.
 
 Nothing assumes one host: each engine reports its host and an address of it that
@@ -24,16 +25,17 @@ import sys
 import time
 
 from ..comm.layout import Layout
-from . import address, engine_pull, rendezvous
-from . import engine_boot as _engine_boot
+from . import cluster_boot as _boot
+from . import engine_pull
 from . import slurm as _slurm
 from . import teardown as _teardown
 from .cell_run import rank_labels, run_cell, submit_cell
+from .cluster_status import rank_rows
 from .errors import DistributedError, RankDiedError
-from .launchers import LAUNCHERS, engine_config, engine_launcher
+from .launchers import LAUNCHERS
 from .leftovers import _LIVE, live_clusters, stop_leftover_clusters  # noqa: F401 (API)
 from .pending import PendingCell, refuse_while_pending
-from .procs import pid_alive, rss_bytes
+from .procs import pid_alive
 from .targets import one_rank, select_ranks
 from .watchdog import Watchdog
 
@@ -147,51 +149,26 @@ class Cluster:
         """
         if self.running:
             return self
-        import ipyparallel as ipp
-
         started = time.monotonic()
         n = self.n if self.n is not None else _default_n()
         Layout(tp_size=self.tp_size).check(n, who="Cluster")  # before any engine starts
         if self.launcher == "slurm":
             _slurm.refuse_loopback(self.controller_ip, partition=self.slurm.get("partition", ""))
-        kwargs = {"profile_dir": self.profile_dir} if self.profile_dir else {}
-        self._ipp = ipp.Cluster(
-            n=n,
-            engines=engine_launcher(self.launcher),
-            controller_ip=self.controller_ip,
-            cluster_id=f"nbtrain-{os.getpid()}-{int(time.time() * 1000) % 10**8}",
-            engine_timeout=int(self.start_timeout_s),
-            log_level=40,
-            # The hub's default in-memory store keeps the last 1024 requests (up to 1 GB)
-            # with their output and published telemetry: the controller grew 35 KB per
-            # 3-rank training cell of tests/stress/soak_session.py, and a cell that prints
-            # much keeps much. nbtrain never reads results back from the hub.
-            # The hub finishes an engine's registration at its next heartbeat: at the
-            # default 3 s period a start waited 3 s more than the engines took. Beats
-            # every 0.5 s, and 60 missed beats (30 s, the default's 10 x 3 s) before an
-            # engine counts as gone, so a loaded machine is judged as before.
-            controller_args=[
-                "--nodb",
-                "--HeartMonitor.period=500",
-                "--HeartMonitor.max_heartmonitor_misses=60",
-            ],
-            config=engine_config(self.launcher, self.slurm, self.mpi_args),
-            **kwargs,
-        )
+        self._ipp = _boot.ipp_cluster(self, n)
         _LIVE.add(self)
         self._watchdog = Watchdog()
         try:
             self._ipp.start_controller_sync()
             self._watchdog.watch_file(self._ipp.cluster_file)
-            self._record_launcher_processes()
+            _boot.record_launcher_processes(self)
             self._start_engines(n)
-            self._record_launcher_processes()
+            _boot.record_launcher_processes(self)
             self.client = self._ipp.connect_client_sync()
             # The digests of the messages received (replay protection): every cell brings
             # ~25 per rank; jupyter_client keeps 65,536 (~7 MB), this the last 16,384.
             self.client.session.digest_history_size = CLIENT_DIGESTS
-            self._wait_for_engines(n)
-            self._boot(n)
+            _boot.wait_for_engines(self, n)
+            _boot.boot(self, n)
         except BaseException:
             self.stop()
             raise
@@ -208,44 +185,6 @@ class Cluster:
         self._watchdog.watch_job(self.job.job_id)
         self.job.wait_running()
         _slurm.refuse_loopback(self.controller_ip, nodes=self.job.nodes)
-
-    def _wait_for_engines(self, n: int) -> None:
-        """Wait up to the start timeout for `n` engines; a Slurm job that ends fails at once."""
-        # A text bar (stdout, one line redrawn): ipyparallel's widget bar was 11 widgets
-        # that the notebook kept for the session, every start and restart.
-        future = self.client.wait_for_engines(
-            n, block=False, timeout=self.start_timeout_s, widget=False
-        )
-        while True:
-            try:
-                return future.result(timeout=1.0)
-            except TimeoutError:
-                if future.done():
-                    break
-            except Exception as err:  # ipyparallel's EngineError: the launcher exited
-                tail = self._launcher_output()
-                raise DistributedError(
-                    f"the engines' {self.launcher} launcher ended before {n} engines "
-                    f"registered ({err})" + (f"; its output ends with:\n{tail}" if tail else "")
-                ) from None
-            if self.job is not None and not self.job.running(max_age_s=0):
-                raise self.job.ended_error("before all its engines registered")
-        tail = self.job.output_tail() if self.job is not None else ""
-        raise DistributedError(
-            f"expected {n} engines, {len(self.client.ids)} registered within "
-            f"{self.start_timeout_s:g} s"
-            + (f"; the job's output ends with:\n{tail}" if tail else "")
-        )
-
-    def _launcher_output(self, lines: int = 60) -> str:
-        """The last lines the engines' launcher (mpiexec, ...) printed."""
-        out = []
-        for launcher in self._ipp.engines.values():
-            try:
-                out += launcher.get_output(remove=False).splitlines()
-            except OSError:
-                pass
-        return "\n".join(out[-lines:])
 
     def stop(self) -> None:
         """Stop every engine and the controller; no process of the cluster remains."""
@@ -313,61 +252,6 @@ class Cluster:
     def pids(self) -> list[int]:
         """Pids of every process this cluster started (controller, launchers, engines)."""
         return self._watchdog.pids() if self._watchdog is not None else []
-
-    def _record_launcher_processes(self) -> None:
-        launchers = [self._ipp.controller] + list(self._ipp.engines.values())
-        for launcher in launchers:
-            for sub in [launcher] + list(getattr(launcher, "launchers", {}).values()):
-                process = getattr(sub, "process", None)
-                if process is not None:
-                    self._watchdog.watch_launcher(process.pid)
-
-    def _boot(self, n: int) -> None:
-        view = self.client[:]
-        infos = self._answers(view.apply_async(_engine_boot.probe), "answer")
-        self.ranks = rendezvous.assign_ranks(infos)
-        if len(self.ranks) != n:
-            raise DistributedError(f"expected {n} engines, {len(self.ranks)} registered")
-        here = address.machine_id()
-        for info in self.ranks:
-            info["local"] = info.get("machine") == here  # its pid can be checked from here
-            if info["local"]:
-                self._watchdog.watch(info["pid"])
-        self._nannies = _teardown.nannies_of(i["pid"] for i in self.ranks if i["local"])
-        master_addr = rendezvous.master_address(self.ranks, self.master_addr_override)
-        rank0 = self.client[self.ranks[0]["engine_id"]]
-        try:
-            master_port = rank0.apply_sync(_engine_boot.free_port, master_addr)
-        except Exception as err:  # an ipyparallel RemoteError wraps the OSError
-            raise DistributedError(
-                f"rank 0 (on {self.ranks[0]['host']}) cannot listen on "
-                f"{master_addr} ({err}): the rendezvous address must be one "
-                "of rank 0's host (--master-addr)"
-            ) from None
-        envs = rendezvous.rank_envs(self.ranks, master_addr, master_port)
-        self.master_addr, self.master_port = master_addr, master_port
-        self.recovery_generation = 0  # fresh ranks: a fresh process group
-        result = view.apply_async(
-            _engine_boot.boot, envs, self.backend, self.pg_timeout_s, self.tp_size
-        )
-        for info, booted in zip(
-            sorted(self.ranks, key=lambda i: i["engine_id"]),
-            self._answers(result, "join the process group"),
-        ):
-            info["device"] = booted["device"]
-
-    def _answers(self, result, what: str) -> list:
-        """`result`'s values within the start timeout, or an error naming who is late."""
-        try:
-            return result.get(timeout=self.start_timeout_s)
-        except TimeoutError:
-            n = len(result.msg_ids)
-            raise DistributedError(
-                f"{n - result.progress} of {n} engines registered but did not {what} "
-                f"within the start timeout ({self.start_timeout_s:g} s): their first task "
-                "imports torch, which takes long on a loaded machine; give more time "
-                "with --start-timeout-s (Cluster(start_timeout_s=...))"
-            ) from None
 
     # --------------------------------------------------------------- operations
     def _require_running(self) -> None:
@@ -549,59 +433,13 @@ class Cluster:
                 "still running?); run `%nbtrain restart`"
             ) from None
 
-    def _hub_queues(self, settle_s: float = 1.0) -> dict:
-        """The hub's queue_status. The hub counts a request done when the engine's copy
-        of the reply reaches it, after the reply itself reached this client: just after
-        a cell, a rank may still be counted busy (1 in 200 a cell, unloaded). While this
-        client waits on nothing and the hub still counts a queue, it asks again, for up
-        to `settle_s` (a queue another client filled stays, and is reported)."""
-        deadline = time.monotonic() + settle_s
-        while True:
-            queues = self.client.queue_status()
-            queued = any(q.get("queue", 0) for k, q in queues.items() if isinstance(q, dict))
-            if not queued or self.client.outstanding or time.monotonic() > deadline:
-                return queues
-            time.sleep(0.02)
-
     def status(self) -> list[dict]:
         """Per rank: rank, engine_id, pid, host, address, node (Slurm's node name or None),
         local_rank, device, alive, busy, rss_bytes, cuda_bytes, step and loss (the
         telemetry step counter and newest loss; None when unknown). `job_status()` tells
         the Slurm job's id, state and nodes."""
         self._require_running()
-        dead = set(self.dead_ranks(range(self.world_size)))
-        queues = self._hub_queues() if len(dead) < self.world_size else {}
-        # A just-submitted cell may not be queued yet: its ranks' stats would wait.
-        running = set(self.pending.busy()) if self.pending is not None else set()
-        rows = []
-        for rank, info in enumerate(self.ranks):
-            eid = info["engine_id"]
-            busy = rank not in dead and (rank in running or queues.get(eid, {}).get("queue", 0) > 0)
-            row = {
-                "rank": rank,
-                "engine_id": eid,
-                "pid": info["pid"],
-                "host": info["host"],
-                "address": info.get("address"),
-                "node": info.get("node"),
-                "local_rank": info.get("local_rank"),
-                "device": info.get("device"),
-                "busy": busy,
-                "alive": rank not in dead,
-                "rss_bytes": None,
-                "cuda_bytes": None,
-                "step": None,
-                "loss": None,
-            }
-            if rank not in dead and not busy:
-                try:
-                    row.update(self.client[eid].apply_async(_engine_boot.stats).get(timeout=5))
-                except Exception:  # reported as unknown rather than failing status
-                    pass
-            elif rank not in dead and info.get("local"):
-                row["rss_bytes"] = rss_bytes(info["pid"])
-            rows.append(row)
-        return rows
+        return rank_rows(self)
 
     # ------------------------------------------------- used by nbtrain.notebook.cell_run
     def dead_ranks(self, ranks) -> list[int]:

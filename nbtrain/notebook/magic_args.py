@@ -1,10 +1,14 @@
-"""What `%nbtrain`'s flags mean beyond parsing: start's checks (rank count, Slurm
-options and layout, a running cluster that differs from the one asked for) and the
+"""What `%nbtrain`'s flags mean beyond parsing (magic_parser parses them): each
+action's checks (rank count, Slurm options and layout, --tp-size against the ranks, a
+running cluster that differs from the one asked for, the names to pull or push) and the
 `%nbtrain status` table. Plain functions; the magics call them."""
 
 from __future__ import annotations
 
 from IPython.core.error import UsageError
+
+from ..comm.layout import Layout
+from ..comm.renamed import warn_renamed
 
 
 def _format_bytes(n) -> str:
@@ -32,52 +36,61 @@ def format_status(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# The flags (argparse names) each action reads. A flag given to an action that does not
-# read it is refused, not ignored: `%nbtrain status --tp-size 4` used to do nothing.
-_START_FLAGS = {
-    "n", "backend", "launcher", "start_timeout_s", "timeout", "tp_size", "pg_timeout_s",
-    "controller_ip", "master_addr", "mpi_args", "nodes", "ntasks_per_node",
-    "gpus_per_node", "partition", "time", "account", "sbatch",
-}  # fmt: skip
-ACTION_FLAGS = {
-    "start": _START_FLAGS,
-    "restart": {"n"},
-    "stop": set(),
-    "status": set(),
-    "dashboard": set(),
-    "result": set(),
-    "wait": {"timeout"},
-    "pull": {"names", "targets"},
-    "push": {"names", "targets"},
-    "debug": {"rank", "frame", "all_frames", "interactive", "clear"},
-}
-
-
-def refuse_other_actions_flags(parser, args, bare) -> None:
-    """Refuses a flag that `args.action` does not read, naming the actions that do.
-
-    `bare`: what the parser makes of the action alone (its defaults); a flag counts as
-    given when its value differs from that.
-
-    Raises:
-        UsageError: naming the flag, the action and where the flag belongs.
-    """
-    spelled = {}
-    for action in parser._actions:
-        if action.option_strings:
-            spelled.setdefault(action.dest, max(action.option_strings, key=len))
-    wanted = ACTION_FLAGS[args.action] | {"action", "names"}  # NAMES: each action checks
-    for dest, value in vars(args).items():
-        if dest not in wanted and value != getattr(bare, dest, value):
-            flag = spelled.get(dest, dest)
-            owners = [a for a, flags in ACTION_FLAGS.items() if dest in flags]
-            where = " or ".join(f"`%nbtrain {a}`" for a in owners) or "no action"
-            raise UsageError(f"%nbtrain {args.action} takes no {flag}: it is a flag of {where}")
-
-
 def check_n(n: int | None) -> None:
     if n is not None and n < 1:
         raise UsageError(f"-n {n}: a cluster needs at least one rank, e.g. -n 2")
+
+
+def check_start(args, default_n) -> None:
+    """`%nbtrain start`'s flags checked together, before anything is launched; fills
+    in `args.slurm` and unquotes `args.mpi_args`. `default_n()`: the ranks when -n is
+    not given.
+
+    Raises:
+        UsageError: naming the flag, its value and the fix.
+    """
+    check_n(args.n)
+    args.slurm = slurm_options(args)
+    if args.mpi_args is not None:
+        if args.launcher != "mpi":
+            raise UsageError("--mpi-args: mpiexec arguments, for `%nbtrain start --launcher mpi`")
+        quote = args.mpi_args[:1]  # IPython's splitting keeps the quotes of "A B"
+        if quote in ("'", '"') and args.mpi_args.endswith(quote) and len(args.mpi_args) > 1:
+            args.mpi_args = args.mpi_args[1:-1]
+    if args.timeout is not None:
+        warn_renamed("`%nbtrain start --timeout`", "--start-timeout-s", stacklevel=3)
+        if args.start_timeout_s is None:
+            args.start_timeout_s = args.timeout
+    tp = args.tp_size
+    if tp != 1:
+        n = args.n if args.n is not None else default_n()
+        if args.launcher == "slurm":
+            n = slurm_layout(args)[0]
+        if not Layout(tp_size=max(tp, 1)).fits(n) or tp < 1:  # the one layout rule
+            raise UsageError(
+                f"--tp-size {tp} must divide the number of ranks ({n}), "
+                f"e.g. -n {2 * max(tp, 1)} --tp-size {max(tp, 1)}"
+            )
+    if args.pg_timeout_s is not None and args.pg_timeout_s <= 0:
+        raise UsageError(
+            f"--pg-timeout-s {args.pg_timeout_s:g}: give a positive number "
+            "of seconds, e.g. --pg-timeout-s 120"
+        )
+
+
+def check_names(args) -> None:
+    """`%nbtrain pull NAME` takes one name, `%nbtrain push NAME [NAME ...]` one or more.
+
+    Raises:
+        UsageError: no name, or more than one to pull.
+    """
+    if not args.names:
+        example = "pull loss" if args.action == "pull" else "push lr batch_size"
+        raise UsageError(f"%nbtrain {args.action}: name the variable(s), e.g. `%nbtrain {example}`")
+    if args.action == "pull" and len(args.names) > 1:
+        raise UsageError(
+            f"%nbtrain pull takes one NAME, got {' '.join(args.names)}: pull them one at a time"
+        )
 
 
 _SLURM_FLAGS = {

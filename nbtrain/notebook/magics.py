@@ -1,8 +1,10 @@
 """The IPython extension: `%nbtrain` and `%%distributed`.
 
-Thin by design: each magic parses its flags with IPython's magic_arguments and
+Thin by design: each magic parses its flags (`%nbtrain` with one parser per action,
+nbtrain.notebook.magic_parser; `%%distributed` with IPython's magic_arguments) and
 calls one method of `nbtrain.Cluster`; the cluster owns every process and all the
-waiting, streaming and error handling.
+waiting, streaming and error handling. The notebook's cluster is held by the magics
+object that `%load_ext nbtrain` registers; `current_cluster()` finds it.
 
     %load_ext nbtrain
     %nbtrain start -n 2
@@ -14,36 +16,45 @@ waiting, streaming and error handling.
 
 from __future__ import annotations
 
+import inspect
+
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from ..comm.layout import Layout
-from ..comm.renamed import RenamedFlag, warn_renamed
 from .autodistribute import autodistributed_on, set_autodistributed
 from .cluster import Cluster, _default_n
 from .errors import NoClusterError
-from .launchers import LAUNCHERS
 from .magic_args import (
     check_n,
+    check_names,
+    check_start,
     format_status,
-    refuse_other_actions_flags,
     slurm_layout,
-    slurm_options,
     start_differences,
 )
+from .magic_parser import ACTIONS, PARSER, flags_help, parse  # noqa: F401 (ACTIONS: API)
 from .post_mortem import clear_failures, post_mortem, split_expression
 
 _NO_CLUSTER = "no nbtrain cluster is running: start one with `%nbtrain start -n 2`"
 
-# The notebook's one cluster. Module-level so that reloading the extension (or
-# running `%load_ext` twice) finds the running cluster instead of orphaning it.
-_current: Cluster | None = None
+
+def registered_magics(shell=None) -> "NbtrainMagics | None":
+    """The NbtrainMagics that `%load_ext nbtrain` registered in `shell` (default: the
+    running IPython), or None. It stays registered after `%unload_ext nbtrain`."""
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    manager = getattr(shell, "magics_manager", None)
+    return None if manager is None else manager.registry.get(NbtrainMagics.__name__)
 
 
-def current_cluster() -> Cluster | None:
-    """The cluster `%nbtrain start` made, if it is running."""
-    return _current if _current is not None and _current.running else None
+def current_cluster(shell=None) -> Cluster | None:
+    """The cluster `%nbtrain start` made, if it is running (in `shell`, default the
+    running IPython)."""
+    magics = registered_magics(shell)
+    return None if magics is None else magics.running_cluster()
 
 
 def _targets(cluster: Cluster, targets: str | None):
@@ -61,188 +72,37 @@ def _targets(cluster: Cluster, targets: str | None):
     return int(targets) if targets.strip().lstrip("-").isdigit() else targets
 
 
-def _require_cluster() -> Cluster:
-    cluster = current_cluster()
-    if cluster is None:
-        raise NoClusterError(_NO_CLUSTER)
-    return cluster
-
-
-ACTIONS = (
-    "start",
-    "stop",
-    "restart",
-    "status",
-    "pull",
-    "push",
-    "wait",
-    "result",
-    "dashboard",
-    "debug",
-)
 _START_TIMEOUT_S = 120.0
 
 
 @magics_class
 class NbtrainMagics(Magics):
     """`%nbtrain start|stop|restart|status|pull|push|wait|result|dashboard|debug`,
-    `%%distributed` and `%autodistributed`."""
+    `%%distributed` and `%autodistributed`.
+
+    The notebook's one cluster is `self.cluster`: the magics that `%load_ext nbtrain`
+    registers keep it, as ipyparallel's magics keep their view, and a reload of the
+    extension hands it to the new magics (`load_ipython_extension`)."""
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self.cluster: Cluster | None = None
+
+    def running_cluster(self) -> Cluster | None:
+        """`self.cluster` if it is running."""
+        cluster = self.cluster
+        return cluster if cluster is not None and cluster.running else None
+
+    def _require_cluster(self) -> Cluster:
+        cluster = self.running_cluster()
+        if cluster is None:
+            raise NoClusterError(_NO_CLUSTER)
+        return cluster
 
     @line_magic
-    @magic_arguments()
-    @argument("action", choices=ACTIONS, help="what to do with the cluster (see above)")
-    @argument(
-        "names",
-        nargs="*",
-        metavar="NAME",
-        help="pull: the variable to bring back; push: the variables to send; "
-        "debug: an expression to evaluate in the failing frame (after the flags)",
-    )
-    @argument(
-        "-n",
-        type=int,
-        default=None,
-        help="start/restart: number of ranks (start default: GPUs, or 2; restart default: as now)",
-    )
-    @argument(
-        "--backend",
-        choices=["gloo", "nccl"],
-        default=None,
-        help="start: torch.distributed backend (default: nccl with CUDA, else gloo)",
-    )
-    @argument(
-        "--launcher",
-        choices=LAUNCHERS,
-        default="local",
-        help="start: how engines are launched (mpi/slurm for several nodes)",
-    )
-    @argument(
-        "--timeout",
-        type=float,
-        default=None,
-        help="wait: seconds to wait for the cell (default: until done)",
-    )
-    @argument(
-        "--start-timeout-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="start: seconds to wait for the engines to register and rendezvous (default 120)",
-    )
-    @argument(
-        "--tp-size",
-        type=int,
-        default=1,
-        metavar="T",
-        help="start: tensor-parallel size (init_distributed(tp_size=T) on every rank; "
-        "it must divide -n); output lines then show each rank's coordinates",
-    )
-    @argument(
-        "--pg-timeout-s",
-        type=float,
-        default=None,
-        metavar="S",
-        help="start: torch.distributed timeout in seconds for a collective that a "
-        "peer never joins (default 600); a failing rank aborts the others' "
-        "collectives at once, so this only bounds true deadlocks",
-    )
-    @argument(
-        "--controller-ip",
-        default="127.0.0.1",
-        metavar="ADDR",
-        help="start: address the controller listens on (loopback by default; engines "
-        "on other hosts need an address of this host that they can reach)",
-    )
-    # The old flags (docs/naming.md), with a FutureWarning; `start --timeout` is in nbtrain().
-    @argument("--tp", dest="tp_size", type=int, action=RenamedFlag, new="--tp-size")
-    @argument(
-        "--pg-timeout", dest="pg_timeout_s", type=float, action=RenamedFlag, new="--pg-timeout-s"
-    )
-    @argument("--ip", dest="controller_ip", action=RenamedFlag, new="--controller-ip")
-    @argument(
-        "--master-addr",
-        default=None,
-        metavar="ADDR",
-        help="start: rendezvous address (MASTER_ADDR; default: rank 0's address)",
-    )
-    @argument(
-        "--mpi-args",
-        default=None,
-        metavar="ARGS",
-        help="start, mpi: extra mpiexec arguments in one quoted string, e.g. "
-        '--mpi-args "--host node1:2,node2:2" for ranks on two hosts',
-    )
-    @argument("--nodes", type=int, default=None, help="start, slurm: number of nodes (default 1)")
-    @argument(
-        "--ntasks-per-node",
-        type=int,
-        default=None,
-        metavar="K",
-        help="start, slurm: ranks per node (default -n / nodes); -n must equal nodes x K",
-    )
-    @argument(
-        "--gpus-per-node",
-        type=int,
-        default=None,
-        metavar="G",
-        help="start, slurm: GPUs per node (#SBATCH --gpus-per-node)",
-    )
-    @argument("--partition", default=None, help="start, slurm: the partition (queue)")
-    @argument(
-        "--time",
-        default=None,
-        metavar="LIMIT",
-        help="start, slurm: the job's time limit, e.g. 02:00:00",
-    )
-    @argument("--account", default=None, help="start, slurm: the account to charge")
-    @argument(
-        "--sbatch",
-        action="append",
-        default=None,
-        metavar="OPTION",
-        help="start, slurm: an extra sbatch option, repeatable; write "
-        "--sbatch=--qos=high (with '=' as the option starts with '-')",
-    )
-    @argument(
-        "-t",
-        "--targets",
-        default=None,
-        help="pull/push: ranks, e.g. 0, -1 (last), 0,2, 0:2, ::2, 1: (default: all); "
-        "write --targets=-1: for a slice that starts with '-'",
-    )
-    @argument(
-        "--rank",
-        type=int,
-        default=None,
-        metavar="R",
-        help="debug: the failing rank to open (default: the lowest failing rank)",
-    )
-    @argument(
-        "--frame",
-        type=int,
-        default=-1,
-        metavar="N",
-        help="debug: the frame to open, 0 the outermost, -1 the innermost (the default)",
-    )
-    @argument(
-        "--all-frames",
-        action="store_true",
-        help="debug: also list the frames of torch, nbtrain and installed packages",
-    )
-    @argument(
-        "-i",
-        "--interactive",
-        action="store_true",
-        help="debug: a prompt that evaluates each line in the frame (q or empty ends)",
-    )
-    @argument(
-        "--clear",
-        action="store_true",
-        help="debug: drop the kept failure (and the locals it keeps alive) on every "
-        "rank, or on --rank R",
-    )
     def nbtrain(self, line):
-        """Manage the notebook's cluster of ranks.
+        """Manage the notebook's cluster of ranks. `%nbtrain ACTION --help` lists the
+        flags of one action; a flag of another action is refused.
 
         Actions:
           start      start N ranks with torch.distributed ready (-n, --backend,
@@ -281,53 +141,21 @@ class NbtrainMagics(Magics):
         Targets (-t/--targets): 0, -1 (the last rank), 0,2, 0:2, ::2, 1:.
         """
         line, expr = split_expression(line)  # debug's EXPR, verbatim
-        args = parse_argstring(self.nbtrain, line)
-        bare = parse_argstring(self.nbtrain, args.action)
-        refuse_other_actions_flags(self.nbtrain.parser, args, bare)
-        args.expr = expr
-        check_n(args.n)
-        args.slurm = slurm_options(args)
-        if args.mpi_args is not None:
-            if args.launcher != "mpi":
-                raise UsageError(
-                    "--mpi-args: mpiexec arguments, for `%nbtrain start --launcher mpi`"
-                )
-            quote = args.mpi_args[:1]  # IPython's splitting keeps the quotes of "A B"
-            if quote in ("'", '"') and args.mpi_args.endswith(quote) and len(args.mpi_args) > 1:
-                args.mpi_args = args.mpi_args[1:-1]
-        if args.action == "start" and args.timeout is not None:
-            warn_renamed("`%nbtrain start --timeout`", "--start-timeout-s", stacklevel=2)
-            if args.start_timeout_s is None:
-                args.start_timeout_s = args.timeout
-        tp = args.tp_size
-        if args.action == "start" and tp != 1:
-            n = args.n if args.n is not None else _default_n()
-            if args.launcher == "slurm":
-                n = slurm_layout(args)[0]
-            if not Layout(tp_size=max(tp, 1)).fits(n) or tp < 1:  # the one layout rule
-                raise UsageError(
-                    f"--tp-size {tp} must divide the number of ranks ({n}), "
-                    f"e.g. -n {2 * max(tp, 1)} --tp-size {max(tp, 1)}"
-                )
-        if args.pg_timeout_s is not None and args.pg_timeout_s <= 0:
-            raise UsageError(
-                f"--pg-timeout-s {args.pg_timeout_s:g}: give a positive number "
-                "of seconds, e.g. --pg-timeout-s 120"
-            )
-        if args.action in ("pull", "push") and not args.names:
-            example = "pull loss" if args.action == "pull" else "push lr batch_size"
-            raise UsageError(
-                f"%nbtrain {args.action}: name the variable(s), e.g. `%nbtrain {example}`"
-            )
-        if args.action == "pull" and len(args.names) > 1:
-            raise UsageError(
-                f"%nbtrain pull takes one NAME, got {' '.join(args.names)}: pull them one at a time"
-            )
+        args = parse(line)
+        if args is None:  # --help
+            return None
+        if args.action == "debug":
+            args.expr = expr
+        elif args.action == "start":
+            check_start(args, _default_n)
+        elif args.action == "restart":
+            check_n(args.n)
+        elif args.action in ("pull", "push"):
+            check_names(args)
         return getattr(self, f"_{args.action}")(args)
 
     def _start(self, args) -> None:
-        global _current
-        cluster = current_cluster()
+        cluster = self.running_cluster()
         if cluster is not None:
             asked = start_differences(cluster, args)
             if asked:
@@ -361,43 +189,42 @@ class NbtrainMagics(Magics):
             mpi_args=args.mpi_args,
             **extra,
         )
-        _current = cluster.start()
-        devices = sorted({r["device"] for r in _current.ranks})
-        job = f", Slurm job {_current.job.job_id}" if _current.job is not None else ""
+        self.cluster = cluster = cluster.start()
+        devices = sorted({r["device"] for r in cluster.ranks})
+        job = f", Slurm job {cluster.job.job_id}" if cluster.job is not None else ""
         print(
-            f"nbtrain cluster ready: {_current.world_size} ranks on {', '.join(devices)} "
-            f"({_current.launcher} launcher{job}, id {_current.cluster_id})"
+            f"nbtrain cluster ready: {cluster.world_size} ranks on {', '.join(devices)} "
+            f"({cluster.launcher} launcher{job}, id {cluster.cluster_id})"
         )
 
     def _stop(self, args) -> None:
-        global _current
-        if _current is None:
+        if self.cluster is None:
             print("no nbtrain cluster is running")
             return
         from . import dashboard
 
         dashboard.settle()  # the last cell's picture, before the engines go
-        _current.stop()
-        _current = None
+        self.cluster.stop()
+        self.cluster = None
         print("nbtrain cluster stopped")
 
     def _restart(self, args) -> None:
-        if _current is None:
+        cluster = self.cluster
+        if cluster is None:
             raise NoClusterError(_NO_CLUSTER)
-        tp = getattr(_current, "tp_size", 1)
+        tp = getattr(cluster, "tp_size", 1)
         if args.n is not None and args.n % tp:
             raise UsageError(
                 f"restart -n {args.n}: the cluster has tensor-parallel size {tp}, "
                 f"which must divide the number of ranks, e.g. -n {2 * tp}"
             )
-        _current.restart(n=args.n)
+        cluster.restart(n=args.n)
         print(
-            f"nbtrain cluster restarted: {_current.world_size} fresh ranks "
-            f"(id {_current.cluster_id})"
+            f"nbtrain cluster restarted: {cluster.world_size} fresh ranks (id {cluster.cluster_id})"
         )
 
     def _status(self, args) -> None:
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         rows = cluster.status()
         job = cluster.job_status()
         if job is not None:
@@ -411,7 +238,7 @@ class NbtrainMagics(Magics):
         from . import dashboard as widgets
 
         board = widgets.current()
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         if cluster.wait(args.timeout, board.poll if board is not None else None) is None:
             print(
                 f"{_pending_line(cluster.pending)}; it keeps running: "
@@ -419,17 +246,17 @@ class NbtrainMagics(Magics):
             )
 
     def _result(self, args) -> None:
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         if cluster.result() is None:
             print(_pending_line(cluster.pending))
 
     def _dashboard(self, args) -> None:
         from .dashboard import Dashboard
 
-        Dashboard().show().refresh(_require_cluster())  # later %%distributed cells feed it
+        Dashboard().show().refresh(self._require_cluster())  # later %%distributed cells feed it
 
     def _debug(self, args) -> None:
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         try:
             if args.clear:
                 ranks = clear_failures(cluster, args.rank)
@@ -444,11 +271,11 @@ class NbtrainMagics(Magics):
             print(debugger.show(args.expr) if args.expr else debugger.render())
 
     def _pull(self, args):
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         return cluster.pull(args.names[0], _targets(cluster, args.targets))
 
     def _push(self, args) -> None:
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         missing = [n for n in args.names if n not in self.shell.user_ns]
         if missing:
             raise UsageError(
@@ -505,7 +332,7 @@ class NbtrainMagics(Magics):
         once; `%nbtrain wait` or `%nbtrain result` shows its output and errors later).
         """
         args = parse_argstring(self.distributed, line)
-        cluster = _require_cluster()
+        cluster = self._require_cluster()
         targets = _targets(cluster, args.targets)
         from . import dashboard as widgets
 
@@ -561,13 +388,25 @@ def _pending_line(pending) -> str:
     return f"still running on ranks {ranks} (a non-blocking cell)"
 
 
+# `%nbtrain`'s parser where IPython's magic_arguments keeps a magic's (parse_argstring),
+# and its help dedented as `%nbtrain?` shows it, as magic_arguments does.
+NbtrainMagics.nbtrain.parser = PARSER
+_doc = inspect.cleandoc(NbtrainMagics.nbtrain.__doc__)
+NbtrainMagics.nbtrain.__doc__ = f"{_doc}\n\n{flags_help()}"
+
+
 def load_ipython_extension(ipython) -> None:
-    """`%load_ext nbtrain`."""
-    ipython.register_magics(NbtrainMagics)
+    """`%load_ext nbtrain`: registers the magics. The magics registered before (a
+    `%reload_ext nbtrain`, or a load after `%unload_ext nbtrain`) hand over their
+    cluster, so a running cluster is never orphaned."""
+    magics = NbtrainMagics(shell=ipython)
+    magics.cluster = getattr(registered_magics(ipython), "cluster", None)
+    ipython.register_magics(magics)
 
 
 def unload_ipython_extension(ipython) -> None:
-    """`%unload_ext nbtrain`: the magics go; a running cluster keeps running until exit."""
+    """`%unload_ext nbtrain`: the magics go; a running cluster keeps running until exit
+    (the magics object stays in IPython's registry, holding it for the next load)."""
     ipython.magics_manager.magics["line"].pop("nbtrain", None)
     ipython.magics_manager.magics["cell"].pop("distributed", None)
     ipython.magics_manager.magics["line"].pop("autodistributed", None)

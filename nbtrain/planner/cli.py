@@ -1,10 +1,13 @@
 """`nbtrain plan`: a registered model's predicted peak memory per rank at one layout,
 and with --device-memory which layouts over --ranks fit.
 
-    nbtrain plan --model gpt --preset medium --tp-size 2 --batch 8 --seq 256
-    nbtrain plan --model gpt_moe --preset small --ranks 8 --device-memory 80GiB
+    nbtrain plan --model gpt --model-size medium --tp-size 2 --batch 8 --seq-len 256
+    nbtrain plan --model gpt_moe --model-size small --ranks 8 --device-memory 80GiB
     nbtrain plan --model llama --hf-path path/to/qwen2 --zero-level 3 --ranks 2
-    nbtrain plan --model hf --hf-path path/to/any-causal-lm --seq 1024
+    nbtrain plan --model hf --hf-path path/to/any-causal-lm --seq-len 1024
+
+`--model-size` and `--seq-len` are `nbtrain bench`'s names; the old `--preset` and
+`--seq` still work, with a FutureWarning (docs/naming.md).
 
 `--model hf` reads any transformers causal LM's config.json (its model is built on the
 meta device); every model but nbtrain's GPTs gets its activation term from a traced
@@ -15,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
+
+from ..comm.renamed import RenamedFlag
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -32,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--hf-path", default=None, help="a Hugging Face model folder")
     p.add_argument(
-        "--preset",
+        "--model-size",
         default=None,
         help="the size of nbtrain's GPTs (tiny, small, medium; default small)",
     )
@@ -47,11 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--zero-level", type=int, default=3, choices=(2, 3))
     p.add_argument("--num-micro-batches", type=int, default=1)
     p.add_argument("--batch", type=int, default=8, help="rows of the global batch")
-    p.add_argument("--seq", type=int, default=None, help="tokens per row (default seq_len)")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="tokens per row (default: the model's seq_len)"
+    )
     p.add_argument("--bf16", action="store_true", help="bf16 parameters, fp32 master copies")
     p.add_argument("--offload", action="store_true", help="optimizer state on the host")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     p.add_argument("--device-memory", default=None, help="e.g. 80GiB: which layouts fit")
+    # The old names (docs/naming.md), hidden, with a FutureWarning.
+    p.add_argument("--preset", dest="model_size", action=RenamedFlag, new="--model-size")
+    p.add_argument("--seq", dest="seq_len", type=int, action=RenamedFlag, new="--seq-len")
     return p
 
 
@@ -67,10 +77,10 @@ def _source(args):
 
         return AutoConfig.from_pretrained(args.hf_path, local_files_only=True, **fields)
     if args.model in ("gpt", "gpt_moe"):
-        fields = {"preset": args.preset or "small", **fields}
-    elif args.preset is not None:
+        fields = {"preset": args.model_size or "small", **fields}
+    elif args.model_size is not None:
         raise SystemExit(
-            f"nbtrain plan: --preset is for nbtrain's GPTs; give {args.model}'s size with "
+            f"nbtrain plan: --model-size is for nbtrain's GPTs; give {args.model}'s size with "
             "--hf-path FOLDER or --model-config JSON"
         )
     source = RuntimeConfig(
@@ -97,7 +107,7 @@ def main(argv=None) -> int:
     cfg = _source(args)
     common = dict(
         batch=args.batch,
-        seq=args.seq,
+        seq=args.seq_len,
         device_memory=args.device_memory,
         param_bytes=2 if args.bf16 else 4,
     )

@@ -50,6 +50,22 @@ def test_start_again_keeps_the_running_cluster(ipython, cluster, capsys):
     assert cluster.cluster_id == before_id and cluster.pids() == before_pids
 
 
+def test_reloading_the_extension_keeps_the_running_cluster(ipython, cluster, capsys):
+    # The cluster is held by the registered magics: `%reload_ext` (and a load after
+    # `%unload_ext`) hands it to the new ones instead of orphaning its processes.
+    before = magics.registered_magics(ipython)
+    assert before.cluster is cluster
+    ipython.run_line_magic("reload_ext", "nbtrain")
+    ipython.run_line_magic("unload_ext", "nbtrain")
+    ipython.run_line_magic("load_ext", "nbtrain")
+    after = magics.registered_magics(ipython)
+    assert after is not before and after.cluster is cluster
+    assert magics.current_cluster() is cluster
+    ipython.run_line_magic("nbtrain", "status")
+    assert capsys.readouterr().out.count("idle") == 2
+    assert "[rank 1] 1" in run(ipython, "print(nbt.rank())")
+
+
 @pytest.mark.parametrize(
     "line, asked",
     [

@@ -5,6 +5,8 @@ cores); the restart test, the module's last, goes down to 1 rank and leaves it s
 the module's fixture stops whatever cluster is current at the end.
 """
 
+import re
+
 import pytest
 
 # The notebook packages ([notebook]/[test] extras) may be absent, e.g. on a bare GPU machine
@@ -31,6 +33,37 @@ def test_help_lists_every_action_and_flag():
     for flag in ("--targets", "--timeout", "--no-stream", "--dashboard"):
         assert flag in cell_doc, flag
     assert "::2" in cell_doc and "-1" in cell_doc
+
+
+def test_help_of_the_magic_and_of_each_action(ipython, capsys):
+    assert nbtrain(ipython, "--help") is None
+    out = capsys.readouterr().out
+    assert "%nbtrain ACTION --help" in out and "%%distributed --noblock" in out
+    assert all(f"    {action}" in out for action in magics.ACTIONS), out
+    nbtrain(ipython, "start --help")
+    out = capsys.readouterr().out
+    assert "--tp-size T" in out and "--sbatch OPTION" in out and "--rank" not in out
+    assert "--ip" not in out.replace("--controller-ip", "")  # the old flags stay hidden
+    nbtrain(ipython, "debug -h")
+    out = capsys.readouterr().out
+    assert "--all-frames" in out and "EXPR" in out and "--tp-size" not in out
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("status --tp-size 4", "`%nbtrain status` takes nothing"),
+        ("pull x --rank 1", "`%nbtrain pull` takes NAME, -t/--targets"),
+        ("wait -n 3", "`%nbtrain wait` takes --timeout"),
+        ("start --frobnicate 1", "takes no --frobnicate: no action has it; `%nbtrain start` takes"),
+        ("stop now", "stop takes no argument 'now'"),
+        ("start -n x", "%nbtrain start: argument -n: invalid int value: 'x'"),
+    ],
+)
+def test_a_flag_of_another_action_names_what_this_one_takes(ipython, line, message):
+    # Refused by the action's own parser, before any cluster is looked for.
+    with pytest.raises(UsageError, match=re.escape(message)):
+        nbtrain(ipython, line)
 
 
 # ------------------------------------------------------------- targets (no engines)

@@ -27,6 +27,15 @@ PROMPT = re.compile(r"^[\w.@-]*\$\s+")  # login1$ jupyter lab ...
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z0-9_]*$")  # N, S, RUN_DIR, ...
 
 
+def _own_parser(parser, words: list[str]):
+    """The parser whose flags `words` use: the sub-parser of the command or action that
+    `words` begin with (`%nbtrain status ...`: status's), else `parser`."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and words:
+            return action.choices.get(words[0], parser)
+    return parser
+
+
 def _cli_parsers() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
@@ -163,9 +172,10 @@ def problems(path: Path, text: str | None = None) -> list[str]:
                     out.append(f"{where}: takes on, off or nothing")
                 continue
             full = words
+        own = _own_parser(parser, words)  # %nbtrain's action's parser knows its flags
         if path.name != "naming.md":  # the page that lists the old spellings
             for flag in _flags(words):
-                action = parser._option_string_actions.get(flag)
+                action = own._option_string_actions.get(flag)
                 if isinstance(action, RenamedFlag):
                     out.append(f"{where}: {flag} is renamed: show {action.new}")
         if (
@@ -174,7 +184,7 @@ def problems(path: Path, text: str | None = None) -> list[str]:
             or "--help" in words
             or re.search(r"[\[\]|]", rest)
         ):
-            known = set(parser._option_string_actions)
+            known = set(own._option_string_actions)
             out += [f"{where}: no flag {flag}" for flag in _flags(words) if flag not in known]
             continue
         complaint = (
@@ -185,12 +195,12 @@ def problems(path: Path, text: str | None = None) -> list[str]:
         if complaint and inline and re.search(r"required|expected one argument", complaint):
             # Prose names a command or a flag without all it needs (`nbtrain report`,
             # `--ip`): what it names must exist.
-            known = set(parser._option_string_actions)
+            known = set(own._option_string_actions)
             out += [f"{where}: no flag {flag}" for flag in _flags(words) if flag not in known]
         elif complaint:
             out.append(f"{where}: {complaint}")
         else:  # argparse takes `--rank` for `--ranks`: the docs spell each flag out
-            known = set(parser._option_string_actions)
+            known = set(own._option_string_actions)
             out += [
                 f"{where}: no flag {flag} (abbreviated?)"
                 for flag in _flags(words)

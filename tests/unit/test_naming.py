@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import parse_argstring
 import nbtrain as nbt
 from nbtrain.bench import build_parser as bench_parser
 from nbtrain.notebook import magics
+from nbtrain.planner.cli import build_parser as plan_parser
 from nbtrain.runtime import NBConfig, ParallelConfig, RuntimeConfig, create_runtime
 from nbtrain.runtime.validate import build_parser as validate_parser
 from nbtrain.runtime.validate import synthetic_batches
@@ -155,28 +156,30 @@ def test_bmtrains_save_and_load_do_not_warn(world_of_one, tmp_path, suffix):
 # -- the command line ----------------------------------------------------------------------
 
 COMMAND_FLAGS = [
-    (validate_parser, "--tp", "--tp-size", "tp_size"),
-    (validate_parser, "--pp", "--pipe-size", "pipe_size"),
-    (validate_parser, "--micro-batches", "--num-micro-batches", "num_micro_batches"),
-    (bench_parser, "--tp", "--tp-size", "tp_size"),
-    (bench_parser, "--pp", "--pipe-size", "pipe_size"),
-    (bench_parser, "--micro-batches", "--num-micro-batches", "num_micro_batches"),
+    (validate_parser, "--tp", "--tp-size", "tp_size", 3),
+    (validate_parser, "--pp", "--pipe-size", "pipe_size", 3),
+    (validate_parser, "--micro-batches", "--num-micro-batches", "num_micro_batches", 3),
+    (bench_parser, "--tp", "--tp-size", "tp_size", 3),
+    (bench_parser, "--pp", "--pipe-size", "pipe_size", 3),
+    (bench_parser, "--micro-batches", "--num-micro-batches", "num_micro_batches", 3),
+    (plan_parser, "--preset", "--model-size", "model_size", "tiny"),  # bench's name
+    (plan_parser, "--seq", "--seq-len", "seq_len", 3),
 ]
 
 
 @pytest.mark.parametrize(
-    "parser, old, new, dest",
+    "parser, old, new, dest, value",
     COMMAND_FLAGS,
-    ids=[f"{p.__module__.split('.')[1]}{o}" for p, o, _, _ in COMMAND_FLAGS],
+    ids=[f"{p.__module__.split('.')[1]}{o}" for p, o, *_ in COMMAND_FLAGS],
 )
-def test_command_flags(parser, old, new, dest):
+def test_command_flags(parser, old, new, dest, value):
     defaults = parser().parse_args([])
     with no_future_warning():
-        assert getattr(parser().parse_args([new, "3"]), dest) == 3
+        assert getattr(parser().parse_args([new, str(value)]), dest) == value
     with pytest.warns(FutureWarning, match=rf"the flag {old} is deprecated.*use {new}"):
-        args = parser().parse_args([old, "3"])
-    assert getattr(args, dest) == 3
-    assert vars(args) == {**vars(defaults), dest: 3}  # the old flag adds no attribute
+        args = parser().parse_args([old, str(value)])
+    assert getattr(args, dest) == value
+    assert vars(args) == {**vars(defaults), dest: value}  # the old flag adds no attribute
     assert old not in parser().format_help().replace(new, "")  # hidden from --help
 
 
@@ -215,8 +218,7 @@ def started(monkeypatch):
         raise _Started
 
     monkeypatch.setattr(magics.Cluster, "start", start)
-    monkeypatch.setattr(magics, "_current", None)
-    return seen
+    return seen  # each test's NbtrainMagics holds no cluster yet
 
 
 def test_start_timeout_flag(started):

@@ -139,12 +139,12 @@ def test_the_command_line_plans_llama_and_says_what_is_missing(capsys):
 
     from nbtrain.planner.cli import main
 
-    assert main(["--model", "llama", "--model-config", json.dumps(LLAMA), "--seq", "32"]) == 0
+    assert main(["--model", "llama", "--model-config", json.dumps(LLAMA), "--seq-len", "32"]) == 0
     assert "activations traced" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="give --hf-path FOLDER, or every config field"):
         main(["--model", "llama"])
-    with pytest.raises(SystemExit, match="--preset is for nbtrain's GPTs"):
-        main(["--model", "llama", "--preset", "tiny"])
+    with pytest.raises(SystemExit, match="--model-size is for nbtrain's GPTs"):
+        main(["--model", "llama", "--model-size", "tiny"])
 
 
 def test_the_command_line_plans_a_transformers_folder(tmp_path, capsys):

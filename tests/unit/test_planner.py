@@ -63,7 +63,7 @@ def test_fits_and_the_layouts_listing():
 
 
 def test_command_line_prints_the_table_and_the_layouts(capsys):
-    main(["--model", "gpt", "--preset", "tiny", "--ranks", "2", "--device-memory", "80GiB"])
+    main(["--model", "gpt", "--model-size", "tiny", "--ranks", "2", "--device-memory", "80GiB"])
     out = capsys.readouterr().out
     assert "every rank" in out and "layouts over 2 ranks" in out and "yes" in out
 
