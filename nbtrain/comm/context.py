@@ -335,7 +335,7 @@ def shutdown(barrier: bool = True) -> None:
             collectives.wait_in_flight()
             if _CONTEXT is not None and _CONTEXT.device.type == "cuda":
                 torch.cuda.synchronize(_CONTEXT.device)
-            dist.barrier()
+            collectives.barrier(label="shutdown")  # watched: a rank that never comes is named
     finally:
         if dist.is_initialized():
             teardown.destroy_group()
