@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero import ShardKind, flat_buffers, is_tp_slice, shards, slice_kind
+from ..zero import ShardKind, flat_buffers, is_tp_slice, placement_of, shards, slice_kind
 
 META = "meta.json"
 FORMAT_VERSION = 1
@@ -142,17 +142,13 @@ class Entry:
         }
 
 
-def slot_info(name: str, shape, tp_meta=None) -> list:
-    """[name, shape] of one parameter in a stored vector; a tensor-parallel slice adds
-    its split dimension, part count and full shape."""
+def slot_info(name: str, shape, placed=None) -> list:
+    """[name, shape] of one parameter in a stored vector; a tensor-parallel slice (its
+    Placement `placed`) adds its split dimension, part count and full shape."""
     info = [name, list(shape)]
-    if tp_meta is not None:
+    if placed is not None:
         info.append(
-            {
-                "dim": tp_meta.tp_split_dim,
-                "groups": getattr(tp_meta, "tp_groups", 1),
-                "full": list(tp_meta.tp_full_shape),
-            }
+            {"dim": placed.split_dim, "groups": placed.parts, "full": list(placed.full_shape)}
         )
     return info
 
@@ -180,7 +176,7 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
         m.names[0]
         for b in buffers.values()
         for m in b.members
-        if m.tp is not None and slice_kind(m.tp) == "ep"
+        if m.tp is not None and m.tp.slice_group == "ep"
     ]
     if experts and topo.ep_size > 1:
         raise NotImplementedError(
@@ -213,7 +209,8 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
         tp = is_tp_slice(p)
         plain = aliases.get(name, name)
         shard = sharded.get(id(p))
-        info = [slot_info(plain, p.shape if shard is None else shard.shape, p if tp else None)]
+        placed = placement_of(p) if tp else None
+        info = [slot_info(plain, p.shape if shard is None else shard.shape, placed)]
         if shard is not None:
             ranks = shard.ranks
             out.append(

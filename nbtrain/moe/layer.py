@@ -22,9 +22,10 @@ Parameters and their gradients:
                    own tokens only, so the caller's data parallelism must reduce it
                    over all ranks that run this layer, like any replicated weight.
     w_in, w_out    this rank's experts only: slices along dim 0 of the full (E, ...)
-                   tensors over the ep group (`tp_split_dim = 0`, `tp_slice_group =
-                   "ep"`), so state dicts hold all E experts (gathered over ep) and
-                   `nbtrain.wrap` shards them over the ranks holding the same experts
+                   tensors over the ep group (placed as kind "expert", split
+                   dimension 0: nbtrain.zero.placement_of), so state dicts hold
+                   all E experts (gathered over ep) and `nbtrain.wrap` shards
+                   them over the ranks holding the same experts
                    (the "edp" group), where their gradients are reduced: they already
                    hold every ep rank's tokens, so wrap divides them by ep_size first.
 
@@ -42,6 +43,7 @@ from torch import nn
 
 from ..comm import collectives, events
 from ..nn.parallel import FullStateDict
+from ..zero import place
 from .dispatch import Chunk, _ep_group, _is_topology_ep, exchange_experts
 from .experts import experts_ffn
 from .routing import BALANCE_MODES, capacity_keep, route
@@ -157,8 +159,7 @@ class MoE(nn.Module, FullStateDict):
             (self.w_out, (num_experts, ffn_hidden, hidden)),
         ):
             if self.ep_size > 1 and _is_topology_ep(self.group):
-                p.tp_split_dim, p.tp_full_shape, p.tp_groups = 0, full, 1
-                p.tp_slice_group = "ep"
+                place(p, kind="expert", split_dim=0, full_shape=full)
         self._setup_full_state_dict()
         self.register_buffer("expert_bias", torch.zeros(num_experts))
         self.aux_loss = torch.zeros(())

@@ -5,12 +5,12 @@ As BMTrain's layers read `config["tp_comm"]`, these split over the process's tp 
 `nbtrain.parallelize`, is the caller's choice of tensor parallelism. nbtrain's models
 never make that choice themselves: a `GPT(cfg)` is plain whatever tp_size is.
 
-Each layer keeps its slice of the weight as a plain parameter tagged with the
-dimension it splits (`param.tp_split_dim`: 0 = rows, 1 = columns) and the full
-shape (`param.tp_full_shape`); replicated parameters (a row-parallel bias) have
-`tp_split_dim = None` and `tp_replicated = True` (as BMTrain's tp-mode parameter
-without a split dimension: sharded over data parallel only, counted once in a
-norm). Layouts between layers (see nbtrain.nn.tp_comm):
+Each layer keeps its slice of the weight as a plain parameter placed as a
+"tp_slice" (`nbtrain.zero.placement_of(param)`: the dimension it splits, 0 = rows,
+1 = columns, and the full shape); replicated parameters (a row-parallel bias) are
+placed "tp_replicated" (as BMTrain's tp-mode parameter without a split dimension:
+sharded over data parallel only, counted once in a norm). Layouts between layers
+(see nbtrain.nn.tp_comm):
 
 =====================  ===================  =====================================
 layer, flags           input                output
@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.context import get_context
+from ..zero import is_tp_slice, place, placement_of
 from ..zero.tp_slices import cut, full_from_slice, pad_along, slice_from_full
 from . import tp_comm
 
@@ -66,15 +67,12 @@ def slice_param(
 ) -> nn.Parameter:
     """This rank's slice of `full` along `dim`. With `groups` > 1 the dimension is that
     many equal parts (q, k and v of a fused projection) and each part is split. With
-    `dim` None the whole tensor, marked `tp_replicated`: the layer makes its gradient
+    `dim` None the whole tensor, placed "tp_replicated": the layer makes its gradient
     whole on every tp rank, so ZeRO shards it over data parallel only
     (nbtrain.zero.placement)."""
     param = nn.Parameter(cut(full, dim, size, rank, groups).contiguous().clone())
-    param.tp_split_dim = dim
-    if dim is None:
-        param.tp_replicated = True
-    param.tp_full_shape = tuple(full.shape)
-    param.tp_groups = groups
+    kind = "tp_replicated" if dim is None else "tp_slice"
+    place(param, kind=kind, split_dim=dim, full_shape=tuple(full.shape), parts=groups)
     return param
 
 
@@ -106,11 +104,7 @@ class _LinearSlices(FullStateDict):
 
 
 def _tp_params(module: nn.Module):
-    return [
-        (n, p)
-        for n, p in module.named_parameters(recurse=False)
-        if getattr(p, "tp_split_dim", None) is not None
-    ]
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if is_tp_slice(p)]
 
 
 def _local_shape(param) -> tuple:
@@ -124,7 +118,7 @@ def _gather_slices(module, state_dict, prefix, local_metadata):
         if key not in state_dict:
             continue
         local = param.gather_copy() if hasattr(param, "gather_copy") else param.detach()
-        state_dict[key] = full_from_slice(local, param)
+        state_dict[key] = full_from_slice(local, placement_of(param))
     return state_dict
 
 
@@ -134,11 +128,11 @@ def _slice_full(module, state_dict, prefix, local_metadata, strict, missing, une
         value = state_dict.get(key)
         if value is None:
             continue
-        local = slice_from_full(value, param, _local_shape(param))
+        local = slice_from_full(value, placement_of(param), _local_shape(param))
         if local is None:
             errors.append(
                 f"{key}: shape {tuple(value.shape)}, expected the full "
-                f"{tuple(param.tp_full_shape)} (or this rank's {_local_shape(param)})"
+                f"{placement_of(param).full_shape} (or this rank's {_local_shape(param)})"
             )
             continue
         state_dict[key] = local
@@ -191,6 +185,8 @@ class LayerNorm(nn.LayerNorm):
             dtype=dtype,
         )
         self.sequence_parallel = sequence_parallel
+        for p in self.parameters():  # summed here, or whole already: never summed again
+            place(p, tp_grad="whole")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -320,7 +316,7 @@ class VPEmbedding(FullStateDict, nn.Module):
         full = torch.empty(vocab_size, embedding_size, dtype=dtype, device=get_context().device)
         nn.init.normal_(full, mean=init_mean, std=init_std)
         self.weight = slice_param(pad_along(full, 0, self.padded_vocab), 0, size, rank)
-        self.weight.tp_full_shape = (vocab_size, embedding_size)  # the padding is not state
+        place(self.weight, full_shape=(vocab_size, embedding_size))  # the padding is not state
         self._setup_full_state_dict()
 
     def forward(

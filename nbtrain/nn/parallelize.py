@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.context import get_context
+from ..zero import declare_tp_gradients, place
 from . import tp_comm
 from .parallel import (
     ColumnParallelLinear,
@@ -91,7 +92,7 @@ def vocab_from(embedding: nn.Embedding, sequence_parallel: bool = False) -> VPEm
     layer.weight = slice_param(
         pad_along(embedding.weight.data, 0, layer.padded_vocab), 0, size, rank
     )
-    layer.weight.tp_full_shape = (vocab, dim)
+    place(layer.weight, full_shape=(vocab, dim))  # the padding is not state
     layer.ids_whole = sequence_parallel  # the model hands it all ids
     return layer.to(embedding.weight.device)
 
@@ -214,6 +215,9 @@ def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = N
             f"parallelize: pattern(s) {sorted(unused)} matched no module; module "
             f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}"
         )
+    # The layout is this plan's: every replicated parameter left sees this rank's
+    # tokens only (sequence parallel) or every token (nbtrain.zero.tp_partial).
+    declare_tp_gradients(model, partial=sequence_parallel)
     # On the rank's device, as wrap() does: NCCL's collectives need CUDA tensors. A model
     # built on the meta device stays there: wrap() allocates its shards on the device.
     if any(p.is_meta for p in model.parameters()):

@@ -23,7 +23,7 @@ import torch
 from ..comm import collectives as C
 from ..comm import events, recovery, step_inputs
 from ..comm.context import get_context
-from ..zero import is_sharded, slice_kind
+from ..zero import is_sharded, placement_of
 from .adam import clear_grad, param_grad
 
 
@@ -174,32 +174,12 @@ class OptimManager:
         out = torch.zeros(
             2, dtype=torch.float64 if norm_type == 0 else torch.float32, device=ctx.device
         )
-        dp_rank, tp_rank = ctx.topology.dp_rank, ctx.topology.tp_rank
-        edp_rank = ctx.topology.edp_rank
         parts: tuple[list, list] = ([], [])  # [0]: summed over every rank, [1]: rank 0's
         for p in params:
             g = param_grad(p)
-            if g is None or getattr(p, "_nbtrain_norm_skip", False):
-                continue  # (a tied parameter's copy on a later pipeline stage)
-            if is_sharded(p):
-                if getattr(p, "tp_replicated", False) and tp_rank != 0:
-                    continue  # sharded over dp, the same on every tp rank: counted once
-                part = 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
-            elif slice_kind(p) == "ep":
-                if edp_rank != 0:
-                    continue  # experts: counted by the first rank holding them
-                part = 0
-            elif getattr(p, "tp_split_dim", None) is not None:
-                if dp_rank != 0:
-                    continue  # a tensor-parallel slice: counted by its first replica only
-                part = 0  # ... and summed over the tp ranks, each holding one slice
-            elif getattr(p, "_nbtrain_stage_replica", False):
-                if dp_rank != 0 or tp_rank != 0:
-                    continue  # held by its pipeline stage's ranks: counted by the first
-                part = 0
-            else:
-                part = 1
-            parts[part].append(g.detach())
+            part = None if g is None else placement_of(p).norm_part(is_sharded(p), ctx.topology)
+            if part is not None:
+                parts[part].append(g.detach())
         for part, grads in enumerate(parts):
             if not grads:
                 continue

@@ -45,7 +45,7 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero import Block, HeldElsewhere, flat_buffers, micro_batches, state_keys
+from ..zero import Block, HeldElsewhere, flat_buffers, micro_batches, place, state_keys
 from .p2p import Link
 from .split import balanced_split
 
@@ -117,7 +117,7 @@ class PipelineTransformerBlockList(nn.Module):
             else:
                 self._other_keys += [f"{i}.{k}" for k in state_keys(m)]
                 self._elsewhere[i] = HeldElsewhere.of_block(m)  # for init_parameters
-        self._nbtrain_pipeline_stage = True
+        place(self, stage=True)  # its parameters shard over the stage's ranks
         self.num_layers = len(modules)
 
     # -- BMTrain's list interface (len, index, iterate) ---------------------------------

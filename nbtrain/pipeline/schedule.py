@@ -35,7 +35,7 @@ from ..comm import collectives as C
 from ..comm import events
 from ..comm.context import get_context
 from ..comm.topology import ALONE
-from ..zero import has_grad_owner, micro_batches
+from ..zero import has_grad_owner, micro_batches, place
 from .interleaved import Interleaved
 from .p2p import Link
 
@@ -188,11 +188,11 @@ def _mark_for_norms(chunks, ties) -> None:
     it (once summed, every stage holds the same gradient)."""
     for chunk in chunks:
         for p in chunk.parameters():
-            p._nbtrain_stage_replica = True
+            place(p, stage=True)
     for group, params in ties:
         first = group is None or group is ALONE or dist.get_rank(group) == 0
         for i, p in enumerate(params):
-            p._nbtrain_norm_skip = not first or i > 0
+            place(p, tied_copy=not first or i > 0)
 
 
 def _name_the_stage(

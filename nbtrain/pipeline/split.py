@@ -15,6 +15,7 @@ from torch import nn
 
 from ..comm import topology as _topology
 from ..comm.context import get_context
+from ..zero import place
 
 
 def balanced_split(sizes: list[int], stages: int) -> list[range]:
@@ -88,7 +89,7 @@ class Stage(nn.Module):
         self.positions = positions
         for i, layer in zip(positions, layers):
             self.add_module(str(i), layer)
-        self._nbtrain_pipeline_stage = True
+        place(self, stage=True)  # its parameters shard over the stage's ranks
         self._tie_names: list[tuple[str, object, int]] = []  # (name here, group, key)
         self.tied_names: dict[str, str] = {}
 

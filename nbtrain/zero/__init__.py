@@ -16,7 +16,15 @@ from .init import HeldElsewhere
 from .meta import assign_inits, empty_parameters, normal_inits, torch_default_inits
 from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
-from .placement import is_tp_slice, slice_kind
+from .placement import (
+    Placement,
+    declare_tp_gradients,
+    is_stage,
+    is_tp_slice,
+    place,
+    placement_of,
+    slice_kind,
+)
 from .root import ModelRoot
 from .shards import (
     FlatBuffer,
@@ -67,6 +75,11 @@ __all__ = [
     "state_keys",
     # tensor-parallel slice metadata, and pipeline micro-batches
     "is_tp_slice",
+    "is_stage",
+    "Placement",
+    "place",
+    "placement_of",
+    "declare_tp_gradients",
     "slice_kind",
     "micro_batches",
     # which elements of a flat shard belong to which parameter, and which are frozen

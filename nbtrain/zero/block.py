@@ -47,7 +47,7 @@ from .members import become_part, sync_requires_grad
 from .named_members import NamedMembers
 from .parameter import DistributedParameter, Placeholder
 from .partition import FlatLayout
-from .placement import shard_group, shard_kind
+from .placement import place, shard_group, shard_kind
 from .reducer import GradReducer
 from .tp_partial import TpLayout
 
@@ -214,9 +214,15 @@ class Block(nn.Module):
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             if kind is None and ctx.topology.tp_size > 1:
-                group.tp_layout = TpLayout(len(group_entries), ranks)
+                group.tp_layout = TpLayout(
+                    len(group_entries),
+                    ranks,
+                    params=[e.param for e in group_entries],
+                    names=[f"{self.label}.{e.names[0]}" for e in group_entries],
+                    fallback=group.shard,  # declared on the Block's parameters
+                )
             if kind == "tp_replicated":  # the same shard on every tp rank: a norm's once
-                group.shard.tp_replicated = True
+                place(group.shard, kind="tp_replicated")
             self.register_parameter(f"flat_param_{i}", group.shard)
             self._groups.append(group)
             self._init_methods.append(inits)

@@ -50,7 +50,7 @@ def load_groups(groups, state_dict: dict, prefix: str, missing_keys: list) -> se
                     raise ValueError(
                         f"load_state_dict: {present[0]!r} has shape "
                         f"{tuple(state_dict[present[0]].shape)} in the state dict but "
-                        f"{tuple(entry.tp.tp_full_shape)} in the model (this rank's "
+                        f"{tuple(entry.tp.full_shape)} in the model (this rank's "
                         f"tensor-parallel slice: {slot.shape})"
                     )
             if tuple(value.shape) != slot.shape:

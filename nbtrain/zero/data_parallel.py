@@ -31,7 +31,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
-from .placement import is_tp_slice, live_group
+from .placement import is_tp_slice, live_group, place
 from .reducer import GradReducer, current_backward
 from .tp_partial import TpLayout
 
@@ -78,7 +78,7 @@ class DataParallelGrads:
         # (tp_partial.py). Slices of a tp layer are never partial.
         for bucket in self.buckets:
             bucket.tp_layout = (
-                TpLayout(len(bucket.params), group)  # a kind: looked up at use
+                TpLayout(len(bucket.params), group, params=bucket.params)  # group: a kind
                 if replicated
                 and get_context().topology.tp_size > 1
                 and not any(is_tp_slice(p) for p in bucket.params)
@@ -94,7 +94,7 @@ class DataParallelGrads:
         ]
         for b in self.buckets:
             for p in b.params:
-                p._nbtrain_dp_owned = True  # its gradient has an owner (see owned())
+                place(p, owner="dp")  # its gradient has an owner (shards.has_grad_owner)
 
     @property
     def group(self):
@@ -109,7 +109,7 @@ class DataParallelGrads:
         self._hooks = []
         for b in self.buckets:
             for p in b.params:
-                p.__dict__.pop("_nbtrain_dp_owned", None)
+                place(p, owner=None)
 
     # -- backward ---------------------------------------------------------------
     def _on_grad(self, param: nn.Parameter) -> None:

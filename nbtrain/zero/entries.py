@@ -3,12 +3,10 @@ has (tied parameters) and every (module, attribute) that holds it."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from torch import nn
 
 from .parameter import DistributedParameter
-from .placement import copy_tp_meta, is_tp_slice
+from .placement import is_tp_slice, placement_of
 
 
 class ParamEntry:
@@ -23,10 +21,8 @@ class ParamEntry:
         # `.grad` the same part of the shard's gradient (BMTrain's layout).
         self.member = param if isinstance(param, DistributedParameter) else None
         self.rest = None  # what the owners' attribute shows outside forward
-        self.tp = None  # a tensor-parallel slice's split dimension and full shape
-        if is_tp_slice(param):
-            self.tp = SimpleNamespace()
-            copy_tp_meta(param, self.tp)
+        # A slice's placement (its split dimension and full shape), else None.
+        self.tp = placement_of(param) if is_tp_slice(param) else None
 
 
 def collect_entries(module: nn.Module) -> list[ParamEntry]:

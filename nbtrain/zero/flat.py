@@ -29,7 +29,7 @@ from ..comm import collectives as C
 from ..comm import events
 from .freeze import SlotGrads, shard_grad
 from .partition import FlatLayout
-from .placement import ShardGroup
+from .placement import ShardGroup, place
 from .reducer import GradReducer
 
 
@@ -85,15 +85,14 @@ class FlatGroup:
                     value.detach().reshape(-1)[lo - slot.offset : hi - slot.offset]
                 )
         self.shard = nn.Parameter(local, requires_grad=requires_grad)
-        self.shard._nbtrain_flat = True  # each element on one rank: norms sum over ranks
+        # Each element on one rank (norms sum over ranks); its frozen spans and segments
+        # are read through the record (freeze.py).
+        place(self.shard, owner="flat", flat=self)
         self.synced_requires_grad = requires_grad  # the owning Block's (members.sync_requires_grad)
         # Which parameters train (set by the owning Block at each forward) and which
         # hold a gradient in the shard's (freeze.py): an optimizer skips the others.
         self.trainable = [requires_grad] * len(layout.slots)
         self.slot_grads = SlotGrads(len(layout.slots))
-        self.shard._nbtrain_frozen_spans = self.frozen_spans
-        self.shard._nbtrain_segments = self.segments
-        self.shard._nbtrain_partly_frozen = self.partly_frozen
         # A group of one rank (world 1, or this rank alone) holds the whole buffer in
         # its shard: `full` is the shard itself, and gathering, releasing and reducing
         # copy nothing. Not when offloaded: then the shard lives on the host.

@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from .placement import placement_of
+
 
 class SlotGrads:
     """Which parameters (slots) of a flat group hold a gradient in its shard's current
@@ -109,22 +111,22 @@ def guard_optimizer_steps() -> None:
 def frozen_spans(param) -> list:
     """[lo, hi) ranges of a flat shard's parameters without a gradient now ([] for
     any other tensor). Local."""
-    spans_of = getattr(param, "_nbtrain_frozen_spans", None)
-    return spans_of() if spans_of is not None else []
+    flat = placement_of(param).flat
+    return flat.frozen_spans() if flat is not None else []
 
 
 def partly_frozen(param) -> bool:
     """Whether a flat shard's group has a parameter without a gradient now (on any
     rank: the same answer on every rank; False for any other tensor). Local."""
-    frozen = getattr(param, "_nbtrain_partly_frozen", None)
-    return frozen is not None and frozen()
+    flat = placement_of(param).flat
+    return flat is not None and flat.partly_frozen()
 
 
 def segment_spans(param) -> list:
     """[lo, hi) range of each parameter with elements in a flat shard ([] for any
     other tensor). Local."""
-    spans_of = getattr(param, "_nbtrain_segments", None)
-    return spans_of() if spans_of is not None else []
+    flat = placement_of(param).flat
+    return flat.segments() if flat is not None else []
 
 
 @torch.no_grad()

@@ -119,10 +119,10 @@ def init_range(name: str, shape, dtype, device, init_method, start: int, stop: i
 
 def draw_full(shape, dtype, device, init_method, tp_meta=None) -> torch.Tensor:
     """`init_method` run on a fresh tensor of `shape` from the current generator of
-    `device`, flattened. For a tensor-parallel slice (`tp_meta` carries its
-    tp_full_shape and split), the full logical tensor is drawn and this rank's slice
+    `device`, flattened. For a tensor-parallel slice (`tp_meta`: its Placement, with
+    the full shape and split), the full logical tensor is drawn and this rank's slice
     kept, as BMTrain does, so every tp size draws the same weights. Local."""
-    full_shape = tuple(tp_meta.tp_full_shape) if tp_meta is not None else tuple(shape)
+    full_shape = tuple(tp_meta.full_shape) if tp_meta is not None else tuple(shape)
     value = torch.empty(full_shape, dtype=dtype, device=device)
     with torch.no_grad():
         init_method(value)

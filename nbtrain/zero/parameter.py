@@ -22,9 +22,11 @@ from ..comm.context import get_context
 from .partition import shard_range
 from .placement import (
     ShardGroup,
-    copy_tp_meta,
+    copy_placement,
     is_tp_replicated,
     is_tp_slice,
+    place,
+    placement_of,
     shard_group,
     shard_kind,
 )
@@ -71,9 +73,9 @@ class DistributedParameter(nn.Parameter):
             `init_parameters(model)`; None keeps `data`.
         tp_slice_of: a tensor-parallel slice (a parameter of nbtrain.nn's parallel
             layers) that `data` holds, or a tensor they replicate over tp
-            (`tp_replicated`): the shards spread over the ranks holding that slice
+            (placed "tp_replicated"): the shards spread over the ranks holding that slice
             (its data-parallel group) instead of the world, and the result keeps
-            the slice's tp attributes.
+            the slice's placement.
         stage: a parameter of one pipeline stage: sharded over that stage's ranks
             (otherwise over the world).
 
@@ -101,7 +103,7 @@ class DistributedParameter(nn.Parameter):
         param.init_method = init_method
         param.shard_group = group
         if tp_slice_of is not None:
-            copy_tp_meta(tp_slice_of, param)
+            copy_placement(tp_slice_of, param)
         return param
 
     # In a Block, the parameter shows this rank's part of the block's shard (BMTrain's
@@ -270,10 +272,10 @@ def _gather_full(param: DistributedParameter) -> torch.Tensor:
 
 def tp_layout(param: DistributedParameter):
     """A replicated parameter's TpLayout in a tensor-parallel model (else None)."""
-    layout = param.__dict__.get("_nbtrain_tp_layout")
+    layout = placement_of(param).tp_layout
     whole = is_tp_slice(param) or is_tp_replicated(param)  # never partial over tp
     if layout is None and not whole and get_context().topology.tp_size > 1:
-        layout = param._nbtrain_tp_layout = TpLayout(1, group_of(param))
+        layout = place(param, tp_layout=TpLayout(1, group_of(param), params=[param])).tp_layout
     return layout
 
 

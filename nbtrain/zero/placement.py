@@ -1,4 +1,9 @@
-"""Which ranks share the ZeRO shards of a parameter.
+"""What a parameter is (its `Placement` record) and which ranks share its ZeRO shards.
+
+Every parameter nbtrain places carries one record, set where it is placed (a tp layer
+cuts a slice, an MoE layer its experts, a pipeline its stages, a Block its flat shard)
+and read through `placement_of`: the gradient norm, the checkpoints, the planner's
+counts and ZeRO's sharding read it, nothing else.
 
 A replicated parameter is sharded over the ranks that hold it: a parameter of a
 pipeline stage (in a Block, or in a module marked as a stage) over that stage's ranks
@@ -8,14 +13,14 @@ its data-parallel group hold copies of it, so its shards are spread over that gr
 and its gradient is reduced there. With tp_size 1 the two coincide.
 
 A tensor that a tensor-parallel layer holds whole on every tp rank and whose gradient
-the layer makes whole there too (RowParallelLinear's bias, `tp_replicated = True`;
+the layer makes whole there too (RowParallelLinear's bias, kind "tp_replicated";
 BMTrain's `tp_mode` parameter without a split dimension) is placed as a slice is: its
 shards spread over its data-parallel group only, its gradient is averaged there (not
 over tp: every tp rank already holds all of it), and a gradient norm counts it on the
 first tp rank only. Its state is the local tensor itself: nothing is gathered over tp.
 
 Experts (nbtrain.moe) are slices too, of a tensor cut along its first dimension over
-the expert-parallel group (`tp_slice_group = "ep"`): their shards spread over the
+the expert-parallel group (kind "expert"): their shards spread over the
 ranks holding the same experts (the "edp" group). Their gradients already sum every
 ep rank's tokens, so they are divided by ep_size before the average over edp: the
 result is the mean over all data-parallel ranks, as for every other parameter.
@@ -23,7 +28,7 @@ result is the mean over all data-parallel ranks, as for every other parameter.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..comm.context import get_context
 
@@ -59,28 +64,141 @@ def live_group(group):
     return group
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a parameter lives and who accounts for it: the one record nbtrain keeps
+    per parameter, set where the parameter is placed (`place`) and read through
+    `placement_of`.
+
+    Attributes:
+        kind: "replicated" (every holder has all of it), "tp_slice" (each tp rank a
+            part, cut along `split_dim`), "tp_replicated" (whole on every tp rank, its
+            gradient made whole there by the layer: a row-parallel bias) or "expert"
+            (each ep rank a part of the experts' tensor, cut along `split_dim`).
+        split_dim: the dimension a slice cuts (None for the other kinds).
+        full_shape: the logical tensor's shape (slices and tp_replicated; None otherwise).
+        parts: equal parts `split_dim` holds, each cut on its own (3: fused q, k, v).
+        stage: held by one pipeline stage's ranks only (the stage's replicated
+            parameters; for a module: it is a pipeline stage).
+        tied_copy: a later stage's copy of a tied parameter: norms count the first only.
+        owner: what reduces its gradient over data parallel besides sharding: "flat" (a
+            Block's flat shard), "dp" (wrap()'s data-parallel buckets), None.
+        flat: a flat shard's group (its frozen spans and segments, nbtrain.zero.freeze).
+        tp_grad: a replicated parameter's gradient over tp, declared where the layout
+            is made (`declare_tp_gradients`): "partial" (each tp rank sees its own
+            tokens: summed over tp), "whole" (every tp rank sees every token), None
+            (undeclared: read from the gradients, nbtrain.zero.tp_partial).
+        tp_layout: a replicated parameter's TpLayout in a tensor-parallel model.
+    """
+
+    kind: str = "replicated"
+    split_dim: int | None = None
+    full_shape: tuple | None = None
+    parts: int = 1
+    stage: bool = False
+    tied_copy: bool = False
+    owner: str | None = None
+    flat: object = field(default=None, repr=False, compare=False)
+    tp_grad: str | None = None
+    tp_layout: object = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"placement kind {self.kind!r}: one of {', '.join(KINDS)}")
+
+    @property
+    def slice_group(self) -> str | None:
+        """The group kind a slice is cut over: "tp", "ep" (experts), None (no slice)."""
+        return {"tp_slice": "tp", "expert": "ep"}.get(self.kind)
+
+    @property
+    def shard_kind(self) -> str | None:
+        """How its ZeRO shards are placed (`shard_group`'s argument): "tp", "ep",
+        "tp_replicated" (over data parallel, as a tp slice), None (over every holder)."""
+        return "tp_replicated" if self.kind == "tp_replicated" else self.slice_group
+
+    def norm_part(self, sharded: bool, topo) -> int | None:
+        """How a global gradient norm counts this parameter on this rank (`topo`: the
+        topology): 0 summed over every rank (each element counted on one rank), 1 only
+        rank 0's (the same on every rank), None not here (another rank counts it)."""
+        if self.tied_copy:
+            return None  # a tied parameter's copy on a later pipeline stage
+        if sharded:
+            if self.kind == "tp_replicated" and topo.tp_rank != 0:
+                return None  # sharded over dp, the same on every tp rank: counted once
+            return 0  # each element on one rank (tp slices ZeRO-sharded over dp too)
+        if self.kind == "expert":
+            return 0 if topo.edp_rank == 0 else None  # the first rank holding them
+        if self.kind == "tp_slice":
+            return 0 if topo.dp_rank == 0 else None  # its first replica, summed over tp
+        if self.stage:
+            return 0 if topo.dp_rank == 0 and topo.tp_rank == 0 else None
+        return 1
+
+
+KINDS = ("replicated", "tp_slice", "tp_replicated", "expert")
+REPLICATED = Placement()
+_ATTR = "nbtrain_placement"  # in the tensor's (or module's) __dict__
+
+
+def placement_of(obj) -> Placement:
+    """The placement record of a parameter (or whether a module is a pipeline stage):
+    REPLICATED when nothing placed it (and for None: a module's unset parameter)."""
+    return getattr(obj, "__dict__", {}).get(_ATTR, REPLICATED)
+
+
+def place(obj, **fields) -> Placement:
+    """Sets fields of `obj`'s placement record (the others kept) and returns it."""
+    record = replace(placement_of(obj), **fields)
+    obj.__dict__[_ATTR] = record
+    return record
+
+
+def copy_placement(src, dst) -> None:
+    """`dst` gets `src`'s slice description (kind, split dimension, parts, full shape):
+    a ZeRO shard of a tp slice is placed as the slice is."""
+    p = placement_of(src)
+    place(dst, kind=p.kind, split_dim=p.split_dim, full_shape=p.full_shape, parts=p.parts)
+
+
+def declare_tp_gradients(module, partial: bool, overwrite: bool = False) -> int:
+    """Declares how the replicated parameters of `module` get their gradients in a
+    tensor-parallel model: `partial=True` where each tp rank computes with its own
+    slice of the tokens (sequence parallel: the gradients are summed over tp), False
+    where every tp rank sees every token (Megatron's layout: averaged). Slices are
+    never partial and are left alone, and so are parameters already declared (a
+    layer that sums its own gradient, nbtrain.nn.LayerNorm) unless `overwrite`.
+    Checked at the first backward (nbtrain.zero.tp_partial). Returns how many it
+    declared. Local."""
+    value = "partial" if partial else "whole"
+    count = 0
+    for p in module.parameters():
+        placed = placement_of(p)
+        if placed.kind != "replicated" or (placed.tp_grad is not None and not overwrite):
+            continue
+        place(p, tp_grad=value)
+        count += 1
+    return count
+
+
 def is_tp_slice(param) -> bool:
-    return getattr(param, "tp_split_dim", None) is not None
+    """Whether `param` is a slice: of a tensor-parallel layer's tensor, or experts'."""
+    return placement_of(param).slice_group is not None
 
 
 def is_tp_replicated(param) -> bool:
     """Whether `param` is whole on every tp rank, with a gradient whole there too."""
-    return bool(getattr(param, "tp_replicated", False)) and not is_tp_slice(param)
+    return placement_of(param).kind == "tp_replicated"
 
 
 def slice_kind(param) -> str | None:
     """ "tp" for a tensor-parallel slice, "ep" for an expert slice, None otherwise."""
-    if not is_tp_slice(param):
-        return None
-    return getattr(param, "tp_slice_group", "tp")
+    return placement_of(param).slice_group
 
 
 def shard_kind(param) -> str | None:
-    """How `param`'s shards are placed: `slice_kind`'s "tp" or "ep", "tp_replicated"
-    (`is_tp_replicated`: over data parallel, as a tp slice), None (over every holder)."""
-    if is_tp_replicated(param):
-        return "tp_replicated"
-    return slice_kind(param)
+    """`Placement.shard_kind` of `param`."""
+    return placement_of(param).shard_kind
 
 
 def shard_group(tp_slice: bool | str | None = False, stage: bool = False) -> ShardGroup:
@@ -100,12 +218,4 @@ def shard_group(tp_slice: bool | str | None = False, stage: bool = False) -> Sha
 
 def is_stage(module) -> bool:
     """Whether `module` is one pipeline stage's part of a model (nbtrain.pipeline.Stage)."""
-    return bool(getattr(module, "_nbtrain_pipeline_stage", False))
-
-
-def copy_tp_meta(src, dst) -> None:
-    """Carries a tensor-parallel slice's split dimension, part count and full shape
-    (and the mark of a tensor replicated over tp)."""
-    for name in ("tp_split_dim", "tp_groups", "tp_full_shape", "tp_slice_group", "tp_replicated"):
-        if hasattr(src, name):
-            setattr(dst, name, getattr(src, name))
+    return placement_of(module).stage

@@ -18,7 +18,7 @@ from .block import Block
 from .data_parallel import BUCKET_NUMEL, DataParallelGrads, check_replicas_equal
 from .loose import LooseParams
 from .parameter import DistributedParameter
-from .placement import is_stage, slice_kind
+from .placement import is_stage, placement_of, slice_kind
 from .reducer import GradReducer
 
 
@@ -62,13 +62,11 @@ class ModelRoot:
         named = [
             (n, p)
             for n, p in model.named_parameters()
-            if not isinstance(p, DistributedParameter) and not getattr(p, "_nbtrain_flat", False)
+            if not isinstance(p, DistributedParameter) and placement_of(p).owner != "flat"
         ]
         # Tensor-parallel slices differ between tp ranks: their copies are held by the
         # data-parallel group of their tp slot, and reduced there (none when alone).
-        slices = [
-            p for _, p in named if getattr(p, "tp_split_dim", None) is not None and p.requires_grad
-        ]
+        slices = [p for _, p in named if slice_kind(p) is not None and p.requires_grad]
         experts = [n for n, p in named if slice_kind(p) == "ep"]
         if experts and _topology().dp_size > 1:
             raise ValueError(
@@ -76,7 +74,7 @@ class ModelRoot:
                 "gradient reduction here; shard the model with nbtrain.wrap "
                 "(its experts shard and reduce over the ranks holding them)"
             )
-        named = [(n, p) for n, p in named if getattr(p, "tp_split_dim", None) is None]
+        named = [(n, p) for n, p in named if slice_kind(p) is None]
         # The ranks holding copies: a pipeline stage's, or (outside a stage) the world's.
         stage = _stage_group() if is_stage(model) else None
         check_replicas_equal(named, group=stage)

@@ -24,7 +24,7 @@ from torch import nn
 from .block import Block
 from .parameter import DistributedParameter, group_of
 from .partition import shard_range
-from .placement import ShardGroup, is_tp_slice
+from .placement import ShardGroup, is_tp_slice, placement_of
 
 
 class ShardKind(enum.Enum):
@@ -54,8 +54,8 @@ class Shard:
         start: where `values[0]` sits in the flattened full tensor.
         kind: a ShardKind.
         ranks: the ranks sharing the parameter's shards (REPLICATED: None).
-        tp: a tensor-parallel slice's metadata (`tp_split_dim`, `tp_full_shape`,
-            `tp_groups`, `tp_slice_group` attributes), else None.
+        tp: a tensor-parallel (or expert) slice's Placement (its split dimension,
+            full shape and parts), else None.
         param: the parameter object the user holds (PARAMETER, REPLICATED, or a
             DistributedParameter a Block holds), else None.
     """
@@ -131,7 +131,7 @@ def _param_shard(name: str, param: nn.Parameter) -> Shard:
             min(begin, param.full_numel),
             ShardKind.PARAMETER,
             ranks,
-            param if is_tp_slice(param) else None,
+            placement_of(param) if is_tp_slice(param) else None,
             param,
         )
     return Shard(
@@ -143,7 +143,7 @@ def _param_shard(name: str, param: nn.Parameter) -> Shard:
         0,
         ShardKind.REPLICATED,
         None,
-        param if is_tp_slice(param) else None,
+        placement_of(param) if is_tp_slice(param) else None,
         param,
     )
 
@@ -251,11 +251,11 @@ def flat_buffers(model: nn.Module) -> list[FlatBuffer]:
 def is_sharded(param: torch.Tensor) -> bool:
     """Whether each element of `param` lives on exactly one rank of its group: a
     DistributedParameter or a Block's flat shard (so a norm sums over ranks)."""
-    return isinstance(param, DistributedParameter) or getattr(param, "_nbtrain_flat", False)
+    return isinstance(param, DistributedParameter) or placement_of(param).owner == "flat"
 
 
 def has_grad_owner(param: torch.Tensor) -> bool:
     """Whether something of nbtrain.zero reduces `param`'s gradient over its
     data-parallel ranks: sharded (`is_sharded`), or a replicated parameter of a
     DistributedModule or wrap()'s data-parallel buckets."""
-    return is_sharded(param) or getattr(param, "_nbtrain_dp_owned", False)
+    return is_sharded(param) or placement_of(param).owner == "dp"

@@ -11,8 +11,18 @@ rank, the gradient of the tokens that rank computed with it:
     first dimension between the parallel layers): each tp rank sees its slice of the
     tokens, so each gradient is partial and the gradient is their sum over tp.
 
-Which one a parameter is in is read from its gradients, once: at its first non-zero
-gradient the tp peers compare fingerprints (a sum, a position-weighted sum and an
+Which one a parameter is in is declared where the layout is made (its Placement's
+`tp_grad`): `nbtrain.parallelize` declares the replicated parameters of the model it
+parallelizes by its `sequence_parallel`, nbtrain.nn.LayerNorm (which sums its own
+gradient over tp) declares its own whole, and a model built from its own layers
+declares its layout with `declare_tp_gradients(model, partial=...)`. The declaration
+is checked once, at the parameter's first non-zero gradient: a gradient declared whole
+that differs between the tp ranks (an op in a replicated region that depends on the
+tp rank, or a sequence-parallel region declared as Megatron's) raises, as does one
+declared partial that is the same on every tp rank; it is never summed or averaged
+silently. An undeclared parameter (a BMTrain script, whose layers declare nothing) is
+read from its gradients instead: at its first non-zero gradient the tp peers compare
+fingerprints (a sum, a position-weighted sum and an
 absolute sum per parameter, one all-gather over tp), and the verdict is made the same
 on every rank of the reducing group (one max all-reduce). A partial gradient is
 multiplied by tp_size before the usual average over the ranks holding copies: the
@@ -34,7 +44,7 @@ import torch
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from .placement import live_group
+from .placement import live_group, placement_of
 
 TRIES = 3
 _RTOL = 1e-4  # fingerprints of gradients that agree differ by rounding at most
@@ -56,9 +66,17 @@ class TpLayout:
             decides together.
     """
 
-    def __init__(self, count: int, group=None):
+    def __init__(self, count: int, group=None, params=None, names=None, fallback=None):
+        """`params`: the `count` tensors whose placements declare the layout (read at
+        the first backward, so a declaration made after the owner was built counts),
+        `fallback` the one whose declaration holds for those undeclared (a Block's flat
+        shard: what `module.parameters()` shows once wrapped); `names`: theirs, for
+        the error that names one."""
+        self._fallback = fallback
         self.partial: list[bool | None] = [None] * count
         self._group = group
+        self._params = list(params) if params is not None else [None] * count
+        self._names = list(names) if names is not None else [None] * count
         self.tries = [0] * count  # passes that found the gradient zero everywhere
 
     def apply(self, grads: list[torch.Tensor | None], active: list[bool] | None = None) -> bool:
@@ -110,7 +128,11 @@ class TpLayout:
         for i, v in enumerate(verdict.tolist()):
             if self.partial[i] is not None or (active is not None and not active[i]):
                 continue
-            if v == 2:
+            declared = placement_of(self._params[i]).tp_grad or placement_of(self._fallback).tp_grad
+            if declared is not None and v:
+                self._check(i, declared, v == 2)
+                self.partial[i] = declared == "partial"
+            elif v == 2:
                 self.partial[i] = PARTIAL
             elif v == 1:
                 self.partial[i] = WHOLE
@@ -118,3 +140,28 @@ class TpLayout:
                 self.tries[i] += 1
                 if self.tries[i] >= TRIES:
                     self.partial[i] = WHOLE
+
+    def _check(self, i: int, declared: str, differs: bool) -> None:
+        """Raises when the gradients contradict the declared layout (the same verdict
+        on every rank of the group, so every rank raises)."""
+        if differs == (declared == "partial"):
+            return
+        grad = self._params[i]
+        name = self._names[i] or (
+            f"a parameter of shape {tuple(grad.shape)}" if grad is not None else f"#{i}"
+        )
+        if differs:
+            raise ValueError(
+                f"the gradient of {name!r} differs between the tp ranks, but it is declared "
+                "whole over tp (every tp rank sees every token): an op before it depends on "
+                "the tp rank (a dropout seeded per rank, the rank in the arithmetic), which "
+                "would make the replicas drift; or it sits where each tp rank sees its own "
+                "tokens: declare that with nbtrain.zero.declare_tp_gradients(model, "
+                "partial=True)"
+            )
+        raise ValueError(
+            f"the gradient of {name!r} is the same on every tp rank, but it is declared "
+            "partial over tp (each tp rank sees its own tokens), so summing it would "
+            "count it tp_size times: declare it whole with "
+            "nbtrain.zero.declare_tp_gradients(module, partial=False)"
+        )

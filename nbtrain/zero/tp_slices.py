@@ -1,11 +1,11 @@
 """A tensor-parallel slice and its full tensor: cutting one from the other, and back.
 
-A slice is tagged with the dimension it splits (`tp_split_dim`), the number of equal
-parts that dimension holds (`tp_groups`: 3 for a fused q, k, v projection, each part
-split on its own) and the full shape (`tp_full_shape`). A vocabulary that tp does not
-divide is padded with zero rows before it is cut; the padding is dropped again when
-the full tensor is put back together. Used by the tensor-parallel layers' state dicts
-and by Blocks holding slices.
+A slice's `Placement` (nbtrain.zero.placement) names the dimension it splits
+(`split_dim`), the number of equal parts that dimension holds (`parts`: 3 for a fused
+q, k, v projection, each part split on its own) and the full shape (`full_shape`). A
+vocabulary that tp does not divide is padded with zero rows before it is cut; the
+padding is dropped again when the full tensor is put back together. Used by the
+tensor-parallel layers' state dicts and by Blocks holding slices.
 """
 
 from __future__ import annotations
@@ -13,14 +13,15 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives as C
+from ..comm.accounting import CommKind
 from ..comm.context import get_context
 
 
-def _axis(meta) -> tuple[int, int, object]:
+def _axis(placed) -> tuple[int, int, object]:
     """(size, rank, group) of the ranks a slice is cut over: the tp group, or the ep
-    group for experts (`tp_slice_group = "ep"`)."""
+    group for experts."""
     topo = get_context().topology
-    if getattr(meta, "tp_slice_group", "tp") == "ep":
+    if placed.slice_group == "ep":
         return topo.ep_size, topo.ep_rank, topo.group("ep")
     return topo.tp_size, topo.tp_rank, topo.group("tp")
 
@@ -42,32 +43,38 @@ def cut(full: torch.Tensor, dim: int | None, size: int, rank: int, groups: int =
     return torch.cat([part.chunk(size, dim=dim)[rank] for part in parts], dim=dim)
 
 
-def full_from_slice(local: torch.Tensor, meta) -> torch.Tensor:
-    """The full logical tensor from every tp rank's `local` slice of a parameter whose
-    tp attributes `meta` carries (collective over tp, or ep for experts). Vocabulary
+def full_from_slice(local: torch.Tensor, placed) -> torch.Tensor:
+    """The full logical tensor from every tp rank's `local` slice of a parameter placed
+    as `placed` (its Placement; collective over tp, or ep for experts). Vocabulary
     padding is dropped."""
-    dim, groups = meta.tp_split_dim, getattr(meta, "tp_groups", 1)
-    size, _, group = _axis(meta)
+    dim, groups = placed.split_dim, placed.parts
+    size, _, group = _axis(placed)
     moved = local.detach().movedim(dim, -1).contiguous()
     if size > 1:
         stacked = torch.empty((size, *moved.shape), dtype=moved.dtype, device=moved.device)
-        C.all_gather(stacked.view(-1), moved.view(-1), group=group, label="tp gather state")
+        C.all_gather(
+            stacked.view(-1),
+            moved.view(-1),
+            group=group,
+            label="tp gather state",
+            kind=CommKind.TP_ALL_GATHER,
+        )
         moved = torch.cat(stacked.unbind(0), dim=-1)
     if groups > 1:  # [rank][part][rows] -> [part][rank][rows]
         lead = moved.shape[:-1]
         moved = moved.reshape(*lead, size, groups, -1).transpose(-3, -2).reshape(*lead, -1)
     full = moved.movedim(-1, dim)
-    return full.narrow(dim, 0, meta.tp_full_shape[dim]).clone()
+    return full.narrow(dim, 0, placed.full_shape[dim]).clone()
 
 
-def slice_from_full(value: torch.Tensor, meta, local_shape) -> torch.Tensor | None:
+def slice_from_full(value: torch.Tensor, placed, local_shape) -> torch.Tensor | None:
     """This rank's slice of the full tensor `value` (returned as is when it already has
     `local_shape`), or None when `value` has neither shape."""
     if tuple(value.shape) == tuple(local_shape):
         return value
-    if tuple(value.shape) != tuple(meta.tp_full_shape):
+    if tuple(value.shape) != tuple(placed.full_shape):
         return None
-    size, rank, _ = _axis(meta)
-    dim, groups = meta.tp_split_dim, getattr(meta, "tp_groups", 1)
+    size, rank, _ = _axis(placed)
+    dim, groups = placed.split_dim, placed.parts
     value = pad_along(value, dim, local_shape[dim] * size)  # a padded vocabulary
     return cut(value, dim, size, rank, groups).contiguous().clone()

@@ -11,7 +11,7 @@ from .block import Block
 from .init import HeldElsewhere, draw_full, init_range
 from .parameter import DistributedParameter, group_of
 from .partition import shard_range
-from .placement import is_tp_slice
+from .placement import is_tp_slice, placement_of
 from .tp_slices import full_from_slice
 
 
@@ -40,7 +40,8 @@ def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
                 else param.grad.detach().clone()
             )
             # A tensor-parallel slice's gradient: the full one, gathered over tp.
-            out[base + name] = full_from_slice(grad, param) if is_tp_slice(param) else grad
+            placed = placement_of(param)
+            out[base + name] = full_from_slice(grad, placed) if placed.slice_group else grad
     return out
 
 
@@ -112,7 +113,7 @@ def _init_distributed_parameter(name: str, param: DistributedParameter, by_name:
             name, param.full_shape, param.dtype, param.device, param.init_method, begin, stop
         )
     else:  # every rank draws the whole parameter, its shard empty or not
-        tp_meta = param if is_tp_slice(param) else None
+        tp_meta = placement_of(param) if is_tp_slice(param) else None
         full = draw_full(param.full_shape, param.dtype, param.device, param.init_method, tp_meta)
         if stop <= begin:
             return

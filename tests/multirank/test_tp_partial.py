@@ -13,6 +13,8 @@ import torch
 from support.ranks import run_ranks
 from torch import nn
 
+from nbtrain.zero import placement_of
+
 D, FF, ROWS, STEPS = 6, 8, 8, 3
 
 
@@ -72,7 +74,7 @@ def plain_state():
     return model.state_dict()
 
 
-def train_tp(sequence_parallel):
+def train_tp(sequence_parallel, declared=False):
     import nbtrain as bmt
     from nbtrain.nn import ColumnParallelLinear, LayerNorm, RowParallelLinear
 
@@ -93,6 +95,8 @@ def train_tp(sequence_parallel):
 
     model = Model()
     model.load_state_dict(plain.state_dict())
+    if declared:  # the layout said, not read from the gradients
+        bmt.zero.declare_tp_gradients(model, partial=sequence_parallel)
     dp_rows = ROWS // topo.dp_size
     tp_rows = dp_rows // topo.tp_size
 
@@ -104,18 +108,20 @@ def train_tp(sequence_parallel):
     # scaled so that the average over dp of the (tp-summed) gradients is the plain one.
     _train(model, rows_of, topo.dp_size / ROWS)
     partial = {
-        "shift": model._parameters["shift"]._nbtrain_tp_layout.partial,
+        "shift": placement_of(model._parameters["shift"]).tp_layout.partial,
         "block": model.block.groups[0].tp_layout.partial,
     }
     return model.state_dict(), partial
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_replicated_gradients_in_both_tp_layouts_equal_plain_pytorch(world):
+@pytest.mark.parametrize("world,declared", [(2, False), (4, False), (2, True), (4, True)])
+def test_replicated_gradients_in_both_tp_layouts_equal_plain_pytorch(world, declared):
+    """Declared (`declare_tp_gradients`) or not (a BMTrain script: read from the
+    gradients), the same gradients as one plain process."""
     want = plain_state()
     for sequence_parallel in (True, False):
         for rank, (state, partial) in enumerate(
-            run_ranks(train_tp, world, sequence_parallel, timeout_s=180)
+            run_ranks(train_tp, world, sequence_parallel, declared, timeout_s=180)
         ):
             assert list(state) == list(want)
             for key, value in want.items():
@@ -128,3 +134,51 @@ def test_replicated_gradients_in_both_tp_layouts_equal_plain_pytorch(world):
                 )
             assert partial["shift"] == [sequence_parallel], partial
             assert partial["block"] == [sequence_parallel] * 3, partial  # ln.weight, ln.bias, gain
+
+
+def rank_dependent(layout):
+    """A replicated region whose op depends on the tp rank, in a model whose layout is
+    declared ("whole": Megatron's; "partial": sequence parallel, though every tp rank
+    sees every token here). Returns the error each rank raised, or None."""
+    import nbtrain as bmt
+    from nbtrain.nn import ColumnParallelLinear, RowParallelLinear
+
+    topo = bmt.init_distributed(tp_size=2).topology
+
+    class Model(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.up = ColumnParallelLinear(D, FF, gather_input=False)
+            self.down = RowParallelLinear(FF, D, all_reduce_output=True)
+            self.shift = nn.Parameter(torch.zeros(D))
+            self.block = bmt.Block(Inner())
+
+        def forward(self, x):
+            h = x + self.down(torch.tanh(self.up(x)))
+            if layout == "whole":  # the bug: this rank's own arithmetic
+                h = h * (1.0 + topo.tp_rank)
+            return self.block(h + self.shift)
+
+    torch.manual_seed(0)
+    model = Model()
+    bmt.zero.declare_tp_gradients(model, partial=layout == "partial")
+    x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
+    try:
+        model(x).square().sum().backward()
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+@pytest.mark.parametrize("layout", ["whole", "partial"])
+def test_a_gradient_that_contradicts_its_declared_layout_is_caught_not_summed(layout):
+    """Read from the gradients, a rank-dependent op made a replicated gradient look
+    partial, and it was summed over tp: silently tp times too large."""
+    errors = run_ranks(rank_dependent, 2, layout, timeout_s=120)
+    for err in errors:
+        assert err is not None, errors
+        if layout == "whole":
+            assert "differs between the tp ranks, but it is declared whole" in err, err
+        else:
+            assert "the same on every tp rank, but it is declared partial" in err, err
+        assert "declare_tp_gradients" in err, err

@@ -10,6 +10,7 @@ flat groups or the private fields zero sets on its objects.
 import ast
 import pathlib
 
+import pytest
 import torch
 from torch import nn
 
@@ -194,7 +195,7 @@ def test_the_checks_catch_each_kind_of_reach():
         "part = slot.local_part(0, 4)": ".local_part",
         "inside = p._block_part": "._block_part",
         "inside = getattr(p, '_in_block', False)": "'_in_block'",
-        "owned = p.__dict__.get('_nbtrain_dp_owned')": "'_nbtrain_dp_owned'",
+        "buckets = dp.__dict__.get('_bucket_of')": "'_bucket_of'",
     }
     for source, expected in cases.items():
         found = zero_violations(source, "nbtrain.checkpoint.stream")
@@ -211,6 +212,99 @@ def test_the_checks_catch_each_kind_of_reach():
     assert private_imports("from .parallel import _slice_param", "nbtrain.models.gpt_tp") == []
     assert private_imports("from ..nn.parallel import _slice_param", "nbtrain.models.gpt_tp")
     assert private_imports("from .layout import _commit", "nbtrain.checkpoint.writer") == []
+
+
+# What a parameter is, told by one record (nbtrain.zero.placement): the attribute that
+# holds it, and the marks it replaced, which no code may set or read again.
+PLACEMENT_ATTR = "nbtrain_placement"
+OLD_MARKS = {
+    "tp_split_dim",
+    "tp_full_shape",
+    "tp_groups",
+    "tp_slice_group",
+    "tp_replicated",
+    "_nbtrain_flat",
+    "_nbtrain_dp_owned",
+    "_nbtrain_frozen_spans",
+    "_nbtrain_segments",
+    "_nbtrain_partly_frozen",
+    "_nbtrain_stage_replica",
+    "_nbtrain_norm_skip",
+    "_nbtrain_pipeline_stage",
+    "_nbtrain_tp_layout",
+    "_nbtrain_expert",
+}
+
+
+def placement_violations(source: str, module: str) -> list[str]:
+    """Reads or writes of a parameter's placement other than through
+    nbtrain.zero.placement (`place`, `placement_of`): the record's attribute anywhere
+    else, or one of the marks it replaced (as an attribute or a getattr string)."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        name = None
+        if isinstance(node, ast.Attribute):
+            name = node.attr
+        elif isinstance(node, ast.Call) and (
+            getattr(node.func, "id", None) in ("getattr", "setattr", "hasattr", "delattr")
+            or getattr(node.func, "attr", None) in ("get", "pop", "setdefault")
+        ):
+            name = next((a.value for a in node.args if isinstance(a, ast.Constant)), None)
+        elif isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant):
+            name = node.slice.value
+        if name in OLD_MARKS:
+            out.append(f"{node.lineno}: {name!r} (a placement mark: nbtrain.zero.place)")
+        named = getattr(node, "attr", None), getattr(node, "value", None)  # x.attr, "..."
+        if PLACEMENT_ATTR in named and module != "nbtrain.zero.placement":
+            out.append(f"{node.lineno}: {PLACEMENT_ATTR!r} (read it through placement_of)")
+    return out
+
+
+def test_a_parameters_placement_is_read_and_set_through_one_record():
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{v}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for v in placement_violations(path.read_text(), _module_name(path))
+    ]
+    assert found == [], "\n".join(found)
+    for source in (
+        "p.tp_split_dim = 0",
+        "getattr(p, 'tp_full_shape', None)",
+        "p._nbtrain_norm_skip = True",
+        "p.__dict__['nbtrain_placement']",
+    ):
+        assert len(placement_violations(source, "nbtrain.optim.manager")) == 1, source
+    assert placement_violations("placement_of(p).split_dim", "nbtrain.optim.manager") == []
+
+
+def test_placement_fields_are_set_one_at_a_time_and_norms_count_each_element_once():
+    from nbtrain.zero.placement import Placement, place, placement_of
+
+    p = nn.Parameter(torch.zeros(4, 2))
+    assert placement_of(p) == Placement()
+    place(p, kind="tp_slice", split_dim=0, full_shape=(8, 2))
+    place(p, stage=True)  # the other fields kept
+    assert placement_of(p) == Placement("tp_slice", 0, (8, 2), stage=True)
+    with pytest.raises(ValueError, match="kind 'tp': one of replicated, tp_slice"):
+        Placement("tp")
+
+    class Topo:  # this rank's place in the groups norm_part reads
+        dp_rank = tp_rank = edp_rank = 0
+
+    first, other = Topo(), Topo()
+    other.dp_rank = other.tp_rank = other.edp_rank = 1
+    cases = {  # placement, sharded: (on the first rank, on another)
+        (Placement(), False): (1, 1),  # replicated everywhere: rank 0's (zeroed elsewhere)
+        (Placement(), True): (0, 0),  # ZeRO: each element on one rank
+        (Placement("tp_slice", 0, (8, 2)), False): (0, None),
+        (Placement("tp_replicated"), True): (0, None),
+        (Placement("expert", 0, (8, 2)), False): (0, None),
+        (Placement(stage=True), False): (0, None),
+        (Placement(tied_copy=True), False): (None, None),
+    }
+    for (placed, sharded), want in cases.items():
+        got = (placed.norm_part(sharded, first), placed.norm_part(sharded, other))
+        assert got == want, (placed, sharded, got)
 
 
 def test_zero_public_names_exist():
