@@ -6,11 +6,10 @@ Importing nbtrain imports neither triton, ipywidgets nor ipyparallel; the notebo
 layer (`Cluster`, the magics, the dashboard) loads on first use.
 """
 
-import functools
-
-from . import comm, telemetry
+from . import telemetry  # adds its recorder to init_distributed's hooks (comm.context.INIT_HOOKS)
 from .comm import (
     get_context,
+    init_distributed,  # one function: it starts telemetry's recorder (comm.context.INIT_HOOKS)
     print_rank,
     rank,
     synchronize,
@@ -35,15 +34,6 @@ CheckpointBlock = Block  # BMTrain's older name for Block
 # `import nbtrain.synchronize` finds the module and leaves `nbtrain.synchronize` the
 # function (BMTrain's layout: the module bmtrain.synchronize, the function bmt.synchronize).
 from .synchronize import synchronize  # noqa: E402, F811
-
-
-@functools.wraps(comm.init_distributed)
-def init_distributed(*args, **kwargs):
-    # The recorder starts with the run, so it sees every event; importing nbtrain
-    # subscribes nothing.
-    telemetry.record()
-    return comm.init_distributed(*args, **kwargs)
-
 
 __version__ = "0.1.0"
 

@@ -85,11 +85,11 @@ def _count_torch_collectives(world: int) -> None:
         dist.all_reduce,
     )
 
-    def all_gather_flat(output, input, *a, **kw):
-        WIRE.add(_nbytes(output) * ring)
-        return gather(output, input, *a, **kw)
+    def all_gather_flat(output_tensor, input_tensor, *a, **kw):
+        WIRE.add(_nbytes(output_tensor) * ring)
+        return gather(output_tensor, input_tensor, *a, **kw)
 
-    def reduce_scatter_flat(output, input, *a, **kw):
+    def reduce_scatter_flat(output, input, *a, **kw):  # reduce_scatter_tensor's names
         WIRE.add(_nbytes(input) * ring)
         return scatter(output, input, *a, **kw)
 

@@ -98,6 +98,13 @@ def _seed_everything(seed: int) -> None:
         pass
 
 
+# Called first by every `init_distributed`, whichever name it is reached by
+# (`nbtrain.init_distributed` is this function). The telemetry layer adds its
+# recorder's subscription here, so the recorder starts with the run; this layer
+# imports nothing above it, and importing nbtrain subscribes nothing.
+INIT_HOOKS: list = []
+
+
 @renamed_kwargs(timeout="pg_timeout_s")
 def init_distributed(
     seed: int = 0,
@@ -144,9 +151,13 @@ def init_distributed(
     on a notebook engine) it seeds again, and with other sizes makes the
     new topology's groups; the process group stays.
 
+    Starts telemetry's event recorder (`nbtrain.telemetry.record`) first.
+
     Collective: every rank calls this.
     """
     global _CONTEXT
+    for hook in INIT_HOOKS:
+        hook()
     if isinstance(seed, str):  # BMTrain's first positional argument is init_method
         raise TypeError(
             f"init_distributed({seed!r}, ...): nbtrain's first argument is the "

@@ -16,10 +16,10 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from .layout import Block
+from .layout import RingBlock
 
 
-def _visible(block: Block, q_doc, k_doc):
+def _visible(block: RingBlock, q_doc, k_doc):
     """bool (batch, 1, rows, keys): which (query, key) pairs of a block share a document
     (None without documents); a kernel adds a causal block's own mask to it."""
     if q_doc is None:
@@ -27,7 +27,7 @@ def _visible(block: Block, q_doc, k_doc):
     return (q_doc[:, block.rows].unsqueeze(2) == k_doc[:, : block.keys].unsqueeze(1)).unsqueeze(1)
 
 
-def _diagonal(block: Block, mask, device=None):
+def _diagonal(block: RingBlock, mask, device=None):
     """`mask` (or None) narrowed, for a causal block, to its causal pairs."""
     if not block.causal:
         return mask
@@ -169,7 +169,7 @@ def _fused_works(device: torch.device, dtype: torch.dtype, head_dim: int, masked
     if entry is None or dtype not in entry[2] or (masked and not entry[3]):
         return False
     x = torch.randn(4, 1, 2, 40, head_dim, generator=torch.Generator().manual_seed(0))
-    x, block, mask, scale = x.to(device, dtype), Block(slice(0, 40), 40, True), None, 0.125
+    x, block, mask, scale = x.to(device, dtype), RingBlock(slice(0, 40), 40, True), None, 0.125
     if masked:  # documents of 5, 30 and 5 queries; no key in the third
         doc = torch.tensor([[0] * 5 + [1] * 30 + [2] * 5], device=device)
         mask = _visible(block, doc, doc.clamp(max=1))

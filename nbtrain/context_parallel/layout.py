@@ -8,7 +8,7 @@ Layouts (which chunks of the full sequence a rank holds, `SequenceLayout`):
 Causal masks follow global positions, exact for either layout: a rank's tokens ascend,
 so its own block is causal by local index, and every other chunk pair is entirely
 visible (a leading run of the held block's keys) or entirely in the future (skipped):
-`_step_blocks` lists, for each ring step, the `Block`s a rank computes.
+`_step_blocks` lists, for each ring step, the `RingBlock`s a rank computes.
 
 Packed documents come as `doc_ids` (batch, local_seq), sharded like the tokens
 (`document_ids` of the full position ids, then `shard_sequence`).
@@ -144,8 +144,10 @@ def gather_sequence(x: torch.Tensor, dim: int, group=None, layout="zigzag") -> t
         return torch.cat(chunks, dim=dim)
 
 
-class Block(NamedTuple):
-    """Local query rows that meet a leading run of the held K/V block at one step."""
+class RingBlock(NamedTuple):
+    """Local query rows that meet a leading run of the held K/V block at one step (a
+    tile of ring attention; not `nbtrain.Block`, ZeRO's sharded module). Its old name
+    `nbtrain.context_parallel.Block` is a deprecated alias."""
 
     rows: slice  # this rank's query rows
     keys: int  # how many leading keys of the held block they see
@@ -160,24 +162,24 @@ def _step_blocks(
     layout,
     causal: bool,
     whole_diagonal: bool = True,
-) -> list[Block]:
+) -> list[RingBlock]:
     """The blocks `rank` computes at `step` (holding rank - step's). Its own block under a
     causal mask is one square causal block (`whole_diagonal`: a fused kernel skips the
     future half itself) or one per query chunk, ending on the diagonal (for the math
     kernel). Query chunks seeing the same keys are one block."""
     source = (rank - step) % size
     if causal and source == rank and whole_diagonal:
-        return [Block(slice(0, local_seq), local_seq, True)]
+        return [RingBlock(slice(0, local_seq), local_seq, True)]
     q_ids, k_ids = chunk_ids(rank, size, layout), chunk_ids(source, size, layout)
     c = local_seq // len(q_ids)
-    blocks: list[Block] = []
+    blocks: list[RingBlock] = []
     for i, qc in enumerate(q_ids):
         seen = [kc for kc in k_ids if not causal or kc <= qc]
         if not seen:
             continue  # every key of the block is in this chunk's future: no compute
         diagonal, keys = causal and seen[-1] == qc, c * len(seen)
         if blocks and not diagonal and blocks[-1][1:] == (keys, False):  # widen it
-            blocks[-1] = Block(slice(blocks[-1].rows.start, (i + 1) * c), keys, False)
+            blocks[-1] = RingBlock(slice(blocks[-1].rows.start, (i + 1) * c), keys, False)
         else:
-            blocks.append(Block(slice(i * c, (i + 1) * c), keys, diagonal))
+            blocks.append(RingBlock(slice(i * c, (i + 1) * c), keys, diagonal))
     return blocks

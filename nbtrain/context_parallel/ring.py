@@ -29,7 +29,7 @@ from ..comm import collectives as C
 from ..comm import events
 from ..comm.topology import ALONE
 from .kernels import _diagonal, _kernel, _merge, _visible
-from .layout import Block, SequenceLayout, _layout, _ring, _step_blocks
+from .layout import RingBlock, SequenceLayout, _layout, _ring, _step_blocks
 
 # Tags keep the ring's messages apart from other P2P traffic (gloo matches by tag, NCCL by order)
 _TAG_K, _TAG_V, _TAG_DOC, _TAG_DK, _TAG_DV = 0x5241, 0x5244, 0x5242, 0x5243, 0x5245
@@ -65,7 +65,7 @@ def ring_attention(
     if doc_ids is not None:
         doc_ids = doc_ids.to(device=q.device, dtype=torch.int64)
     if _ring(group)[1] == 1:  # the whole sequence is here, in order
-        whole = Block(slice(0, q.shape[2]), q.shape[2], causal)
+        whole = RingBlock(slice(0, q.shape[2]), q.shape[2], causal)
         mask = None if doc_ids is None else _diagonal(whole, _visible(whole, doc_ids, doc_ids))
         return F.scaled_dot_product_attention(q, k, v, mask, is_causal=causal and mask is None)
     built = (ring or Ring)(group=group, layout=layout, causal=causal)
@@ -117,8 +117,8 @@ class Ring:
         self.prev = ranks[(self.rank - 1) % self.size]
         self.layout, self.causal, self.kernel = _layout(layout), causal, kernel
 
-    def blocks(self, step: int, local_seq: int, whole_diagonal: bool = True) -> list[Block]:
-        """The blocks of this step's held K/V to compute (see `Block`, `_step_blocks`)."""
+    def blocks(self, step: int, local_seq: int, whole_diagonal: bool = True) -> list[RingBlock]:
+        """The blocks of this step's held K/V to compute (see `RingBlock`, `_step_blocks`)."""
         return _step_blocks(
             self.rank, self.size, step, local_seq, self.layout, self.causal, whole_diagonal
         )

@@ -60,9 +60,6 @@ class Runtime:
     def _context(self, **sizes):
         """The distributed context (made on first use: a world of one without torchrun)."""
         if sizes or not _context.is_initialized():
-            from ..telemetry import record
-
-            record()  # as nbtrain.init_distributed does
             return _context.init_distributed(seed=self.nb.seed, **sizes)
         return _context.get_context()
 

@@ -1,8 +1,10 @@
 """The telemetry layer: per-rank recorder, sinks, step log, overlap metric, report, panels.
 
 The engine (comm, zero, optim) publishes events through `nbtrain.comm.events`;
-`nbtrain.init_distributed` subscribes the recorder to them (`record()`; importing
-nbtrain or this package subscribes nothing). Blocks report compute
+`init_distributed` (`nbtrain.init_distributed`, the same function as
+`nbtrain.comm.init_distributed`) subscribes the recorder to them (`record()`, which this
+package adds to the comm layer's `INIT_HOOKS`; importing nbtrain or this package
+subscribes nothing). Blocks report compute
 spans (per block, forward and backward), the collectives report communication
 spans (issue to completion, with bytes) and issue/wait instants, OptimManager
 reports step metrics and closes the step, and `sample_memory` adds memory.
@@ -24,8 +26,9 @@ import threading
 import time
 from collections import deque
 
-from ..comm import events
+from ..comm import context, events
 from ..comm.events import comm_span, compute_span, instant, metric  # noqa: F401 (public)
+from ..comm.renamed import renamed_kwargs
 from . import sinks as io
 from .steplog import StepLog
 
@@ -77,10 +80,13 @@ class Recorder:
         with self._lock:
             self.events.clear()
 
-    def snapshot(self, type: str | None = None) -> list[dict]:  # event field name
+    @renamed_kwargs(type="event_type")
+    def snapshot(self, event_type: str | None = None) -> list[dict]:
+        """The events held, oldest first; with `event_type` only those whose "type"
+        field is it (`type=` is the deprecated old keyword)."""
         with self._lock:
             out = list(self.events)
-        return out if type is None else [e for e in out if e["type"] == type]
+        return out if event_type is None else [e for e in out if e["type"] == event_type]
 
     def last_metric(self, key: str):
         """The newest value of metric `key` in the step log (None before any)."""
@@ -106,9 +112,13 @@ RECORDER = Recorder()
 
 def record() -> None:
     """Feeds the engine's events to RECORDER from now on (idempotent). Called by
-    `nbtrain.init_distributed`, and by this package's calls that expect a recording
-    (`start`, `watch`, `sample_memory`, `publish_to_notebook`)."""
+    `init_distributed` (one of the comm layer's `INIT_HOOKS`), and by this package's
+    calls that expect a recording (`start`, `watch`, `sample_memory`,
+    `publish_to_notebook`)."""
     events.subscribe(RECORDER)
+
+
+context.INIT_HOOKS.append(record)  # the recorder starts with the run
 
 
 def enabled() -> bool:

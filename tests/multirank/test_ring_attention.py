@@ -212,7 +212,7 @@ def test_rows_without_a_visible_key_merge_without_nan():
     assert torch.equal(merged_lse, lse)
     # the fused kernel's op gives such a row lse 0; the kernel makes it -inf
     fused = K._Kernel(K._FUSED["cpu"], torch.float32)
-    block = R.Block(slice(0, 3), 3, False)
+    block = R.RingBlock(slice(0, 3), 3, False)
     got_out, got_lse = fused.forward(q, k, v, block, mask.view(1, 1, 3, 3), 0.5)
     assert torch.equal(torch.isinf(got_lse), torch.isinf(lse))
     assert torch.allclose(got_out, out, atol=1e-6)
@@ -276,11 +276,11 @@ def test_blocks_skip_future_pairs_and_zigzag_work_is_equal(world):
             assert len(set(per_rank["contiguous"])) == world, per_rank
     # the fused kernel's own block is one square; the math kernel's, one per query chunk
     assert L._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True) == [
-        R.Block(slice(0, 8), 8, True)
+        R.RingBlock(slice(0, 8), 8, True)
     ]
     assert L._step_blocks(0, 2, 0, 8, R.SequenceLayout.ZIGZAG, True, False) == [
-        R.Block(slice(0, 4), 4, True),
-        R.Block(slice(4, 8), 8, True),
+        R.RingBlock(slice(0, 4), 4, True),
+        R.RingBlock(slice(4, 8), 8, True),
     ]
 
 

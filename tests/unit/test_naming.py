@@ -238,3 +238,55 @@ def test_start_timeout_flag(started):
 def test_wait_timeout_is_not_deprecated():
     with no_future_warning():
         assert parse_argstring(magics.NbtrainMagics.nbtrain, "wait --timeout 3").timeout == 3
+
+
+# -- one home per mechanism ----------------------------------------------------------------
+
+
+def test_one_init_distributed_starts_the_recorder(world_of_one):
+    from nbtrain import comm
+    from nbtrain import init as bmtrain_init
+    from nbtrain.comm import events
+
+    assert nbt.init_distributed is comm.init_distributed is bmtrain_init.init_distributed
+    events.unsubscribe(nbt.telemetry.RECORDER)
+    try:
+        with no_future_warning():
+            assert comm.init_distributed() is nbt.get_context()
+        assert nbt.telemetry.RECORDER in events.HUB.subscribers
+    finally:
+        nbt.telemetry.record()
+
+
+def test_context_parallels_block_is_ring_block():
+    from nbtrain import context_parallel
+
+    assert "Block" not in context_parallel.__all__ and "RingBlock" in context_parallel.__all__
+    with pytest.warns(
+        FutureWarning,
+        match=r"nbtrain\.context_parallel\.Block is deprecated.*"
+        r"use nbtrain\.context_parallel\.RingBlock",
+    ):
+        old = context_parallel.Block
+    assert old is context_parallel.RingBlock and old is not nbt.Block
+    with pytest.raises(AttributeError, match="'Blok'"):
+        context_parallel.Blok  # noqa: B018 (reading it is what raises)
+
+
+def test_ring_attention_has_one_documented_home():
+    from nbtrain import context_parallel, nn
+
+    assert "ring_attention" in context_parallel.__all__
+    assert nn.ring_attention is context_parallel.ring_attention  # a re-export
+
+
+def test_recorder_snapshot_event_type():
+    recorder = nbt.telemetry.Recorder()
+    recorder.emit({"type": "metric", "t": 0.0, "loss": 1.0})
+    recorder.emit({"type": "instant", "t": 0.0})
+    with no_future_warning():
+        new = recorder.snapshot(event_type="metric")
+        assert recorder.snapshot("metric") == new
+    with pytest.warns(FutureWarning, match=r"snapshot\(type=\.\.\.\).*use event_type="):
+        assert recorder.snapshot(type="metric") == new
+    assert [e["type"] for e in new] == ["metric"]
