@@ -5,18 +5,14 @@ split their weights over the tp ranks of `init_distributed(tp_size=...)`; see
 nbtrain.nn.parallel for the layouts each flag gives. BMTrain's autograd functions
 `OpLinear` and `OpParallelLinear` (with its `ReduceType`) are in nbtrain.nn.ops.
 
-Context parallelism: `ring_attention(q, k, v, causal=True, group=cp_group)` is exact
-attention over a sequence split across the ranks of a cp group, with `shard_sequence`,
-`gather_sequence` and `document_ids`, from their home nbtrain.context_parallel.
+Context parallelism (`ring_attention`, `shard_sequence`, `gather_sequence`,
+`document_ids`, `SequenceLayout`) lives in nbtrain.context_parallel; the names here are
+deprecated aliases that warn and go in the next release.
 """
 
-from ..context_parallel import (
-    SequenceLayout,
-    document_ids,
-    gather_sequence,
-    ring_attention,
-    shard_sequence,
-)
+import warnings
+
+from .. import context_parallel as _context_parallel
 from .loss import FusedCrossEntropy, parallel_cross_entropy
 from .ops import OpLinear, OpParallelLinear, ReduceType
 from .parallel import (
@@ -36,11 +32,20 @@ __all__ = [
     "OpParallelLinear",
     "ReduceType",
     "RowParallelLinear",
-    "SequenceLayout",
     "VPEmbedding",
-    "document_ids",
-    "gather_sequence",
     "parallel_cross_entropy",
-    "ring_attention",
-    "shard_sequence",
 ]
+
+_MOVED = ("SequenceLayout", "document_ids", "gather_sequence", "ring_attention", "shard_sequence")
+
+
+def __getattr__(name):
+    if name in _MOVED:
+        warnings.warn(
+            f"nbtrain.nn.{name} moved: import it from nbtrain.context_parallel "
+            "(this alias goes in the next release)",
+            FutureWarning,
+            stacklevel=2,
+        )
+        return getattr(_context_parallel, name)
+    raise AttributeError(f"module 'nbtrain.nn' has no attribute {name!r}")

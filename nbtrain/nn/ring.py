@@ -5,8 +5,8 @@ public names for one release."""
 import warnings
 
 from ..context_parallel import (  # noqa: F401 (re-exported)
-    Block,
     Ring,
+    RingBlock,
     SequenceLayout,
     chunk_ids,
     document_ids,
@@ -15,6 +15,8 @@ from ..context_parallel import (  # noqa: F401 (re-exported)
     ring_attention,
     shard_sequence,
 )
+
+Block = RingBlock  # its name here before RingBlock (this whole module is deprecated)
 
 warnings.warn(
     "nbtrain.nn.ring moved to nbtrain.context_parallel (ring_attention, Ring, "
