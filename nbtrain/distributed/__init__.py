@@ -9,7 +9,9 @@ BMTrain's `bmt.distributed` names, with BMTrain's shapes and gradients:
     send_activations(x, next_rank) / recv_activations(prev_rank): a tensor and its
         shape and dtype, point to point (not differentiable)
 
-See nbtrain.distributed.ops for the gradient each one gives.
+See nbtrain.distributed.ops for the gradient each one gives. Their autograd Functions,
+and every other differentiable collective of nbtrain (the tensor-parallel steps, the
+MoE all-to-all), are defined once, in nbtrain.distributed.autograd.
 """
 
 from .ops import (

@@ -14,7 +14,9 @@ in a CUDA run) is moved there for the collective and the result moved back; BMTr
 accepts CUDA tensors only. Everything travels through nbtrain's counted collectives
 (nbtrain.comm.collectives), labelled "distributed ...".
 
-Gradients are BMTrain's. Two conventions meet here, as in BMTrain:
+Gradients are BMTrain's, given by the autograd Functions of nbtrain.distributed.autograd
+(the one home of nbtrain's differentiable collectives). Two conventions meet here, as
+in BMTrain:
 
 - `all_gather` and `all_reduce` give every rank the same result and expect every
   rank to compute the same loss from it, counted once: the gradient of this rank's
@@ -39,6 +41,7 @@ import torch.distributed as dist
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
+from . import autograd as A
 
 OPS = ("sum", "avg", "max", "min", "prod")
 # dtype codes of the header `send_activations` sends first: BMTrain's order, then more.
@@ -80,6 +83,11 @@ def global_rank_of(group, size: int, group_rank: int) -> int:
     return dist.get_global_rank(group, group_rank)
 
 
+def _ranks(comm) -> A.Ranks:
+    """`comm`'s ranks, their traffic labelled "distributed ..." (BMTrain's kinds)."""
+    return A.Ranks(*resolve_comm(comm), prefix="distributed")
+
+
 def _check_op(op: str) -> str:
     if op not in OPS:
         raise ValueError(f"op={op!r}: use one of {', '.join(map(repr, OPS))}")
@@ -94,128 +102,6 @@ def _on_context_device(x: torch.Tensor, fn):
     return fn(x.to(device)).to(x.device)
 
 
-# -- the collectives, without autograd ------------------------------------------------
-
-
-def _gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
-    x = x.detach().contiguous()
-    out = torch.empty((size, *x.shape), dtype=x.dtype, device=x.device)
-    C.all_gather(out.view(-1), x.reshape(-1), group=group, label="distributed all_gather")
-    return out
-
-
-def _reduce(x: torch.Tensor, op: str, group, size: int) -> torch.Tensor:
-    if op == "prod":  # gathered and multiplied here: the collectives reduce sum/max/min
-        return _gather(x, group, size).prod(0, dtype=x.dtype)
-    out = x.detach().clone(memory_format=torch.contiguous_format)
-    C.all_reduce(out, op="sum" if op == "avg" else op, group=group, label="distributed all_reduce")
-    if op == "avg":
-        if out.is_floating_point() or out.is_complex():
-            out.div_(size)
-        else:
-            out.div_(size, rounding_mode="trunc")
-    return out
-
-
-def _scatter(x: torch.Tensor, op: str, group, size: int, rank: int) -> torch.Tensor:
-    if x.dim() == 0 or x.shape[0] % size:
-        raise ValueError(
-            f"reduce_scatter: the first dimension of shape {tuple(x.shape)} "
-            f"must divide by the {size} ranks"
-        )
-    rows = x.shape[0] // size
-    if op not in ("sum", "avg"):
-        return _reduce(x, op, group, size)[rank * rows : (rank + 1) * rows].clone()
-    x = x.detach().contiguous()
-    exact = x.is_floating_point() or x.is_complex()
-    out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.reduce_scatter(
-        out.view(-1),
-        x.view(-1),
-        op=op if exact else "sum",
-        group=group,
-        label="distributed reduce_scatter",
-    )
-    if op == "avg" and not exact:  # an integer average truncates, as in all_reduce
-        out.div_(size, rounding_mode="trunc")
-    return out
-
-
-def _broadcast(x: torch.Tensor, root: int, group, size: int) -> torch.Tensor:
-    src = global_rank_of(group, size, root)
-    out = x.detach().clone(memory_format=torch.contiguous_format)
-    if group is not ALONE and size > 1:
-        C.broadcast(out, src=src, group=group, label="distributed broadcast")
-    return out
-
-
-# -- autograd -----------------------------------------------------------------------------
-
-
-class _AllGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, size, rank):
-        ctx.rank = rank
-        return _gather(x, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad[ctx.rank], None, None, None
-
-
-class _AllReduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, op, group, size):
-        out = _reduce(x, op, group, size)
-        ctx.op, ctx.size = op, size
-        if op in ("max", "min"):
-            ctx.save_for_backward(x != out)  # where this rank did not hold the result
-        elif op == "prod":
-            ctx.save_for_backward(out / x)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.op == "sum":
-            return grad, None, None, None
-        if ctx.op == "avg":
-            return grad / ctx.size, None, None, None
-        (saved,) = ctx.saved_tensors
-        if ctx.op in ("max", "min"):
-            return grad.masked_fill(saved, 0), None, None, None
-        return grad * saved, None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, op, group, size, rank):
-        ctx.op, ctx.group, ctx.size = op, group, size
-        return _scatter(x, op, group, size, rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if ctx.op not in ("sum", "avg"):
-            raise NotImplementedError(
-                f"reduce_scatter(op={ctx.op!r}) has no gradient (nor "
-                "in BMTrain); use op='sum' or 'avg'"
-            )
-        full = _gather(grad, ctx.group, ctx.size).flatten(0, 1)
-        if ctx.op == "avg":
-            full = full / ctx.size
-        return full, None, None, None, None
-
-
-class _Broadcast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, root, group, size):
-        ctx.group, ctx.size = group, size
-        return _broadcast(x, root, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce(grad, "sum", ctx.group, ctx.size), None, None, None
-
-
 # -- BMTrain's functions ----------------------------------------------------------------
 
 
@@ -225,8 +111,8 @@ def all_gather(x: torch.Tensor, comm=None) -> torch.Tensor:
     Gradient: this rank's slice of the output's gradient (see the module's notes).
     Collective.
     """
-    group, size, rank = resolve_comm(comm)
-    return _on_context_device(x, lambda t: _AllGather.apply(t, group, size, rank))
+    ranks = _ranks(comm)
+    return _on_context_device(x, lambda t: A.Gather.apply(t, ranks, None, A.Grad.SAME, None, None))
 
 
 def all_reduce(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
@@ -237,9 +123,9 @@ def all_reduce(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
 
     Gradient: see the module's notes. Collective.
     """
-    group, size, _ = resolve_comm(comm)
+    ranks = _ranks(comm)
     _check_op(op)
-    return _on_context_device(x, lambda t: _AllReduce.apply(t, op, group, size))
+    return _on_context_device(x, lambda t: A.AllReduce.apply(t, op, ranks, None))
 
 
 def reduce_scatter(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
@@ -251,9 +137,18 @@ def reduce_scatter(x: torch.Tensor, op: str = "sum", comm=None) -> torch.Tensor:
 
     Gradient: the all-gather of the output gradients. Collective.
     """
-    group, size, rank = resolve_comm(comm)
+    ranks = _ranks(comm)
     _check_op(op)
-    return _on_context_device(x, lambda t: _ReduceScatter.apply(t, op, group, size, rank))
+
+    def scatter(t):
+        if t.dim() == 0 or t.shape[0] % ranks.size:
+            raise ValueError(
+                f"reduce_scatter: the first dimension of shape {tuple(t.shape)} "
+                f"must divide by the {ranks.size} ranks"
+            )
+        return A.ReduceScatter.apply(t, op, ranks, None, None)
+
+    return _on_context_device(x, scatter)
 
 
 def broadcast(src: torch.Tensor, root: int, comm=None) -> torch.Tensor:
@@ -263,8 +158,9 @@ def broadcast(src: torch.Tensor, root: int, comm=None) -> torch.Tensor:
     Gradient: the sum over the ranks of the output's gradient, on every rank.
     Collective.
     """
-    group, size, _ = resolve_comm(comm)
-    return _on_context_device(src, lambda t: _Broadcast.apply(t, root, group, size))
+    ranks = _ranks(comm)
+    source = global_rank_of(ranks.group, ranks.size, root)
+    return _on_context_device(src, lambda t: A.Broadcast.apply(t, source, ranks, None, None))
 
 
 def send_activations(hidden_state: torch.Tensor, next_rank: int, comm=None) -> None:

@@ -1,7 +1,8 @@
 """Moving token rows between the ranks of an expert-parallel (ep) group.
 
 `all_to_all_rows` is the differentiable uneven all_to_all the layer's dispatch and
-combine use (through nbtrain.comm.collectives, so the byte counters see it);
+combine use (nbtrain.distributed.autograd's `AllToAll`, through
+nbtrain.comm.collectives, so the byte counters see it);
 `ExpertParallel` is the layout a caller gives a layer (`ExpertParallel.from_topology()`
 for the ep group of `init_distributed(ep_size=...)`), and `_ep_group` resolves a layer's
 `group=` argument (None: every expert local, whatever the topology).
@@ -17,34 +18,8 @@ import torch.distributed as dist
 
 from ..comm import collectives, context
 from ..comm.topology import ALONE
+from ..distributed import autograd as A
 from .experts import experts_ffn
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows of uneven sizes to every ep rank; backward sends the gradients back."""
-
-    @staticmethod
-    def forward(ctx, rows, out_splits, in_splits, group, label):
-        ctx.splits, ctx.group, ctx.label = (out_splits, in_splits), group, label
-        out = rows.new_empty((sum(out_splits),) + tuple(rows.shape[1:]))
-        collectives.all_to_all_single(
-            out, rows.contiguous(), out_splits, in_splits, group=group, label=label
-        )
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        out_splits, in_splits = ctx.splits
-        grad_in = grad.new_empty((sum(in_splits),) + tuple(grad.shape[1:]))
-        collectives.all_to_all_single(
-            grad_in,
-            grad.contiguous(),
-            in_splits,
-            out_splits,
-            group=ctx.group,
-            label=ctx.label + " backward",
-        )
-        return grad_in, None, None, None, None
 
 
 def all_to_all_rows(
@@ -52,7 +27,9 @@ def all_to_all_rows(
 ) -> torch.Tensor:
     """Differentiable uneven all_to_all of (sum(in_splits), ...) rows ->
     (sum(out_splits), ...). Collective over `group`."""
-    return _AllToAll.apply(rows, list(out_splits), list(in_splits), group, label)
+    ranks = A.Ranks(group)
+    grad_label = label + " backward"
+    return A.AllToAll.apply(rows, list(out_splits), list(in_splits), ranks, label, grad_label)
 
 
 @dataclass(frozen=True)

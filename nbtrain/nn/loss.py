@@ -157,6 +157,7 @@ def parallel_cross_entropy(
     Collective: every rank of the tp group calls this with the same target.
     """
     from ..comm import collectives as C
+    from ..comm.accounting import CommKind
     from . import tp_comm
 
     if reduction not in ("mean", "sum", "none"):
@@ -177,7 +178,9 @@ def parallel_cross_entropy(
     with torch.no_grad():
         row_max = x.max(dim=-1).values
         if size > 1:
-            C.all_reduce(row_max, op="max", group=group, label="tp loss max")
+            C.all_reduce(
+                row_max, op="max", group=group, label="tp loss max", kind=CommKind.TP_ALL_REDUCE
+            )
     shifted = x - row_max.unsqueeze(-1)
     sum_exp = tp_comm.reduce_to_tp(shifted.exp().sum(-1))
     local_t = t - rank * local_vocab
@@ -196,7 +199,9 @@ def parallel_cross_entropy(
         kept_logits = torch.where(finite, shifted, torch.zeros_like(shifted))
         classes = finite[:1].sum().reshape(1).float()
         if size > 1:
-            C.all_reduce(classes, op="sum", group=group, label="tp loss classes")
+            C.all_reduce(
+                classes, op="sum", group=group, label="tp loss classes", kind=CommKind.TP_ALL_REDUCE
+            )
         if weight is None:
             loss = loss - label_smoothing * tp_comm.reduce_to_tp(kept_logits.sum(-1)) / classes
         else:

@@ -1,4 +1,4 @@
-"""The tensor-parallel communication steps, each an autograd Function over the tp group.
+"""The tensor-parallel communication steps, each differentiable, over the tp group.
 
 Two ways to lay activations out between tensor-parallel layers:
 
@@ -10,16 +10,19 @@ Two ways to lay activations out between tensor-parallel layers:
   input passes unchanged (`copy_to_tp`: its gradient is summed over tp) and a
   row-parallel layer all-reduces its partial sums (`reduce_to_tp`).
 
-All communication goes through nbtrain's counted collectives, labelled "tp ...".
+The autograd Functions are nbtrain.distributed.autograd's (one home for every
+differentiable collective), over the tp group, counted as tensor-parallel traffic
+(CommKind.TP_*) and labelled "tp ...". A tp group of one rank communicates nothing:
+each step is then the identity.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
+from ..distributed import autograd as A
 
 
 def tp_group():
@@ -28,143 +31,122 @@ def tp_group():
     return topo.group("tp"), topo.tp_size, topo.tp_rank
 
 
-def _gather_rows(x: torch.Tensor, label: str) -> torch.Tensor:
-    group, size, _ = tp_group()
+def _tp_ranks() -> A.Ranks | None:
+    """The tp group's ranks, counted as tensor-parallel traffic; None for one rank."""
+    group, size, rank = tp_group()
     if size == 1 or group is ALONE:
-        return x
-    x = x.contiguous()
-    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.all_gather(out.view(-1), x.view(-1), group=group, label=label)
-    return out
+        return None
+    return A.Ranks(group, size, rank, tp=True, prefix="tp")
+
+
+def _check_divides(x: torch.Tensor, dim: int, size: int) -> None:
+    if x.shape[dim] % size:
+        which = "first" if dim == 0 else "last"
+        tail = " to be split between the tp ranks" if dim == 0 else ""
+        raise ValueError(
+            f"tensor parallel: the {which} dimension ({x.shape[dim]}) must divide by "
+            f"tp_size {size}{tail}"
+        )
+
+
+# -- the steps without autograd (BMTrain's OpParallelLinear composes them) -------------
+
+
+def _gather_rows(x: torch.Tensor, label: str) -> torch.Tensor:
+    ranks = _tp_ranks()
+    return x if ranks is None else A.gather(x, ranks, 0, label)
 
 
 def _reduce_scatter_rows(x: torch.Tensor, label: str) -> torch.Tensor:
-    group, size, _ = tp_group()
-    if size == 1 or group is ALONE:
+    ranks = _tp_ranks()
+    if ranks is None:
         return x
-    if x.shape[0] % size:
-        raise ValueError(
-            f"tensor parallel: the first dimension ({x.shape[0]}) must divide by "
-            f"tp_size {size} to be split between the tp ranks"
-        )
-    x = x.contiguous()
-    out = torch.empty((x.shape[0] // size, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    C.reduce_scatter(out.view(-1), x.view(-1), op="sum", group=group, label=label)
-    return out
+    _check_divides(x, 0, ranks.size)
+    return A.reduce_scatter(x, "sum", ranks, label)
 
 
 def _all_reduce(x: torch.Tensor, label: str) -> torch.Tensor:
-    group, size, _ = tp_group()
-    if size == 1 or group is ALONE:
-        return x
-    x = x.contiguous().clone()
-    C.all_reduce(x, op="sum", group=group, label=label)
-    return x
+    ranks = _tp_ranks()
+    return x if ranks is None else A.all_reduce(x, "sum", ranks, label)
 
 
 def _gather_last(x: torch.Tensor, label: str) -> torch.Tensor:
-    group, size, _ = tp_group()
-    if size == 1 or group is ALONE:
-        return x
-    stacked = _gather_rows(x.unsqueeze(0), label)  # (size, *x.shape)
-    return torch.cat(stacked.unbind(0), dim=-1)
+    ranks = _tp_ranks()
+    return x if ranks is None else A.gather(x, ranks, -1, label)
 
 
 def _own_chunk_last(x: torch.Tensor) -> torch.Tensor:
     _, size, rank = tp_group()
     if size == 1:
         return x
-    if x.shape[-1] % size:
-        raise ValueError(
-            f"tensor parallel: the last dimension ({x.shape[-1]}) must divide by tp_size {size}"
-        )
-    return x.chunk(size, dim=-1)[rank].contiguous()
+    _check_divides(x, -1, size)
+    return A.own_part(x, A.Ranks(None, size, rank), -1)
 
 
-def _pair(name: str, forward, backward):
-    """An autograd Function running `forward` on the input and `backward` on its gradient."""
-    return type(
-        name,
-        (torch.autograd.Function,),
-        {
-            "forward": staticmethod(lambda ctx, x: forward(x)),
-            "backward": staticmethod(lambda ctx, grad: backward(grad)),
-        },
-    )
-
-
-_GatherRows = _pair(
-    "_GatherRows",
-    lambda x: _gather_rows(x, "tp gather input"),
-    lambda g: _reduce_scatter_rows(g, "tp reduce-scatter input grad"),
-)
-_ReduceScatterRows = _pair(
-    "_ReduceScatterRows",
-    lambda x: _reduce_scatter_rows(x, "tp reduce-scatter output"),
-    lambda g: _gather_rows(g, "tp gather output grad"),
-)
-_CopyToTp = _pair("_CopyToTp", lambda x: x, lambda g: _all_reduce(g, "tp all-reduce input grad"))
-_ReduceToTp = _pair("_ReduceToTp", lambda x: _all_reduce(x, "tp all-reduce output"), lambda g: g)
-_GatherLast = _pair("_GatherLast", lambda x: _gather_last(x, "tp gather output"), _own_chunk_last)
-# Identity whose gradient is summed over tp: a replicated parameter used on a token
-# slice (sequence parallel) gets the gradient of all tokens on every rank.
-_SumGradOverTp = _pair(
-    "_SumGradOverTp",
-    lambda p: p.view_as(p),
-    lambda g: _all_reduce(g, "tp all-reduce replicated grad"),
-)
-
-
-class _OwnChunkLast(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, pad_grad):
-        ctx.pad_grad = pad_grad
-        return _own_chunk_last(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        if not ctx.pad_grad:
-            return _gather_last(grad.contiguous(), "tp gather input grad"), None
-        # The input came from gather_rows, whose backward sums over tp: give it this
-        # rank's columns and zeros elsewhere, so the sum assembles the whole row.
-        _, size, rank = tp_group()
-        full = grad.new_zeros((*grad.shape[:-1], grad.shape[-1] * size))
-        full[..., rank * grad.shape[-1] : (rank + 1) * grad.shape[-1]] = grad
-        return full, None
+# -- the differentiable steps ------------------------------------------------------------
 
 
 def gather_rows(x):
     """Sequence parallel -> all tokens: gather the first dimension (grad: reduce-scatter)."""
-    return _GatherRows.apply(x)
+    ranks = _tp_ranks()
+    if ranks is None:
+        return x.view_as(x)
+    return A.Gather.apply(
+        x, ranks, 0, A.Grad.EACH, "tp gather input", "tp reduce-scatter input grad"
+    )
 
 
 def reduce_scatter_rows(x):
     """Partial sums of all tokens -> this rank's token slice, summed (grad: gather)."""
-    return _ReduceScatterRows.apply(x)
+    ranks = _tp_ranks()
+    if ranks is None:
+        return x.view_as(x)
+    _check_divides(x, 0, ranks.size)
+    return A.ReduceScatter.apply(
+        x, "sum", ranks, "tp reduce-scatter output", "tp gather output grad"
+    )
 
 
 def copy_to_tp(x):
     """A replicated activation entering a tp region (grad: all-reduce over tp)."""
-    return _CopyToTp.apply(x)
+    ranks = _tp_ranks()
+    return x.view_as(x) if ranks is None else A.SumGrad.apply(x, ranks, "tp all-reduce input grad")
 
 
 def reduce_to_tp(x):
     """Partial sums -> their sum on every tp rank (grad: unchanged)."""
-    return _ReduceToTp.apply(x)
+    ranks = _tp_ranks()
+    return (
+        x.view_as(x)
+        if ranks is None
+        else A.AllReduce.apply(x, "sum", ranks, "tp all-reduce output")
+    )
 
 
 def gather_last(x):
     """Column slices -> the whole last dimension (grad: this rank's slice)."""
-    return _GatherLast.apply(x)
+    ranks = _tp_ranks()
+    if ranks is None:
+        return x.view_as(x)
+    return A.Gather.apply(x, ranks, -1, A.Grad.SAME, "tp gather output", None)
 
 
 def own_chunk_last(x, after_gather_rows: bool = False):
     """The whole last dimension -> this rank's slice. Its gradient gathers the slices
     (a replicated input), or, right after `gather_rows`, is zero outside this rank's
     slice (the gather's backward sums the slices)."""
-    return _OwnChunkLast.apply(x, after_gather_rows)
+    ranks = _tp_ranks()
+    if ranks is None:
+        return x.view_as(x)
+    _check_divides(x, -1, ranks.size)
+    return A.Split.apply(x, ranks, -1, after_gather_rows, "tp gather input grad")
 
 
 def sum_grad_over_tp(p):
-    """`p` unchanged; its gradient is summed over the tp group."""
-    return _SumGradOverTp.apply(p)
+    """`p` unchanged; its gradient is summed over the tp group. A replicated parameter
+    used on a token slice (sequence parallel) gets the gradient of all tokens on every
+    rank."""
+    ranks = _tp_ranks()
+    if ranks is None:
+        return p.view_as(p)
+    return A.SumGrad.apply(p, ranks, "tp all-reduce replicated grad")
