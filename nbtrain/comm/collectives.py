@@ -100,11 +100,9 @@ def _issue(
 
 def _kind(op: CommKind, kind: CommKind | None, label: str) -> CommKind:
     """The kind of a call of `op`: `kind` when the caller names it (one of `op`'s
-    variants); otherwise `op`, or its tensor-parallel variant for a label that starts
-    with "tp " (how callers that name no kind were told apart before kinds were named)."""
+    variants, e.g. its tensor-parallel one), otherwise `op`. Never read from `label`."""
     if kind is None:
-        tp = CommKind.__members__.get(f"TP_{op.name}")
-        return tp if tp is not None and label.startswith("tp ") else op
+        return op
     if kind not in op.variants():
         names = " or ".join(f"CommKind.{k.name}" for k in op.variants())
         raise ValueError(f"{op.value}: kind={kind!r} is another operation; pass {names}")

@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives as C
+from ..comm.collectives import CommKind
 from ..comm.context import get_context
 from .placement import live_group, placement_of
 
@@ -118,13 +119,25 @@ class TpLayout:
                 )
                 prints[i] = torch.stack([flat.sum(), (flat * weights).sum(), flat.abs().sum()])
         peers = torch.empty(topo.tp_size, *prints.shape, dtype=prints.dtype, device=prints.device)
-        C.all_gather(peers.view(-1), prints.view(-1), group=topo.group("tp"), label="tp layout")
+        C.all_gather(
+            peers.view(-1),
+            prints.view(-1),
+            group=topo.group("tp"),
+            label="tp layout",
+            kind=CommKind.TP_ALL_GATHER,
+        )
         scale = peers.abs().amax(0).clamp_min(1e-30)
         differs = ((peers - peers[:1]).abs() > _RTOL * scale).any(0).any(-1)
         nonzero = peers[..., 2].amax(0) > 0
         # 2: partial somewhere, 1: whole, 0: zero everywhere; the largest verdict wins
         verdict = torch.where(differs, 2, torch.where(nonzero, 1, 0)).to(torch.float64)
-        C.all_reduce(verdict, op="max", group=live_group(self._group), label="tp layout")
+        C.all_reduce(
+            verdict,
+            op="max",
+            group=live_group(self._group),
+            label="tp layout",
+            kind=CommKind.TP_ALL_REDUCE,
+        )
         for i, v in enumerate(verdict.tolist()):
             if self.partial[i] is not None or (active is not None and not active[i]):
                 continue

@@ -44,10 +44,10 @@ def test_the_caller_names_the_kind_and_a_wrong_one_is_refused(published):
     x = torch.ones(3)
     C.all_reduce(x, label="tp loss max", kind=CommKind.ALL_REDUCE)  # named: no guess
     C.all_reduce(x, label="grad norm", kind=CommKind.TP_ALL_REDUCE)
-    C.all_reduce(x, label="tp all-reduce output")  # named by no kind: the label's "tp "
-    C.all_reduce(x, label="grad norm")
+    C.all_reduce(x, label="tp all-reduce output")  # no kind named: the operation's, never
+    C.all_reduce(x, label="grad norm")  # one read from the label
     kinds = [e["kind"] for e in published if e["type"] == "comm_issue"]
-    assert kinds == ["all_reduce", "tp_all_reduce", "tp_all_reduce", "all_reduce"]
+    assert kinds == ["all_reduce", "tp_all_reduce", "all_reduce", "all_reduce"]
     assert C.COUNTERS.snapshot()["calls"] == {"all_reduce": 4}
     with pytest.raises(ValueError, match=r"kind=.*ALL_GATHER.*pass CommKind.ALL_REDUCE or"):
         C.all_reduce(x, kind=CommKind.ALL_GATHER)
