@@ -192,17 +192,16 @@ class CommHandle:
         step = events.HUB.step  # the callback may run after the step ended
 
         def _stamp(_):
-            self.finished_at = time.perf_counter()
-            events.comm_span(
-                self.event_kind,
-                self.label,
-                self.issued_at,
-                self.finished_at,
-                self.nbytes,
-                step=step,
-            )
+            self._finished(step=step)
 
         fut.then(_stamp)
+
+    def _finished(self, **how) -> None:
+        """Stamps the end now and publishes the span from issue to it."""
+        self.finished_at = time.perf_counter()
+        events.comm_span(
+            self.event_kind, self.label, self.issued_at, self.finished_at, self.nbytes, **how
+        )
 
     def is_completed(self) -> bool:
         return self._done or self._work.is_completed()
@@ -221,15 +220,7 @@ class CommHandle:
             watched(self._watch, self._work.wait)
         IN_FLIGHT.discard(self)
         if self._stamp_at_wait:
-            self.finished_at = time.perf_counter()
-            events.comm_span(
-                self.event_kind,
-                self.label,
-                self.issued_at,
-                self.finished_at,
-                self.nbytes,
-                end_at_wait=True,
-            )
+            self._finished(end_at_wait=True)
         events.instant("comm_wait", self.label, kind=self.event_kind)
         self._done = True
         self._finish()

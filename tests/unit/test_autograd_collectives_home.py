@@ -18,6 +18,8 @@ from __future__ import annotations
 import ast
 import pathlib
 
+from support.collective_names import DIST_MODULES, TORCH_COLLECTIVES
+
 import nbtrain
 
 ROOT = pathlib.Path(nbtrain.__file__).parent
@@ -57,41 +59,8 @@ ALLOWED = {
 }
 
 COLLECTIVES_MODULE = "nbtrain.comm.collectives"
-DIST_MODULES = (
-    "torch.distributed",
-    "torch.distributed.distributed_c10d",
-    "torch.distributed.nn",
-    "torch.distributed.nn.functional",
-    "torch.distributed._functional_collectives",
-)
-# Calls that move tensors between ranks: nbtrain.comm.collectives' and torch's.
-COMM_CALLS = {
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "all_gather_coalesced",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "broadcast",
-    "broadcast_object_list",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-    "send_recv",
-    "post_p2p",
-    "barrier",
-    "gather",
-    "scatter",
-    "reduce",
-}
+# Calls that move tensors between ranks: torch's, and nbtrain.comm.collectives' own.
+COMM_CALLS = TORCH_COLLECTIVES | {"send_recv", "post_p2p"}
 FUNCTION_BASES = {"torch.autograd.Function", "autograd.Function", "Function"}
 SCANNED_METHODS = {"forward", "backward", "setup_context"}
 

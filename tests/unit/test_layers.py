@@ -8,6 +8,7 @@ import ast
 import pathlib
 
 import pytest
+from support.collective_names import DIST_MODULES, TORCH_COLLECTIVES
 
 import nbtrain
 
@@ -140,46 +141,7 @@ def test_every_relative_import_exists(name):
             )
 
 
-COLLECTIVES = {
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-    "P2POp",
-    "send_object_list",
-    "recv_object_list",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "all_gather_object",
-    "all_gather_coalesced",
-    "all_reduce",
-    "all_reduce_coalesced",
-    "all_to_all",
-    "all_to_all_single",
-    "broadcast",
-    "broadcast_object_list",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "barrier",
-    "monitored_barrier",
-    "gather",
-    "gather_object",
-    "scatter",
-    "scatter_object_list",
-    "reduce",
-}
-# Where torch's collectives live: the package, its c10d module, its differentiable
-# (nn.functional) and functional ones.
-DIST_MODULES = (
-    "torch.distributed",
-    "torch.distributed.distributed_c10d",
-    "torch.distributed.nn",
-    "torch.distributed.nn.functional",
-    "torch.distributed._functional_collectives",
-)
+COLLECTIVES = TORCH_COLLECTIVES
 ONE_PATH = {"nbtrain.comm.collectives"}  # counted, evented, in flight: `_issue`
 # Modules that may call torch's collectives themselves: {module: (names, why)}.
 _BENCH = (
