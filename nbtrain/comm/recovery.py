@@ -89,7 +89,7 @@ def rank() -> int:
     return _S.rank
 
 
-def arm(timeout: float | timedelta = 600.0) -> bool:
+def arm(timeout_s: float | timedelta = 600.0) -> bool:
     """Start watching for a failing peer (after init_distributed). Returns False for a
     world of one or a group without a store (nothing to watch)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -106,7 +106,9 @@ def arm(timeout: float | timedelta = 600.0) -> bool:
     _S.store = store
     _S.rank, _S.world = dist.get_rank(), dist.get_world_size()
     _S.backend = dist.get_backend()
-    _S.timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    _S.timeout = (
+        timeout_s if isinstance(timeout_s, timedelta) else timedelta(seconds=float(timeout_s))
+    )
     _watch_optimizer_steps()
     _start_watcher()
     return True
