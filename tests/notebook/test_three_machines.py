@@ -325,8 +325,10 @@ import os, socket, torch, nbtrain as nbt
 ctx = nbt.init_distributed(pg_timeout_s=120)  # 4 ranks importing torch on 2 loaded cores
 x = torch.ones(1) * (ctx.rank + 1)
 torch.distributed.all_reduce(x)
-print("RANK", ctx.rank, socket.gethostname(), os.environ.get("GLOO_SOCKET_IFNAME"),
-      int(x.item()), flush=True)
+line = f"RANK {ctx.rank} {socket.gethostname()} {os.environ.get('GLOO_SOCKET_IFNAME')} "
+# One write of the whole line: two ranks of a node share torchrun's stdout, and print's
+# pieces interleaved there ("RANKRANK 1 node1 ...").
+os.write(1, f"{line}{int(x.item())}\\n".encode())
 """
 
 
