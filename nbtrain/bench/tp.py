@@ -26,7 +26,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import nbtrain as nbt
 from nbtrain.models import GPTConfig
 from nbtrain.models.gpt_tp import gpt_plan, local_heads_attention
-from nbtrain.zero.tp_slices import cut
+from nbtrain.tensor_parallel.slices import cut
 
 from . import engines
 

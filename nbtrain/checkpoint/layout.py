@@ -15,7 +15,7 @@ Tensor-parallel slices are stored the same way within their tp slot: each tp ran
 vector (its slices back to back) is cut over that slot's data-parallel group, and
 meta.json records the tp and dp sizes and each slice's split dimension and full
 shape. A loader at another tp size assembles its own slices from the saved slices
-that overlap them (tp_reshard.py), one parameter at a time. Optimizer state
+that overlap them (nbtrain.tensor_parallel.reshard), one parameter at a time. Optimizer state
 tensors shaped like their parameter are stored the same way; scalar state (step
 counts), hyper-parameters, schedules and the loss scale are the same on every rank
 and go into meta.json from rank 0.

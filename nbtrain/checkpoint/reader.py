@@ -4,7 +4,7 @@ A loader at world size M needs, for each parameter, the real elements of its own
 slice; the checkpoint's meta.json gives the saving world size S, and the same
 partition rule tells which saved rank files hold which ranges. Each overlapping
 range is read with safetensors' lazy slicing, so a rank reads what it keeps.
-Tensor-parallel slices reshard across tp sizes through tp_reshard.py.
+Tensor-parallel slices reshard across tp sizes through nbtrain.tensor_parallel.reshard.
 
 Entries are found by name, so a checkpoint reshards between pipeline layouts too
 (saved at pp=2, loaded at pp=1 with dp=2, and the reverse): each rank reads the
@@ -25,9 +25,9 @@ from safetensors import safe_open
 
 from ..comm.context import get_context
 from ..comm.renamed import model_first
+from ..tensor_parallel.reshard import read_tp_entry
 from ..zero.partition import shard_range
 from .layout import META, local_entries
-from .tp_reshard import read_tp_entry
 
 _DTYPES = {
     "float32": torch.float32,

@@ -38,8 +38,8 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
+from ..tensor_parallel.slices import slice_from_full
 from ..zero import shards
-from ..zero.tp_slices import slice_from_full
 
 DIRECTIONS = ("forward", "backward", "params")
 

@@ -1,5 +1,5 @@
 """Every differentiable collective of nbtrain, each defined once: the autograd Functions
-that BMTrain's `bmt.distributed`, the tensor-parallel steps (nbtrain.nn.tp_comm) and the
+that BMTrain's `bmt.distributed`, the tensor-parallel steps (nbtrain.tensor_parallel.comm) and the
 expert-parallel token exchange (nbtrain.moe.dispatch) call with their own shapes.
 
 The shape is an argument: `dim` names where the ranks' parts meet (None: stacked on a

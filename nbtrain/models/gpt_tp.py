@@ -14,7 +14,7 @@ come back full-width.
 The plan is the layout, and applying it is the caller's choice: a `GPT(cfg)` stays
 plain under `init_distributed(tp_size=2)` until `parallelize` applies `gpt_plan`. The
 plan's layers split over the process's tp group, as BMTrain's `bmt.nn` layers split
-over `config["tp_comm"]` (nbtrain.nn.parallel).
+over `config["tp_comm"]` (nbtrain.tensor_parallel.layers).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 from torch import nn
 
 from ..comm.context import get_context
-from ..nn.parallel import ColumnParallelLinear, slice_param
-from ..nn.parallelize import Plan, row_from, without_rng
+from ..tensor_parallel.layers import ColumnParallelLinear, slice_param
+from ..tensor_parallel.parallelize import Plan, row_from, without_rng
 from .gpt import GPTConfig, causal_attention
 
 

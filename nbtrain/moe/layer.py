@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ..comm import collectives, events
-from ..nn.parallel import FullStateDict
+from ..tensor_parallel.layers import FullStateDict
 from ..zero import place
 from .dispatch import Chunk, _ep_group, _is_topology_ep, exchange_experts
 from .experts import experts_ffn

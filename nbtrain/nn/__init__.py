@@ -2,8 +2,8 @@
 
 Tensor-parallel layers (`ColumnParallelLinear`, `RowParallelLinear`, `VPEmbedding`)
 split their weights over the tp ranks of `init_distributed(tp_size=...)`; see
-nbtrain.nn.parallel for the layouts each flag gives. BMTrain's autograd functions
-`OpLinear` and `OpParallelLinear` (with its `ReduceType`) are in nbtrain.nn.ops.
+nbtrain.tensor_parallel.layers for the layouts each flag gives. BMTrain's autograd functions
+`OpLinear` and `OpParallelLinear` (with its `ReduceType`) are in nbtrain.tensor_parallel.ops.
 
 Context parallelism (`ring_attention`, `shard_sequence`, `gather_sequence`,
 `document_ids`, `SequenceLayout`) lives in nbtrain.context_parallel; the names here are
@@ -13,15 +13,15 @@ deprecated aliases that warn and go in the next release.
 import warnings
 
 from .. import context_parallel as _context_parallel
-from .loss import FusedCrossEntropy, parallel_cross_entropy
-from .ops import OpLinear, OpParallelLinear, ReduceType
-from .parallel import (
+from ..tensor_parallel.layers import (
     ColumnParallelLinear,
     LayerNorm,
     Linear,
     RowParallelLinear,
     VPEmbedding,
 )
+from ..tensor_parallel.ops import OpLinear, OpParallelLinear, ReduceType
+from .loss import FusedCrossEntropy, parallel_cross_entropy
 
 __all__ = [
     "ColumnParallelLinear",

@@ -1,6 +1,6 @@
 """`nbtrain.nn.column_parallel_linear`: BMTrain's module of the same name:
-`ColumnParallelLinear` (nbtrain.nn.parallel)."""
+`ColumnParallelLinear` (nbtrain.tensor_parallel.layers)."""
 
-from .parallel import ColumnParallelLinear
+from ..tensor_parallel.layers import ColumnParallelLinear
 
 __all__ = ["ColumnParallelLinear"]

@@ -1,6 +1,6 @@
 """`nbtrain.nn.parallel_embedding`: BMTrain's module of the same name:
-`VPEmbedding` (nbtrain.nn.parallel)."""
+`VPEmbedding` (nbtrain.tensor_parallel.layers)."""
 
-from .parallel import VPEmbedding
+from ..tensor_parallel.layers import VPEmbedding
 
 __all__ = ["VPEmbedding"]

@@ -1,6 +1,6 @@
 """`nbtrain.nn.row_parallel_linear`: BMTrain's module of the same name:
-`RowParallelLinear` (nbtrain.nn.parallel)."""
+`RowParallelLinear` (nbtrain.tensor_parallel.layers)."""
 
-from .parallel import RowParallelLinear
+from ..tensor_parallel.layers import RowParallelLinear
 
 __all__ = ["RowParallelLinear"]

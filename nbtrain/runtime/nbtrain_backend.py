@@ -41,7 +41,7 @@ class NBTrainRuntime(Runtime):
         from .. import pipeline
         from ..models.gpt_pipe import StagePositions
         from ..models.hf_load import record_plain_names
-        from ..nn.parallelize import parallelize
+        from ..tensor_parallel.parallelize import parallelize
         from ..zero import wrap
 
         par = self.nb.parallel

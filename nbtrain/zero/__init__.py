@@ -2,7 +2,7 @@
 
 The public API is this package's `__all__`, imported from `nbtrain.zero`, and two
 modules of pure maths: `nbtrain.zero.partition` (the one partition rule: which
-elements each rank holds) and `nbtrain.zero.tp_slices` (cutting and assembling
+elements each rank holds) and `nbtrain.tensor_parallel.slices` (cutting and assembling
 tensor-parallel slices). Code outside this package reads a model's shards through
 `shards(model)` and `flat_buffers(model)`, never through a Block's flat groups or a
 parameter's private fields (tests/unit/test_zero_boundary.py holds it to that).
@@ -18,7 +18,6 @@ from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
 from .placement import (
     Placement,
-    declare_tp_gradients,
     is_stage,
     is_tp_slice,
     place,
@@ -79,7 +78,6 @@ __all__ = [
     "Placement",
     "place",
     "placement_of",
-    "declare_tp_gradients",
     "slice_kind",
     "micro_batches",
     # which elements of a flat shard belong to which parameter, and which are frozen
@@ -89,4 +87,4 @@ __all__ = [
     "partly_frozen",
 ]
 
-PUBLIC_MODULES = ("partition", "tp_slices")  # importable by path from outside the package
+PUBLIC_MODULES = ("partition",)  # importable by path from outside the package

@@ -47,9 +47,8 @@ from .members import become_part, sync_requires_grad
 from .named_members import NamedMembers
 from .parameter import DistributedParameter, Placeholder
 from .partition import FlatLayout
-from .placement import place, shard_group, shard_kind
+from .placement import place, shard_group, shard_kind, tp_layout_over
 from .reducer import GradReducer
-from .tp_partial import TpLayout
 
 
 class ZeroLevel(enum.IntEnum):
@@ -214,10 +213,9 @@ class Block(nn.Module):
             group.on_grad_ready = self._grad_ready
             group.entries = group_entries
             if kind is None and ctx.topology.tp_size > 1:
-                group.tp_layout = TpLayout(
-                    len(group_entries),
+                group.tp_layout = tp_layout_over(
+                    [e.param for e in group_entries],
                     ranks,
-                    params=[e.param for e in group_entries],
                     names=[f"{self.label}.{e.names[0]}" for e in group_entries],
                     fallback=group.shard,  # declared on the Block's parameters
                 )

@@ -1,6 +1,7 @@
 """A Block's state dict and gradients as full tensors: its flat groups gathered one at a
-time, tensor-parallel slices assembled whole (tp_slices.py), and loading full tensors or
-this rank's slices back into the shards. `Block` calls these; they read only its groups.
+time, tensor-parallel slices assembled whole (nbtrain.tensor_parallel.slices), and
+loading full tensors or this rank's slices back into the shards. `Block` calls these;
+they read only its groups.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..comm import collectives as C
-from .tp_slices import full_from_slice, slice_from_full
+from ..tensor_parallel.slices import full_from_slice, slice_from_full
 
 
 def full_items(groups, prefix: str = "", copy: bool = True):

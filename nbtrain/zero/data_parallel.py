@@ -31,9 +31,8 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
-from .placement import is_tp_slice, live_group, place
+from .placement import is_tp_slice, live_group, place, tp_layout_over
 from .reducer import GradReducer, current_backward
-from .tp_partial import TpLayout
 
 BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
 _CHECK_CHUNK_NUMEL = 1 << 20  # the replica check's fp64 temporaries: 16 MiB at most
@@ -75,10 +74,10 @@ class DataParallelGrads:
         self.reducer, self._group = reducer, group
         self.buckets = _make_buckets(params, bucket_numel)
         # Held whole by the tp ranks too: which gradients are partial over tp, per bucket
-        # (tp_partial.py). Slices of a tp layer are never partial.
+        # (nbtrain.tensor_parallel.partial). Slices of a tp layer are never partial.
         for bucket in self.buckets:
             bucket.tp_layout = (
-                TpLayout(len(bucket.params), group, params=bucket.params)  # group: a kind
+                tp_layout_over(bucket.params, group)  # group: a kind
                 if replicated
                 and get_context().topology.tp_size > 1
                 and not any(is_tp_slice(p) for p in bucket.params)

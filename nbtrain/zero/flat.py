@@ -113,7 +113,7 @@ class FlatGroup:
         self.deferred: torch.Tensor | None = None
         self._deferred_trainable = None
         # Replicated parameters of a tensor-parallel model: which gradients are partial
-        # over tp (summed there, tp_partial.py). Set by the owning Block; None: no tp.
+        # over tp (summed there, tensor_parallel.partial). Set by the owning Block; None: no tp.
         self.tp_layout = None
 
     @property

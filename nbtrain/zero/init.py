@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..comm.context import get_context
-from .tp_slices import slice_from_full
+from ..tensor_parallel.slices import slice_from_full
 
 CHUNK_NUMEL = 1 << 16  # 256 KiB of fp32 per draw: a rank overshoots its shard by < 2 chunks
 _INIT = nn.init

@@ -78,7 +78,7 @@ class _GatherMany(torch.autograd.Function):
             flat.mul_(ctx.ranks.grad_scale)
         offset = 0
         for (numel, _), layout, grad in zip(ctx.meta, ctx.tp_layouts, grads):
-            if layout is not None:  # sequence parallel: a sum over tp (tp_partial.py)
+            if layout is not None:  # sequence parallel: a sum over tp (tensor_parallel.partial)
                 layout.apply([None if grad is None else flat[:, offset : offset + numel]])
             offset += numel
         out = torch.empty(total, dtype=ref.dtype, device=ref.device)

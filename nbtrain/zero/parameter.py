@@ -29,8 +29,8 @@ from .placement import (
     placement_of,
     shard_group,
     shard_kind,
+    tp_layout_over,
 )
-from .tp_partial import TpLayout
 
 
 class ParameterInitializer:
@@ -275,7 +275,7 @@ def tp_layout(param: DistributedParameter):
     layout = placement_of(param).tp_layout
     whole = is_tp_slice(param) or is_tp_replicated(param)  # never partial over tp
     if layout is None and not whole and get_context().topology.tp_size > 1:
-        layout = place(param, tp_layout=TpLayout(1, group_of(param), params=[param])).tp_layout
+        layout = place(param, tp_layout=tp_layout_over([param], group_of(param))).tp_layout
     return layout
 
 
@@ -296,7 +296,7 @@ class _GatherParam(torch.autograd.Function):
         flat[: grad.numel()].copy_(grad.reshape(-1))
         if group.grad_scale != 1.0:  # experts: a sum over the ep ranks' tokens
             flat.mul_(group.grad_scale)
-        if ctx.tp_layout is not None:  # sequence parallel: a sum over tp (tp_partial.py)
+        if ctx.tp_layout is not None:  # sequence parallel: a sum over tp (tensor_parallel.partial)
             ctx.tp_layout.apply([flat])
         out = torch.empty(ctx.numel, dtype=grad.dtype, device=grad.device)
         C.reduce_scatter(out, flat, op="avg", group=group.group, label="param.grad")

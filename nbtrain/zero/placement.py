@@ -31,6 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ..comm.context import get_context
+from ..tensor_parallel.partial import TpLayout
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class Placement:
         tp_grad: a replicated parameter's gradient over tp, declared where the layout
             is made (`declare_tp_gradients`): "partial" (each tp rank sees its own
             tokens: summed over tp), "whole" (every tp rank sees every token), None
-            (undeclared: read from the gradients, nbtrain.zero.tp_partial).
+            (undeclared: the layout the tp layers make, nbtrain.tensor_parallel.partial).
         tp_layout: a replicated parameter's TpLayout in a tensor-parallel model.
     """
 
@@ -161,24 +162,25 @@ def copy_placement(src, dst) -> None:
     place(dst, kind=p.kind, split_dim=p.split_dim, full_shape=p.full_shape, parts=p.parts)
 
 
-def declare_tp_gradients(module, partial: bool, overwrite: bool = False) -> int:
-    """Declares how the replicated parameters of `module` get their gradients in a
-    tensor-parallel model: `partial=True` where each tp rank computes with its own
-    slice of the tokens (sequence parallel: the gradients are summed over tp), False
-    where every tp rank sees every token (Megatron's layout: averaged). Slices are
-    never partial and are left alone, and so are parameters already declared (a
-    layer that sums its own gradient, nbtrain.nn.LayerNorm) unless `overwrite`.
-    Checked at the first backward (nbtrain.zero.tp_partial). Returns how many it
-    declared. Local."""
-    value = "partial" if partial else "whole"
-    count = 0
-    for p in module.parameters():
-        placed = placement_of(p)
-        if placed.kind != "replicated" or (placed.tp_grad is not None and not overwrite):
-            continue
-        place(p, tp_grad=value)
-        count += 1
-    return count
+def _declared_tp_grad(placed: Placement) -> str | None:
+    """A "tp_replicated" parameter's layer makes its gradient whole on every tp rank."""
+    return "whole" if placed.kind == "tp_replicated" else placed.tp_grad
+
+
+def tp_layout_over(params, group, names=None, fallback=None):
+    """The TpLayout (nbtrain.tensor_parallel.partial) of replicated `params` that an
+    owner reduces together over `group` (a kind, a ShardGroup or a process group):
+    each one's declared `tp_grad`, or `fallback`'s (a Block's flat shard, which
+    carries what was declared on the Block's parameters), read at the first backward."""
+    params = list(params)
+
+    def declared():
+        backup = placement_of(fallback).tp_grad if fallback is not None else None
+        return [_declared_tp_grad(placement_of(p)) or backup for p in params]
+
+    if names is None:
+        names = [f"a parameter of shape {tuple(p.shape)}" for p in params]
+    return TpLayout(len(params), lambda: live_group(group), declared, names)
 
 
 def is_tp_slice(param) -> bool:

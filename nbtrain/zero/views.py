@@ -7,12 +7,12 @@ from torch import nn
 
 from ..comm import collectives as C
 from ..comm.context import get_context
+from ..tensor_parallel.slices import full_from_slice
 from .block import Block
 from .init import HeldElsewhere, draw_full, init_range
 from .parameter import DistributedParameter, group_of
 from .partition import shard_range
 from .placement import is_tp_slice, placement_of
-from .tp_slices import full_from_slice
 
 
 def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:

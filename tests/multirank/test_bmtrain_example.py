@@ -6,7 +6,7 @@
    (AdamOffloadOptimizer, Noam, loss scale 2**20, clipping) against torch Adam, and
    the same model with torch.optim.SGD(momentum=0.9) against plain SGD: every gradient
    exact, the tensor-parallel layers' and the replicated Layernorm's and position
-   embedding's (partial on each tp rank, summed over tp: nbtrain.zero.tp_partial).
+   embedding's (partial on each tp rank, summed over tp: nbtrain.tensor_parallel.partial).
 3. Its only nbtrain-specific line is the import.
 """
 

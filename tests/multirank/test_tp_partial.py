@@ -1,11 +1,13 @@
 """Replicated parameters of a tensor-parallel model get plain PyTorch's gradient in both
-layouts (nbtrain.zero.tp_partial): sequence parallel, where each tp rank sees its
+layouts (nbtrain.tensor_parallel.partial): sequence parallel, where each tp rank sees its
 slice of the tokens and the gradients are summed over tp, and Megatron's, where every
 tp rank sees every token and they are averaged. Each owner is covered: a plain
 nn.LayerNorm of a DistributedModule (data-parallel buckets), a DistributedParameter
 outside Blocks, a Block's flat group, and nbtrain.nn.LayerNorm, which sums over tp
 itself (so it must not be summed twice). At tp 2 and at tp 2 x dp 2, with SGD
-momentum (a gradient scale error shows) against one plain process.
+momentum (a gradient scale error shows) against one plain process. Each layout is
+declared (`declare_tp_gradients`) or not, when it is the layout the model's tp layers
+make; the gradients never decide it, they only check it.
 """
 
 import pytest
@@ -95,8 +97,8 @@ def train_tp(sequence_parallel, declared=False):
 
     model = Model()
     model.load_state_dict(plain.state_dict())
-    if declared:  # the layout said, not read from the gradients
-        bmt.zero.declare_tp_gradients(model, partial=sequence_parallel)
+    if declared:  # the layout said; else the one the tp layers' flags make
+        bmt.declare_tp_gradients(model, partial=sequence_parallel)
     dp_rows = ROWS // topo.dp_size
     tp_rows = dp_rows // topo.tp_size
 
@@ -116,8 +118,8 @@ def train_tp(sequence_parallel, declared=False):
 
 @pytest.mark.parametrize("world,declared", [(2, False), (4, False), (2, True), (4, True)])
 def test_replicated_gradients_in_both_tp_layouts_equal_plain_pytorch(world, declared):
-    """Declared (`declare_tp_gradients`) or not (a BMTrain script: read from the
-    gradients), the same gradients as one plain process."""
+    """Declared (`declare_tp_gradients`) or not (a BMTrain script: the layout its tp
+    layers make), the same gradients as one plain process."""
     want = plain_state()
     for sequence_parallel in (True, False):
         for rank, (state, partial) in enumerate(
@@ -139,7 +141,8 @@ def test_replicated_gradients_in_both_tp_layouts_equal_plain_pytorch(world, decl
 def rank_dependent(layout):
     """A replicated region whose op depends on the tp rank, in a model whose layout is
     declared ("whole": Megatron's; "partial": sequence parallel, though every tp rank
-    sees every token here). Returns the error each rank raised, or None."""
+    sees every token here) or not ("undeclared": Megatron's layers, so whole). Returns
+    the error each rank raised, or None."""
     import nbtrain as bmt
     from nbtrain.nn import ColumnParallelLinear, RowParallelLinear
 
@@ -155,13 +158,14 @@ def rank_dependent(layout):
 
         def forward(self, x):
             h = x + self.down(torch.tanh(self.up(x)))
-            if layout == "whole":  # the bug: this rank's own arithmetic
+            if layout != "partial":  # the bug: this rank's own arithmetic
                 h = h * (1.0 + topo.tp_rank)
             return self.block(h + self.shift)
 
     torch.manual_seed(0)
     model = Model()
-    bmt.zero.declare_tp_gradients(model, partial=layout == "partial")
+    if layout != "undeclared":
+        bmt.declare_tp_gradients(model, partial=layout == "partial")
     x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
     try:
         model(x).square().sum().backward()
@@ -170,15 +174,72 @@ def rank_dependent(layout):
     return None
 
 
-@pytest.mark.parametrize("layout", ["whole", "partial"])
-def test_a_gradient_that_contradicts_its_declared_layout_is_caught_not_summed(layout):
+@pytest.mark.parametrize("layout", ["whole", "partial", "undeclared"])
+def test_a_gradient_that_contradicts_its_layout_is_caught_not_summed(layout):
     """Read from the gradients, a rank-dependent op made a replicated gradient look
-    partial, and it was summed over tp: silently tp times too large."""
+    partial, and it was summed over tp: silently tp times too large. Declared or not,
+    the layout is known before the gradients arrive, and they only check it."""
     errors = run_ranks(rank_dependent, 2, layout, timeout_s=120)
     for err in errors:
         assert err is not None, errors
         if layout == "whole":
-            assert "differs between the tp ranks, but it is declared whole" in err, err
+            assert "differs between the tp ranks, but it is whole over tp as declared" in err
+        elif layout == "undeclared":  # the row-parallel bias, declared by its layer
+            assert "differs between the tp ranks, but it is whole over tp" in err, err
         else:
-            assert "the same on every tp rank, but it is declared partial" in err, err
-        assert "declare_tp_gradients" in err, err
+            assert "the same on every tp rank, but it is partial over tp as declared" in err
+        assert "nbtrain.declare_tp_gradients(" in err, err
+
+
+class HandSplit(nn.Module):
+    """Each tp rank takes its own tokens by hand; no tensor-parallel layer is built, so
+    nothing in the model says the tokens are split."""
+
+    def __init__(self, tp=1, rank=0):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shift = nn.Parameter(torch.randn(D) * 0.1)
+        self.proj = nn.Linear(D, D)
+        self.tp, self.rank = tp, rank
+
+    def forward(self, x):
+        return self.proj(x.chunk(self.tp)[self.rank] + self.shift).square().sum()
+
+
+def split_tokens_by_hand(declare):
+    """Undeclared, its partial gradients are caught (the default is whole: no layer
+    splits the tokens); declared partial, they are summed over tp."""
+    import nbtrain as bmt
+
+    topo = bmt.init_distributed(tp_size=2).topology
+
+    class Model(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.inner = HandSplit(topo.tp_size, topo.tp_rank)
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model = Model()
+    if declare:
+        bmt.declare_tp_gradients(model, partial=True)
+    x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
+    try:
+        model(x).backward()
+    except ValueError as err:
+        return str(err)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_undeclared_gradients_take_the_layers_layout_and_a_declaration_overrides_it():
+    errors = run_ranks(split_tokens_by_hand, 2, False, timeout_s=120)
+    for err in errors:
+        assert isinstance(err, str), errors
+        assert "whole over tp by default, as no tensor-parallel layer hands on token" in err
+        assert "declare_tp_gradients(model, partial=True)" in err, err
+    plain = HandSplit()
+    plain(torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))).backward()
+    for grads in run_ranks(split_tokens_by_hand, 2, True, timeout_s=120):
+        for name, param in plain.named_parameters():
+            torch.testing.assert_close(grads[f"inner.{name}"], param.grad, msg=name)

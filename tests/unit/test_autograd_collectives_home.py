@@ -28,7 +28,7 @@ HOME = "nbtrain/distributed/autograd.py"
 # Functions outside the home that communicate: {(file, class): why}.
 _FUSED = "fuses its communication with the compute between it (one Function, one graph node)"
 ALLOWED = {
-    ("nbtrain/nn/ops.py", "OpParallelLinear"): (
+    ("nbtrain/tensor_parallel/ops.py", "OpParallelLinear"): (
         "BMTrain's OpParallelLinear: one Function around the GEMM and its tp steps, saving "
         "only the input slice and gathering it again in backward; its steps are "
         "nbtrain.distributed.autograd's non-autograd collectives, through nn.tp_comm"

@@ -18,7 +18,10 @@ LAYERS = [
     "comm",
     "distributed",  # BMTrain's differentiable collectives, over comm
     "utils",  # BMTrain's helpers (sum_loss, print_rank), over comm and distributed
+    "tensor_parallel.slices",  # the slice maths ZeRO's Blocks cut with
+    "tensor_parallel.partial",  # replicated gradients over tp, which ZeRO reduces
     "zero",
+    "tensor_parallel",  # its layers, communication and plans, over zero
     "context_parallel",
     "nn",
     "moe",
@@ -67,8 +70,12 @@ def _imports(name: str) -> set[str]:
 
 
 def _layer(name: str):
+    """A module's layer: its own entry ("tensor_parallel.slices") or its package's."""
     parts = name.split(".")
-    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+    for key in (".".join(parts[1:3]), parts[1] if len(parts) > 1 else None):
+        if key in LAYERS:
+            return LAYERS.index(key)
+    return None
 
 
 @pytest.mark.parametrize("name", sorted(m for m in MODULES if _layer(m) is not None))

@@ -55,6 +55,11 @@ def _reading_order() -> list[tuple[str, str]]:
 
 
 def _package(path: str) -> str | None:
+    """The layer an item's first path belongs to: a module with a layer of its own
+    ("tensor_parallel.slices"), else its package."""
+    module = re.match(r"nbtrain/(\w+)/(\w+)\.py$", path)
+    if module and f"{module.group(1)}.{module.group(2)}" in _layers():
+        return f"{module.group(1)}.{module.group(2)}"
     match = re.match(r"nbtrain/(\w+)(/|\.py$)", path)
     return match.group(1) if match else None
 

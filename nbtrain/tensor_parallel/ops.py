@@ -4,9 +4,9 @@
     y = OpParallelLinear.apply(x, w_slice, b_slice, True, False, False, None)
 
 OpParallelLinear runs one tensor-parallel linear layer over the tp group of
-`init_distributed(tp_size=...)`, with the communication steps of nbtrain.nn.tp_comm
+`init_distributed(tp_size=...)`, with the communication steps of nbtrain.tensor_parallel.comm
 (counted, labelled "tp ..."). Its flags are BMTrain's (see `OpParallelLinear`).
-nbtrain's own layers (nbtrain.nn.parallel) compose tp_comm's steps directly; these
+nbtrain's own layers (nbtrain.tensor_parallel.layers) compose tp_comm's steps directly; these
 functions are for code written against BMTrain's.
 """
 
@@ -17,7 +17,7 @@ import enum
 import torch
 import torch.nn.functional as F
 
-from . import tp_comm
+from . import comm as tp_comm
 
 
 class OpLinear(torch.autograd.Function):

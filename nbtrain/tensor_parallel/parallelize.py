@@ -37,15 +37,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.context import get_context
-from ..zero import declare_tp_gradients, place
-from . import tp_comm
-from .parallel import (
+from ..zero import place
+from . import comm as tp_comm
+from .layers import (
     ColumnParallelLinear,
     FullStateDict,
     LayerNorm,
     RowParallelLinear,
     VPEmbedding,
     _tp,
+    declare_tp_gradients,
     pad_along,
     slice_param,
 )
@@ -216,7 +217,7 @@ def parallelize(model: nn.Module, plan: dict, sequence_parallel: bool | None = N
             f"names look like {[n for n, _ in list(model.named_modules())[1:4]]}"
         )
     # The layout is this plan's: every replicated parameter left sees this rank's
-    # tokens only (sequence parallel) or every token (nbtrain.zero.tp_partial).
+    # tokens only (sequence parallel) or every token (nbtrain.tensor_parallel.partial).
     declare_tp_gradients(model, partial=sequence_parallel)
     # On the rank's device, as wrap() does: NCCL's collectives need CUDA tensors. A model
     # built on the meta device stays there: wrap() allocates its shards on the device.

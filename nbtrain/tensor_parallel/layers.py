@@ -10,7 +10,7 @@ Each layer keeps its slice of the weight as a plain parameter placed as a
 1 = columns, and the full shape); replicated parameters (a row-parallel bias) are
 placed "tp_replicated" (as BMTrain's tp-mode parameter without a split dimension:
 sharded over data parallel only, counted once in a norm). Layouts between layers
-(see nbtrain.nn.tp_comm):
+(see nbtrain.tensor_parallel.comm):
 
 =====================  ===================  =====================================
 layer, flags           input                output
@@ -53,8 +53,9 @@ from torch import nn
 
 from ..comm.context import get_context
 from ..zero import is_tp_slice, place, placement_of
-from ..zero.tp_slices import cut, full_from_slice, pad_along, slice_from_full
-from . import tp_comm
+from . import comm as tp_comm
+from .partial import note_layer
+from .slices import cut, full_from_slice, pad_along, slice_from_full
 
 
 def _tp() -> tuple[int, int]:
@@ -185,6 +186,7 @@ class LayerNorm(nn.LayerNorm):
             dtype=dtype,
         )
         self.sequence_parallel = sequence_parallel
+        note_layer(self, splits_tokens=sequence_parallel)
         for p in self.parameters():  # summed here, or whole already: never summed again
             place(p, tp_grad="whole")
 
@@ -215,6 +217,7 @@ class ColumnParallelLinear(_LinearSlices, nn.Module):
         _divides("ColumnParallelLinear out_features", out_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.gather_input = gather_output, gather_input
+        note_layer(self, splits_tokens=gather_input)  # its input is a token slice
         self.async_gather_chunks = async_gather_chunks
         self.take_slices(
             nn.Linear(
@@ -256,6 +259,7 @@ class RowParallelLinear(_LinearSlices, nn.Module):
         _divides("RowParallelLinear in_features", in_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.split_input, self.all_reduce_output = split_input, all_reduce_output
+        note_layer(self, splits_tokens=not all_reduce_output)  # its output: a token slice
         self.async_chunks = async_chunks
         self.take_slices(
             nn.Linear(
@@ -367,3 +371,24 @@ class VPEmbedding(FullStateDict, nn.Module):
             f"vocab_size={self.vocab_size} (rows {self.start}.."
             f"{self.start + self.per_rank - 1} here), embedding_size={self.embedding_size}"
         )
+
+
+def declare_tp_gradients(module, partial: bool, overwrite: bool = False) -> int:
+    """Declares how the replicated parameters of `module` get their gradients in a
+    tensor-parallel model: `partial=True` where each tp rank computes with its own
+    slice of the tokens (sequence parallel: the gradients are summed over tp), False
+    where every tp rank sees every token (Megatron's layout: averaged). Slices are
+    never partial and are left alone, and so are parameters already declared (a
+    layer that sums its own gradient, nbtrain.nn.LayerNorm) unless `overwrite`.
+    Checked at the first backward (nbtrain.tensor_parallel.partial); undeclared
+    parameters take the layout the model's tp layers make. Returns how many it
+    declared. Local."""
+    value = "partial" if partial else "whole"
+    count = 0
+    for p in module.parameters():
+        placed = placement_of(p)
+        if placed.kind != "replicated" or (placed.tp_grad is not None and not overwrite):
+            continue
+        place(p, tp_grad=value)
+        count += 1
+    return count
