@@ -138,6 +138,7 @@ def replicated_from(module: nn.Module, name: str, sequence_parallel: bool) -> nn
     if isinstance(module, nn.Embedding):
         module.__class__ = ReplicatedEmbedding  # same parameters, same names
         module.sequence_parallel = sequence_parallel
+        place(module.weight, tp_grad="whole")  # summed over tp by the layer itself
         return module
     raise ValueError(
         f"parallelize: {name} is a {type(module).__name__}; 'replicated' takes "

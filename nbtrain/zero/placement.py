@@ -156,10 +156,18 @@ def place(obj, **fields) -> Placement:
 
 
 def copy_placement(src, dst) -> None:
-    """`dst` gets `src`'s slice description (kind, split dimension, parts, full shape):
-    a ZeRO shard of a tp slice is placed as the slice is."""
+    """`dst` gets `src`'s slice description (kind, split dimension, parts, full shape)
+    and its declared gradient over tp: a ZeRO shard of a parameter is placed as the
+    parameter is."""
     p = placement_of(src)
-    place(dst, kind=p.kind, split_dim=p.split_dim, full_shape=p.full_shape, parts=p.parts)
+    place(
+        dst,
+        kind=p.kind,
+        split_dim=p.split_dim,
+        full_shape=p.full_shape,
+        parts=p.parts,
+        tp_grad=p.tp_grad,
+    )
 
 
 def _declared_tp_grad(placed: Placement) -> str | None:
