@@ -82,6 +82,16 @@ def interface_of(ip: str) -> str | None:
     return None
 
 
+def source_address(ip: str) -> str | None:
+    """The address of this host's interface toward `ip`, or None without a route."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            sock.connect((ip, 9))  # UDP: picks the route, sends nothing
+            return sock.getsockname()[0]
+    except OSError:
+        return None
+
+
 def use_interface_toward(master_addr: str) -> str | None:
     """Sets GLOO_SOCKET_IFNAME to the interface this host reaches `master_addr` through
     (the user's own GLOO_SOCKET_IFNAME wins); returns the name set, or None."""
@@ -89,10 +99,10 @@ def use_interface_toward(master_addr: str) -> str | None:
         return None
     try:
         target = socket.getaddrinfo(master_addr, None, socket.AF_INET)[0][4][0]
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((target, 9))  # UDP: picks the route, sends nothing
-            source = sock.getsockname()[0]
     except OSError:
+        return None  # not resolvable: gloo's default, as before
+    source = source_address(target)
+    if source is None:
         return None  # no IPv4 route: gloo's default, as before
     name = interface_of(source)
     if name is not None:

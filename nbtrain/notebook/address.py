@@ -22,6 +22,8 @@ from __future__ import annotations
 import os
 import socket
 
+from ..comm.store import source_address
+
 # Any routable address serves to ask the kernel which interface holds the default route
 # (TEST-NET-1, RFC 5737: nothing is sent to it).
 _DEFAULT_ROUTE_PROBE = "192.0.2.1"
@@ -50,16 +52,6 @@ def resolve(name: str) -> list[str]:
     except OSError:
         return []
     return list(dict.fromkeys(info[4][0] for info in infos))
-
-
-def source_address(ip: str) -> str | None:
-    """The address of this host's interface toward `ip`, or None without a route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
-            sock.connect((ip, 9))  # UDP: binds a route, sends nothing
-            return sock.getsockname()[0]
-    except OSError:
-        return None
 
 
 def host_address(peer: str | None = None) -> str:
