@@ -89,7 +89,7 @@ def _count_torch_collectives(world: int) -> None:
         WIRE.add(_nbytes(output_tensor) * ring)
         return gather(output_tensor, input_tensor, *a, **kw)
 
-    def reduce_scatter_flat(output, input, *a, **kw):  # reduce_scatter_tensor's names
+    def reduce_scatter_flat(output, input, *a, **kw):  # noqa: A002 (torch's keyword names)
         WIRE.add(_nbytes(input) * ring)
         return scatter(output, input, *a, **kw)
 
@@ -192,11 +192,11 @@ def compile_layers(layers: nn.ModuleList, options: dict) -> None:
 
 
 def build(
-    engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32", compile: dict | None = None
+    engine: str, cfg: GPTConfig, seed: int, dtype: str = "fp32", compile_options: dict | None = None
 ) -> nn.Module:
     """The model for `engine`, sharded or replicated over the default group, in the
     engine's recipe for `dtype` ("fp32" or "bf16", see the module docstring). With
-    `compile` (torch.compile's keywords) each transformer layer is compiled, the same
+    `compile_options` (torch.compile's keywords) each transformer layer is compiled, the same
     way for every engine: nbtrain's Blocks compile their module, the peers' layers are
     compiled before FSDP2 or DDP wraps them.
 
@@ -207,13 +207,13 @@ def build(
     half = dtype == "bf16"
     if engine in ("zero3", "zero2"):
         kw = {"zero_level": 3 if engine == "zero3" else 2}
-        if compile is not None:
-            kw["compile"] = compile
+        if compile_options is not None:
+            kw["compile"] = compile_options
         if half:
             return nbt.wrap(model.to(torch.bfloat16), reduce_dtype=torch.float32, **kw)
         return nbt.wrap(model, **kw)
-    if compile is not None:
-        compile_layers(model.layers, compile)
+    if compile_options is not None:
+        compile_layers(model.layers, compile_options)
     if engine == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy
 

@@ -400,7 +400,7 @@ def _reduce_op(op: str):
 
 def all_to_all_single(
     output: torch.Tensor,
-    input: torch.Tensor,  # torch's name
+    input: torch.Tensor,  # noqa: A002 (torch's keyword name)
     output_split_sizes: list[int] | None,
     input_split_sizes: list[int] | None,
     *,

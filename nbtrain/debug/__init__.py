@@ -61,7 +61,7 @@ def clear(key: str | None = None) -> None:
         DEBUG_VARS.pop(key, None)
 
 
-def set(key: str, value: Any) -> None:
+def set(key: str, value: Any) -> None:  # noqa: A001 (BMTrain's bmt.debug.set)
     """Keeps `value` under `key`; a tensor is kept detached and copied to the CPU."""
     if torch.is_tensor(value):
         value = value.detach().cpu()

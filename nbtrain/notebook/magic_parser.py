@@ -77,8 +77,8 @@ def _refusal(parser: ActionParser, extras: list[str]) -> str:
 
 
 # -- flags shared by several actions -----------------------------------------------------
-def _add_n(p, help: str) -> None:
-    p.add_argument("-n", type=int, default=None, metavar="N", help=help)
+def _add_n(p, text: str) -> None:
+    p.add_argument("-n", type=int, default=None, metavar="N", help=text)
 
 
 def _add_targets(p) -> None:
@@ -90,9 +90,9 @@ def _add_targets(p) -> None:
     )
 
 
-def _add_names(p, help: str) -> None:
+def _add_names(p, text: str) -> None:
     # nargs="*": the action names a missing NAME itself, with an example.
-    p.add_argument("names", nargs="*", metavar="NAME", help=help)
+    p.add_argument("names", nargs="*", metavar="NAME", help=text)
 
 
 # -- one function per action with flags ------------------------------------------------------

@@ -62,15 +62,15 @@ def _prepare_input(x, gather_input: bool, split_input: bool):
 class OpParallelLinear(torch.autograd.Function):
     """One tensor-parallel linear layer over the tp group (BMTrain's arguments).
 
-    `OpParallelLinear.apply(input, weight, bias=None, gather_input=False,
+    `OpParallelLinear.apply(x, weight, bias=None, gather_input=False,
     gather_output=False, split_input=False, reduce_output_type=None,
     async_gather_chunks=2)`, where weight and bias are this tp rank's slices:
 
-    - gather_input: `input` is this rank's slice of the tokens (dim 0); the GEMM reads
+    - gather_input: `x` is this rank's slice of the tokens (dim 0); the GEMM reads
       all of them, gathered over tp. Gradient: reduce-scattered back to the slices.
-    - split_input: `input` is whole; the GEMM reads this rank's chunk of its last
+    - split_input: `x` is whole; the GEMM reads this rank's chunk of its last
       dimension (a row-parallel layer). Gradient: the ranks' chunks put side by side.
-    - neither: `input` is whole and every rank reads all of it (a column-parallel
+    - neither: `x` is whole and every rank reads all of it (a column-parallel
       layer, Megatron style). Gradient: summed over tp when the output is not
       reduced (each rank's weight slice contributes a part).
     - gather_output: the ranks' output columns put side by side on every rank.
@@ -85,12 +85,12 @@ class OpParallelLinear(torch.autograd.Function):
 
     As in BMTrain, the bias is added to each rank's partial output before any
     reduction (RowParallelLinear-style callers pass bias=None and add it after).
-    The input is saved, not its gathered form: backward gathers it again, as
+    `x` is saved, not its gathered form: backward gathers it again, as
     BMTrain does, so a layer keeps only its slice of the activations.
 
     Where BMTrain's gradient is wrong it is not copied: with split_input BMTrain
     returns a (tp, tokens, in/tp) gradient for an input of (tokens, in); this
-    returns the input's shape.
+    returns the shape of `x`.
 
     Collective over the tp group (a no-op at tp_size 1).
     """
@@ -98,7 +98,7 @@ class OpParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(
         ctx,
-        input,
+        x,
         weight,
         bias=None,
         gather_input=False,
@@ -108,10 +108,10 @@ class OpParallelLinear(torch.autograd.Function):
         async_gather_chunks=2,
     ):
         reduce = None if reduce_output_type is None else ReduceType(reduce_output_type)
-        ctx.save_for_backward(input, weight)
+        ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
         ctx.flags = (bool(gather_input), bool(gather_output), bool(split_input), reduce)
-        out = F.linear(_prepare_input(input, gather_input, split_input), weight, bias)
+        out = F.linear(_prepare_input(x, gather_input, split_input), weight, bias)
         if gather_output:
             out = tp_comm._gather_last(out, "tp gather output")
         if reduce is ReduceType.ALL_REDUCE:
@@ -122,7 +122,7 @@ class OpParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        input, weight = ctx.saved_tensors
+        x, weight = ctx.saved_tensors
         gather_input, gather_output, split_input, reduce = ctx.flags
         need_x, need_w, need_b = (*ctx.needs_input_grad, False, False)[:3]
         grad = grad.contiguous()
@@ -133,7 +133,7 @@ class OpParallelLinear(torch.autograd.Function):
         rows = grad.reshape(-1, grad.shape[-1])
         grad_x = grad_w = grad_b = None
         if need_x:
-            grad_x = grad.matmul(weight)  # the gradient of the GEMM's input
+            grad_x = grad.matmul(weight)  # the gradient of the GEMM's x
             if split_input:
                 if gather_input:  # zeros outside this rank's columns; summed below
                     _, size, rank = tp_comm.tp_group()
@@ -142,13 +142,13 @@ class OpParallelLinear(torch.autograd.Function):
                     full[..., rank * width : (rank + 1) * width] = grad_x
                     grad_x = full
                 else:
-                    grad_x = tp_comm._gather_last(grad_x.contiguous(), "tp gather input grad")
+                    grad_x = tp_comm._gather_last(grad_x.contiguous(), "tp gather x grad")
             if gather_input:
-                grad_x = tp_comm._reduce_scatter_rows(grad_x, "tp reduce-scatter input grad")
+                grad_x = tp_comm._reduce_scatter_rows(grad_x, "tp reduce-scatter x grad")
             elif reduce is None and not split_input:
-                grad_x = tp_comm._all_reduce(grad_x, "tp all-reduce input grad")
+                grad_x = tp_comm._all_reduce(grad_x, "tp all-reduce x grad")
         if need_w:
-            seen = _prepare_input(input, gather_input, split_input)
+            seen = _prepare_input(x, gather_input, split_input)
             grad_w = rows.t().matmul(seen.reshape(-1, seen.shape[-1]))
         if ctx.has_bias and need_b:
             grad_b = rows.sum(0)

@@ -36,7 +36,7 @@ class TransformerBlockList(nn.ModuleList):
     along a new first dimension.
     """
 
-    def __init__(self, modules=None, num_hidden: int = 1, compile: bool | dict = False):
+    def __init__(self, modules=None, num_hidden: int = 1, compile: bool | dict = False):  # noqa: A002 (the public keyword)
         blocks = list_blocks(modules or [], lambda m: Block(m, compile=compile))
         super().__init__(blocks)
         if num_hidden < 1:

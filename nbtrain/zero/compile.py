@@ -51,20 +51,20 @@ class CompileStats:
 _BY_CODE: dict = {}
 
 
-def compile_options(compile) -> dict | None:
+def compile_options(setting) -> dict | None:
     """Block's `compile` argument as torch.compile keywords (None: do not compile).
 
     False/None: eager; True: torch.compile's defaults; a dict: torch.compile's keywords
     (backend, mode, fullgraph, dynamic, options).
     """
-    if compile is None or compile is False:
+    if setting is None or setting is False:
         return None
-    if compile is True:
+    if setting is True:
         return {}
-    if isinstance(compile, dict):
-        return dict(compile)
+    if isinstance(setting, dict):
+        return dict(setting)
     raise TypeError(
-        f"compile={compile!r}: use False, True, or a dict of torch.compile "
+        f"compile={setting!r}: use False, True, or a dict of torch.compile "
         "keywords, e.g. dict(backend='aot_eager') or dict(mode='max-autotune')"
     )
 

@@ -151,7 +151,7 @@ def _cuda_batches(dev, steps, rows=4):
     return xs.to(dev), ys.to(dev)
 
 
-def compiled_vs_eager(dev, compile=True, steps=3):
+def compiled_vs_eager(dev, setting=True, steps=3):
     """Eager and compiled (inductor by default) Blocks trained alike with SGD momentum
     and AdamW; returns the results by optimizer, the plain model's state_dict keys."""
     from torch._dynamo.utils import counters
@@ -162,7 +162,7 @@ def compiled_vs_eager(dev, compile=True, steps=3):
     xs, ys = _cuda_batches(dev, steps)
     out = {}
     for opt_name in ("sgd", "adamw"):
-        for mode, option in (("eager", False), ("compiled", compile)):
+        for mode, option in (("eager", False), ("compiled", setting)):
             torch.manual_seed(0)
             model = nbt.wrap(GPT(cfg).to(dev), zero_level=3, compile=option)
             opt = (

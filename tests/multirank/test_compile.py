@@ -44,11 +44,11 @@ def _optimizer(name, params):
     return torch.optim.AdamW(params, lr=1e-3, eps=1e-6, weight_decay=0.01)
 
 
-def _train(zero_level, ckpt, opt_name, compile):
+def _train(zero_level, ckpt, opt_name, setting):
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = nbt.wrap(GPT(CFG), zero_level=zero_level, use_checkpoint=ckpt, compile=compile)
+    model = nbt.wrap(GPT(CFG), zero_level=zero_level, use_checkpoint=ckpt, compile=setting)
     opt = _optimizer(opt_name, model.parameters())
     xs, ys = _batches(nbt.world_size())
     lo, hi = nbt.rank() * BATCH_PER_RANK, (nbt.rank() + 1) * BATCH_PER_RANK
