@@ -33,7 +33,7 @@ CheckpointBlock = Block  # BMTrain's older name for Block
 # BMTrain's modules whose names are also functions here: loaded now, so that a later
 # `import nbtrain.synchronize` finds the module and leaves `nbtrain.synchronize` the
 # function (BMTrain's layout: the module bmtrain.synchronize, the function bmt.synchronize).
-from .synchronize import synchronize  # noqa: E402, F811
+from .synchronize import synchronize  # noqa: E402, F811 (after the module names above, as said)
 
 __version__ = "0.1.0"
 

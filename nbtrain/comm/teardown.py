@@ -36,7 +36,7 @@ import torch.distributed as dist
 def import_group_functional() -> None:
     """Imports torch.distributed.nn.functional (cheap: a few ms after torch.distributed)."""
     try:
-        import torch.distributed.nn.functional  # noqa: F401
+        import torch.distributed.nn.functional  # noqa: F401 (imported for its side effect)
     except Exception:  # an unusual build; nothing binds the group then
         pass
 
