@@ -30,6 +30,9 @@ import torch
 
 from .placement import placement_of
 
+# optimizer -> its frozen elements' values and state, saved before its step and put back after
+_SAVED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class SlotGrads:
     """Which parameters (slots) of a flat group hold a gradient in its shard's current
@@ -144,12 +147,12 @@ def _save_frozen(optimizer, args, kwargs):
                 if isinstance(v, torch.Tensor) and v.shape == p.shape
             }
             saved.append((p, spans, [p.detach()[lo:hi].clone() for lo, hi in spans], kept))
-    optimizer.__dict__["_nbtrain_frozen_saved"] = saved
+    _SAVED[optimizer] = saved
 
 
 @torch.no_grad()
 def _restore_frozen(optimizer, args, kwargs):
-    for p, spans, values, kept in optimizer.__dict__.pop("_nbtrain_frozen_saved", []):
+    for p, spans, values, kept in _SAVED.pop(optimizer, []):
         for (lo, hi), value in zip(spans, values):
             p.detach()[lo:hi].copy_(value)
         for k, v in optimizer.state.get(p, {}).items():

@@ -16,6 +16,8 @@ stay until it runs, as before.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 
@@ -127,8 +129,8 @@ def gather_all(params: list[DistributedParameter]) -> dict[int, torch.Tensor]:
     return out
 
 
-# Set on a module while the root's forward holds its parameters whole.
-_ROOT_SHADOW = "_nbtrain_root_shadow"
+# The modules whose parameters the root's forward holds whole, while it runs.
+_ROOT_SHADOWED: weakref.WeakSet = weakref.WeakSet()
 
 
 class LooseParams:
@@ -157,12 +159,13 @@ class LooseParams:
         # to the embedding (`F.linear(h, self.emb.weight)`) sees the full matrix.
         for owner in module.modules():
             if self._shadow(owner):
-                owner.__dict__[_ROOT_SHADOW] = True
+                _ROOT_SHADOWED.add(owner)
 
     def root_post_forward(self, module, args, output) -> None:
         self.gathered.clear()
         for owner in module.modules():
-            if owner.__dict__.pop(_ROOT_SHADOW, False):
+            if owner in _ROOT_SHADOWED:
+                _ROOT_SHADOWED.discard(owner)
                 LooseParams.module_post_forward(owner, args, output)
 
     def _shadow(self, module) -> bool:
@@ -185,7 +188,7 @@ class LooseParams:
 
     @staticmethod
     def module_post_forward(module, args, output) -> None:
-        if module.__dict__.get(_ROOT_SHADOW):
+        if module in _ROOT_SHADOWED:
             return  # whole until the root's forward ends (root_post_forward)
         for name, param in module._parameters.items():
             if isinstance(param, DistributedParameter):

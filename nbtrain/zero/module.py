@@ -29,6 +29,9 @@ from .data_parallel import BUCKET_NUMEL
 from .parameter import DistributedParameter, attach_state_dict_hooks
 from .root import ModelRoot
 
+# id(module) -> how many of its __init__s are running (a subclass's calls its parent's)
+_INIT_DEPTH: dict[int, int] = {}
+
 
 class DistributedModule(nn.Module):
     """nn.Module whose DistributedParameters read as full tensors inside forward.
@@ -70,12 +73,16 @@ def _taking_root_after(init):
 
     @functools.wraps(init)
     def __init__(self, *args, **kwargs):
-        depth = self.__dict__.get("_nbtrain_init_depth", 0)
-        self.__dict__["_nbtrain_init_depth"] = depth + 1
+        key = id(self)  # alive, so its id is its own, until the outermost __init__ ends
+        depth = _INIT_DEPTH.get(key, 0)
+        _INIT_DEPTH[key] = depth + 1
         try:
             init(self, *args, **kwargs)
         finally:
-            self.__dict__["_nbtrain_init_depth"] = depth
+            if depth:
+                _INIT_DEPTH[key] = depth
+            else:
+                del _INIT_DEPTH[key]
         if depth == 0:
             _take_root(self)
 
@@ -86,9 +93,7 @@ def _take_root(module: DistributedModule) -> None:
     """The model adopts its Blocks and plain parameters. Collective."""
     for inner in module.modules():
         if inner is not module and isinstance(inner, DistributedModule):
-            old = inner.__dict__.pop("_nbtrain_root", None)  # this root owns it now
-            if old is not None:
-                old.release()
+            ModelRoot.take(inner)  # this root owns it now
     root = ModelRoot.of(module)
     root.adopt_blocks(module)
     root.adopt_replicated(module)

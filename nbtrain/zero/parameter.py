@@ -14,6 +14,8 @@ Where they are used:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -330,11 +332,15 @@ def _load_pre_hook(
             state_dict[key] = _local_slice(value, group.rank, group.size)
 
 
+# The modules given _save_hook and _load_pre_hook (once each).
+_SD_HOOKED: weakref.WeakSet = weakref.WeakSet()
+
+
 def attach_state_dict_hooks(module: nn.Module) -> None:
     """Makes `module.state_dict()` hold full tensors for its DistributedParameters
     and `load_state_dict` accept full tensors. Idempotent."""
-    if getattr(module, "_nbtrain_sd_hooks", False):
+    if module in _SD_HOOKED:
         return
     module._register_state_dict_hook(_save_hook)
     module._register_load_state_dict_pre_hook(_load_pre_hook, with_module=True)
-    module._nbtrain_sd_hooks = True
+    _SD_HOOKED.add(module)

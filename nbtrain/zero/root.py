@@ -1,4 +1,4 @@
-"""ModelRoot: the state one sharded model owns, kept on the model, not in globals.
+"""ModelRoot: the state one sharded model owns, kept per model (by weak reference).
 
     root = ModelRoot.of(model)   # made by wrap() or a DistributedModule's first forward
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 from torch import nn
 
 from ..comm.topology import ALONE
-from .block import Block
+from .block import _ROOTS, Block
 from .data_parallel import BUCKET_NUMEL, DataParallelGrads, check_replicas_equal
 from .loose import LooseParams
 from .parameter import DistributedParameter
@@ -34,11 +34,18 @@ class ModelRoot:
     @staticmethod
     def of(model: nn.Module) -> "ModelRoot":
         """The model's root, made on first request."""
-        root = model.__dict__.get("_nbtrain_root")
+        root = _ROOTS.get(model)
         if root is None:
-            root = ModelRoot()
-            model.__dict__["_nbtrain_root"] = root
+            root = _ROOTS[model] = ModelRoot()
         return root
+
+    @staticmethod
+    def take(model: nn.Module) -> None:
+        """Another owner takes `model`'s parameters: its root, if it has one, is
+        dropped and releases its plain parameters. Local."""
+        root = _ROOTS.pop(model, None)
+        if root is not None:
+            root.release()
 
     def release(self) -> None:
         """Gives up the model's plain parameters (another owner takes them)."""

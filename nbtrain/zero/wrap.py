@@ -10,6 +10,7 @@ plain model's indices: each layer becomes a Block in place, so the names stay.
 
 from __future__ import annotations
 
+import weakref
 from functools import partial
 
 from torch import nn
@@ -22,6 +23,11 @@ from .loose import LooseParams
 from .parameter import DistributedParameter, attach_state_dict_hooks
 from .placement import is_stage
 from .root import ModelRoot
+
+# Modules given the gather hooks of their DistributedParameters, and roots given the
+# hooks of their one gather of all of them (each once, however often wrap runs).
+_GATHER_HOOKED: weakref.WeakSet = weakref.WeakSet()
+_ROOT_HOOKED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _layer_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
@@ -118,11 +124,11 @@ def _shard_loose_parameters(
                     dp.reduce_dtype = reduce_dtype  # gradients reduced in it (loose.py)
             module._parameters[name] = dp
             changed = True
-        if changed and not getattr(module, "_nbtrain_gather_hooks", False):
+        if changed and module not in _GATHER_HOOKED:
             attach_state_dict_hooks(module)
             module.register_forward_pre_hook(partial(_module_pre_forward, root))
             module.register_forward_hook(LooseParams.module_post_forward, always_call=True)
-            module._nbtrain_gather_hooks = True
+            _GATHER_HOOKED.add(module)
         if changed:
             hooked.update(
                 (id(p), p)
@@ -195,11 +201,11 @@ def wrap(
     root.release()  # a DistributedModule's plain parameters become DistributedParameters
     root.adopt_blocks(model)
     root.loose = LooseParams(_shard_loose_parameters(model, root, reduce_dtype), first_blocks)
-    if root.loose.params and not getattr(model, "_nbtrain_root_hooks", False):
+    if root.loose.params and model not in _ROOT_HOOKED:
         # Before the root's own gather hook: one collective for all of them.
         model.register_forward_pre_hook(partial(_root_pre_forward, root), prepend=True)
         model.register_forward_hook(partial(_root_post_forward, root), always_call=True)
-        model._nbtrain_root_hooks = True
+        _ROOT_HOOKED.add(model)
     _join_data_parallel(model)
     step_inputs.offer(model=model)  # telemetry counts its state and its tokens
     step_inputs.count_batch_tokens(model, get_context().topology.tp_rank)
