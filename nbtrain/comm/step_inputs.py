@@ -22,6 +22,8 @@ import torch
 from . import events
 
 _OFFERED: dict[str, weakref.ref | None] = {"model": None, "optimizer": None}
+# model -> its token counter (the hook and the step-end method live with it)
+_COUNTERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def offer(model=None, optimizer=None) -> None:
@@ -69,9 +71,8 @@ def _is_token_ids(t) -> bool:
 def count_batch_tokens(model: torch.nn.Module, tp_rank: int = 0) -> None:
     """Count the tokens of `model`'s training forwards into each step's `batch_tokens`
     metric (idempotent)."""
-    if getattr(model, "_nbtrain_token_counter", None) is not None:
+    if model in _COUNTERS:
         return
-    counter = _TokenCounter(counts=tp_rank == 0)
-    model._nbtrain_token_counter = counter  # the hook and the step-end method live with it
+    counter = _COUNTERS[model] = _TokenCounter(counts=tp_rank == 0)
     model.register_forward_pre_hook(counter.pre_forward, with_kwargs=True)
     events.on_step_end(counter.end_step)

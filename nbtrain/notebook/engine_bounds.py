@@ -18,10 +18,13 @@ from __future__ import annotations
 
 import linecache
 import re
+import weakref
 
 KEEP_CELLS = 100
 DIGESTS = 4096  # the last messages' digests a session remembers (jupyter_client: 65,536)
 _DEFINES = re.compile(r"\b(def|class|lambda)\b")
+# shell -> the cell number before which its input history is trimmed already
+_TRIMMED_TO: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def install(shell) -> None:
@@ -39,13 +42,13 @@ def trim(shell, keep: int = KEEP_CELLS) -> None:
         return
     history = shell.history_manager
     ns = shell.user_ns
-    done = getattr(shell, "_nbtrain_trimmed_to", 0)  # cells before it are trimmed
+    done = _TRIMMED_TO.get(shell, 0)  # cells before it are trimmed
     for hist in (history.input_hist_parsed, history.input_hist_raw):
         for n in range(done, min(cutoff, len(hist))):
             hist[n] = ""
     for n in range(done, cutoff):
         ns.pop(f"_i{n}", None)
-    shell._nbtrain_trimmed_to = max(done, cutoff)
+    _TRIMMED_TO[shell] = max(done, cutoff)
     outputs = ns.get("Out")
     for n in [n for n in history.output_hist if n < cutoff]:
         history.output_hist.pop(n, None)

@@ -14,6 +14,11 @@ layouts and styles) that the kernel would otherwise keep for the rest of the ses
 
 from __future__ import annotations
 
+import weakref
+
+# widget bar -> the display handle of its output (a text bar has none)
+_DISPLAYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
 
 class CellProgress:
     """The bar of the newest `nbtrain.progress` loop that a rank of the cell publishes."""
@@ -71,13 +76,13 @@ def _new_bar(published: dict):
     from IPython.display import display
 
     bar = tqdm(**kwargs, display=False)  # tqdm's widget, shown where it can be replaced
-    bar._nbtrain_display = display(bar.container, display_id=True)
+    _DISPLAYS[bar] = display(bar.container, display_id=True)
     return bar
 
 
 def _to_text(bar) -> None:
     """A closed widget bar: its output becomes its last line, its widgets are closed."""
-    handle = getattr(bar, "_nbtrain_display", None)
+    handle = _DISPLAYS.get(bar)
     if handle is None:
         return
     handle.update({"text/plain": str(bar)}, raw=True)

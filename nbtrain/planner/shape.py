@@ -89,7 +89,7 @@ def shape_of(source, seq: int | None = None) -> tuple[ModelShape, object]:
     if _is_hf_config(source):
         return _generic(_hf_meta_model(source), source, seq), None
     cfg, parallel = _config_of(source)
-    if _gpt_shaped(cfg) and _is_nbtrain_gpt_config(cfg):
+    if _gpt_shaped(cfg) and _is_builtin_gpt_config(cfg):
         with torch.device("meta"):
             model = _meta_model(cfg)
         return _from_model(model, cfg), parallel
@@ -112,7 +112,7 @@ def _gpt_shaped(cfg) -> bool:
     return all(hasattr(cfg, name) for name in GPT_FIELDS)
 
 
-def _is_nbtrain_gpt_config(cfg) -> bool:
+def _is_builtin_gpt_config(cfg) -> bool:
     from ..models.gpt import GPTConfig
     from ..models.gpt_moe import MoEGPTConfig
 

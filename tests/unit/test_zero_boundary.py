@@ -277,6 +277,41 @@ def test_a_parameters_placement_is_read_and_set_through_one_record():
     assert placement_violations("placement_of(p).split_dim", "nbtrain.optim.manager") == []
 
 
+# nbtrain puts no attribute of its own on objects it does not own (torch modules and
+# optimizers, IPython shells, tqdm bars): the mechanism that needs some state keeps it,
+# keyed by the object (a weakref.WeakKeyDictionary or WeakSet). Those attributes were
+# all named `_nbtrain_...`, so the string stays out of nbtrain's source altogether.
+OWN_ATTR_PREFIX = "_nbtrain_"
+
+
+def own_attr_marks(source: str) -> list[str]:
+    """ "line: text" for each line of `source` that holds `_nbtrain_` (code, string or
+    comment alike)."""
+    return [
+        f"{n}: {line.strip()}"
+        for n, line in enumerate(source.splitlines(), 1)
+        if OWN_ATTR_PREFIX in line
+    ]
+
+
+def test_nbtrain_sets_no_attribute_of_its_own_on_objects_it_does_not_own():
+    found = [
+        f"{path.relative_to(ROOT.parent)}:{mark}"
+        for path in sorted(ROOT.rglob("*.py"))
+        for mark in own_attr_marks(path.read_text())
+    ]
+    assert found == [], "\n".join(found)
+    for planted in (
+        "model._nbtrain_root = root",
+        "optimizer.__dict__['_nbtrain_saved'] = saved",
+        "done = getattr(shell, '_nbtrain_trimmed_to', 0)",
+        "def _is_nbtrain_gpt_config(cfg):",
+        "x = 1  # was bar._nbtrain_display",
+    ):
+        assert own_attr_marks(f"import weakref\n{planted}\n") == [f"2: {planted}"], planted
+    assert own_attr_marks("_ROOTS = weakref.WeakKeyDictionary()\nimport nbtrain_x\n") == []
+
+
 def test_placement_fields_are_set_one_at_a_time_and_norms_count_each_element_once():
     from nbtrain.zero.placement import Placement, place, placement_of
 
