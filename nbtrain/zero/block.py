@@ -132,7 +132,7 @@ class Block(nn.Module):
         offload: bool = False,
         mode: str = "BLOCK",
         initialized: bool = False,
-        compile: bool | dict = False,
+        compile: bool | dict = False,  # noqa: A002 (the public keyword)
     ):
         super().__init__()
         options = compile_options(compile)

@@ -61,7 +61,7 @@ def _check_no_ties_across(model: nn.Module, lists) -> None:
 
 
 def _stage_layers_to_blocks(
-    model: nn.Module, level, use_checkpoint, reduce_dtype, offload=False, compile=False
+    model: nn.Module, level, use_checkpoint, reduce_dtype, offload=False, compile_setting=False
 ) -> list:
     """Makes each layer of a pipeline Stage (with parameters) a Block in place, under its
     own name, neighbours linked as in a TransformerBlockList. Layers sharing a parameter,
@@ -86,7 +86,7 @@ def _stage_layers_to_blocks(
                 label=k,
                 reduce_dtype=reduce_dtype,
                 offload=offload,
-                compile=compile,
+                compile=compile_setting,
             )
             blocks.append(m)
         if isinstance(m, Block) and isinstance(prev, Block):  # neighbours prefetch
@@ -144,7 +144,7 @@ def wrap(
     use_checkpoint: bool = False,
     reduce_dtype=None,
     offload: bool = False,
-    compile: bool | dict = False,
+    compile: bool | dict = False,  # noqa: A002 (the public keyword)
 ) -> nn.Module:
     """Shards `model` in place and returns it.
 
