@@ -34,7 +34,9 @@ every rank of the reducing group, as does one declared partial that is the same 
 every tp rank. A partial gradient is multiplied by tp_size before the usual average
 over the ranks holding copies: the sum over tp, the mean over data parallel, exactly
 plain PyTorch's gradient. A gradient still exactly zero after `TRIES` passes is
-left unchecked (its gradient is zero either way); a frozen one waits until it trains.
+left unchecked (its gradient is zero either way); a frozen one waits until it trains,
+and one with an Inf or NaN (an overflowing step that a loss scaler skips) until a
+pass where it is finite.
 
 Each owner that reduces replicated gradients (a Block's flat group, a
 DistributedParameter, the data-parallel buckets) keeps one `TpLayout` per set of
@@ -175,13 +177,18 @@ class TpLayout:
         scale = peers.abs().amax(0).clamp_min(1e-30)
         differs = ((peers - peers[:1]).abs() > _RTOL * scale).any(0).any(-1)
         nonzero = peers[..., 2].amax(0) > 0
+        finite = torch.isfinite(peers).all(0).all(-1)
+        # 3: not finite somewhere (a step a loss scaler skips: look again next pass),
         # 2: differs somewhere, 1: the same, 0: zero everywhere; the largest verdict wins
-        verdict = torch.where(differs, 2, torch.where(nonzero, 1, 0)).to(torch.float64)
+        verdict = torch.where(differs, 2, torch.where(nonzero, 1, 0))
+        verdict = torch.where(finite, verdict, 3).to(torch.float64)
         C.all_reduce(
             verdict, op="max", group=self._group(), label="tp layout", kind=CommKind.TP_ALL_REDUCE
         )
         for i, v in enumerate(verdict.tolist()):
             if not self._unchecked[i] or (active is not None and not active[i]):
+                continue
+            if v == 3:
                 continue
             if v:
                 self._unchecked[i] = False

@@ -243,3 +243,38 @@ def test_undeclared_gradients_take_the_layers_layout_and_a_declaration_overrides
     for grads in run_ranks(split_tokens_by_hand, 2, True, timeout_s=120):
         for name, param in plain.named_parameters():
             torch.testing.assert_close(grads[f"inner.{name}"], param.grad, msg=name)
+
+
+def overflow_then_finite():
+    """Declared partial (each tp rank takes its own tokens), a first backward whose
+    shift gradient overflows to +Inf on every rank (a step a loss scaler skips; read as
+    "the same on every tp rank" it would contradict the declaration), then a finite
+    one: the check waits for the finite pass. Returns the shift's gradient."""
+    import nbtrain as bmt
+
+    topo = bmt.init_distributed(tp_size=2).topology
+
+    class Model(bmt.DistributedModule):
+        def __init__(self):
+            super().__init__()
+            self.inner = HandSplit(topo.tp_size, topo.tp_rank)
+
+        def forward(self, x, overflow=False):
+            # fp32 overflows past 3.4e38: the shift's gradient is +Inf on every rank
+            return self.inner(x) + (1e39 * self.inner.shift.sum() if overflow else 0.0)
+
+    model = Model()
+    bmt.declare_tp_gradients(model, partial=True)
+    x = torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))
+    model(x, overflow=True).backward()
+    assert torch.isinf(model.inner.shift.grad).all()
+    model.zero_grad()
+    model(x).backward()
+    return model.inner.shift.grad.clone()
+
+
+def test_an_overflowing_step_is_not_judged_the_next_finite_one_is():
+    plain = HandSplit()
+    plain(torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))).backward()
+    for grad in run_ranks(overflow_then_finite, 2, timeout_s=120):
+        torch.testing.assert_close(grad, plain.shift.grad)
