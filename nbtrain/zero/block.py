@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import enum
 import time
-import weakref
 
 import torch
 from torch import nn
@@ -50,10 +49,7 @@ from .parameter import DistributedParameter, Placeholder
 from .partition import FlatLayout
 from .placement import place, shard_group, shard_kind, tp_layout_over
 from .reducer import GradReducer
-
-# model -> its ModelRoot (root.py's `ModelRoot.of`), dying with the model. Kept here,
-# below root.py, because a Block drops the roots of the modules it takes over.
-_ROOTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+from .root_map import ROOTS
 
 
 class ZeroLevel(enum.IntEnum):
@@ -154,7 +150,7 @@ class Block(nn.Module):
         for sub in module.modules():
             # A DistributedModule inside gave its plain parameters data-parallel
             # gradients; their storage moves into this block, which reduces them now.
-            old_root = _ROOTS.pop(sub, None)
+            old_root = ROOTS.pop(sub, None)
             if old_root is not None:
                 old_root.release()
         object.__setattr__(self, "_module", module)

@@ -14,12 +14,13 @@ from __future__ import annotations
 from torch import nn
 
 from ..comm.topology import ALONE
-from .block import _ROOTS, Block
+from .block import Block
 from .data_parallel import BUCKET_NUMEL, DataParallelGrads, check_replicas_equal
 from .loose import LooseParams
 from .parameter import DistributedParameter
 from .placement import is_stage, placement_of, slice_kind
 from .reducer import GradReducer
+from .root_map import ROOTS
 
 
 class ModelRoot:
@@ -34,16 +35,16 @@ class ModelRoot:
     @staticmethod
     def of(model: nn.Module) -> "ModelRoot":
         """The model's root, made on first request."""
-        root = _ROOTS.get(model)
+        root = ROOTS.get(model)
         if root is None:
-            root = _ROOTS[model] = ModelRoot()
+            root = ROOTS[model] = ModelRoot()
         return root
 
     @staticmethod
     def take(model: nn.Module) -> None:
         """Another owner takes `model`'s parameters: its root, if it has one, is
         dropped and releases its plain parameters. Local."""
-        root = _ROOTS.pop(model, None)
+        root = ROOTS.pop(model, None)
         if root is not None:
             root.release()
 
