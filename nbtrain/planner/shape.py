@@ -168,6 +168,7 @@ def _generic(model, cfg, seq: int | None) -> ModelShape:
     """A ModelShape of any model with a list of blocks; activations traced."""
     import torch
 
+    from ..zero import full_numel  # the whole tensor's count, for a tp or expert slice
     from .trace import trace_activations
 
     layers = layer_list(model)
@@ -184,9 +185,9 @@ def _generic(model, cfg, seq: int | None) -> ModelShape:
         )
     tok = max(embeddings, key=lambda e: e.num_embeddings)
     outside = [p for p in model.parameters() if id(p) not in inside]  # tied: once
-    embed = sum(e.weight.numel() for e in embeddings)
+    embed = sum(full_numel(e.weight) for e in embeddings)
     tied = any(getattr(m, "weight", None) is tok.weight and m is not tok for m in model.modules())
-    per_layer = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    per_layer = [sum(full_numel(p) for p in layer.parameters()) for layer in layers]
     trace = trace_activations(model, layers, seq or TRACE_SEQ)
     return ModelShape(
         hidden=tok.embedding_dim,
@@ -196,8 +197,8 @@ def _generic(model, cfg, seq: int | None) -> ModelShape:
         mlp_ratio=4,
         layer_numel=max(per_layer),
         embed_numel=embed,
-        head_numel=sum(p.numel() for p in outside) - embed,
-        tied_numel=tok.weight.numel() if tied else 0,
+        head_numel=sum(full_numel(p) for p in outside) - embed,
+        tied_numel=full_numel(tok.weight) if tied else 0,
         trace=trace,
         seq_len=_config_value(cfg, "seq_len", "max_position_embeddings", "n_positions"),
     )
@@ -211,9 +212,11 @@ def _meta_model(cfg):
 
 
 def _from_model(model, cfg) -> ModelShape:
+    from ..zero import full_numel  # the whole tensor's count, for a tp or expert slice
+
     def numel(module, experts: bool) -> int:
         return sum(
-            p.numel()
+            full_numel(p)
             for n, p in module.named_parameters()
             if (n.rsplit(".", 1)[-1] in EXPERT_WEIGHTS) == experts
         )
@@ -221,7 +224,8 @@ def _from_model(model, cfg) -> ModelShape:
     layers = list(model.layers)
     seen = {id(p) for layer in layers for p in layer.parameters()}
     outside = [(n, p) for n, p in model.named_parameters() if id(p) not in seen]
-    embed = sum(p.numel() for n, p in outside if n.split(".")[0] in ("tok", "pos", "wte", "wpe"))
+    embeddings = ("tok", "pos", "wte", "wpe")
+    embed = sum(full_numel(p) for n, p in outside if n.split(".")[0] in embeddings)
     expert = [numel(layer, True) for layer in layers]
     return ModelShape(
         hidden=cfg.hidden,
@@ -231,10 +235,10 @@ def _from_model(model, cfg) -> ModelShape:
         mlp_ratio=getattr(cfg, "mlp_ratio", 4),
         layer_numel=max(numel(layer, False) for layer in layers),
         embed_numel=embed,
-        head_numel=sum(p.numel() for _, p in outside) - embed,
+        head_numel=sum(full_numel(p) for _, p in outside) - embed,
         expert_numel=max(expert),
         moe_layers=sum(1 for e in expert if e),
         num_experts=getattr(cfg, "num_experts", 1),
         top_k=getattr(cfg, "top_k", 1),
-        tied_numel=model.tok.weight.numel() if getattr(cfg, "tie_embeddings", False) else 0,
+        tied_numel=full_numel(model.tok.weight) if getattr(cfg, "tie_embeddings", False) else 0,
     )

@@ -27,7 +27,7 @@ import torch
 from ..comm import collectives as C
 from ..comm.renamed import renamed_kwargs
 from ..optim.manager import OptimManager
-from ..zero import placement_of
+from ..zero import full_numel
 from .base import Runtime, labelled_weight, token_cross_entropy
 from .contracts import ForwardResult, ModelHandle, PackedBatch
 
@@ -53,7 +53,7 @@ class NBTrainRuntime(Runtime):
         # From a folder: built on the meta device, so a rank allocates only its shards.
         model, config = self._plain_model("meta" if hf_path else ctx.device, par)
         # The whole model's, ties once (experts split over ep: their full shapes).
-        numel = sum(math.prod(placement_of(p).full_shape or p.shape) for p in model.parameters())
+        numel = sum(full_numel(p) for p in model.parameters())
         if par.cp_size > 1:
             from ..models.gpt import GPT
             from ..models.llama import Llama

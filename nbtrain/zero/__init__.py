@@ -18,6 +18,7 @@ from .module import DistributedModule
 from .parameter import DistributedParameter, ParameterInitializer
 from .placement import (
     Placement,
+    full_numel,
     is_stage,
     is_tp_slice,
     place,
@@ -78,6 +79,7 @@ __all__ = [
     "Placement",
     "place",
     "placement_of",
+    "full_numel",
     "slice_kind",
     "micro_batches",
     # which elements of a flat shard belong to which parameter, and which are frozen

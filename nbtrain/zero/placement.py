@@ -28,6 +28,7 @@ result is the mean over all data-parallel ranks, as for every other parameter.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from ..comm.context import get_context
@@ -189,6 +190,14 @@ def tp_layout_over(params, group, names=None, fallback=None):
     if names is None:
         names = [f"a parameter of shape {tuple(p.shape)}" for p in params]
     return TpLayout(len(params), lambda: live_group(group), declared, names)
+
+
+def full_numel(param) -> int:
+    """How many elements the whole tensor has that `param` is a slice of (a tp layer's
+    or experts' full shape), else `param`'s own: what the planner and the runtime
+    count, whatever the tp and ep sizes."""
+    full = placement_of(param).full_shape
+    return math.prod(full) if full is not None else param.numel()
 
 
 def is_tp_slice(param) -> bool:

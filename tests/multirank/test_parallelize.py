@@ -194,3 +194,29 @@ def test_parallelized_and_wrapped_gpt_trains_like_the_plain_one(
         assert out["keys"] and out["state"] < 1e-5 and out["reload"] < 1e-5, (rank, out)
         if zero_level is not None:  # every element stored once, give or take padding
             assert out["stored"] * world < out["total"] * 1.1, (rank, out)
+
+
+def _planned_shapes(tie):
+    """The planner's count of a GPT before and after `parallelize` (its slices read
+    through their placement's full shape), on this tp rank."""
+    import nbtrain
+    from nbtrain.models import GPT, GPTConfig
+    from nbtrain.models.gpt_tp import gpt_plan
+    from nbtrain.planner.shape import shape_of
+
+    nbtrain.init_distributed(tp_size=2)
+    cfg = GPTConfig(vocab_size=38, seq_len=8, hidden=24, heads=6, layers=2, tie_embeddings=tie)
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    before, _ = shape_of(plain)
+    after, _ = shape_of(nbtrain.parallelize(copy.deepcopy(plain), gpt_plan(cfg)))
+    local = sum(p.numel() for p in nbtrain.parallelize(GPT(cfg), gpt_plan(cfg)).parameters())
+    return before, after, local, sum(p.numel() for p in plain.parameters())
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_the_planner_counts_a_parallelized_model_whole(tie):
+    for before, after, local, plain in run_ranks(_planned_shapes, 2, tie, timeout_s=120):
+        assert local < plain  # the slices are smaller: the count must not be theirs
+        assert after == before, (after, before)
+        assert after.numel == plain, (after.numel, plain)
