@@ -192,11 +192,19 @@ def spawn_ranks(
     return procs, results
 
 
+ERROR_GRACE_S = 10.0  # after a rank raised, how long the others may take to report
+
+
 def _collect(procs, results, timeout_s: float, stamps: dict) -> list:
     world_size = len(procs)
     out, errors = {}, {}
     deadline = time.monotonic() + timeout_s
     while len(out) + len(errors) < world_size:
+        if errors:
+            # A rank raised: its peers either raise too (a deterministic error, soon)
+            # or wait in a collective it never joins, until the process-group timeout.
+            if time.monotonic() > min(e[1] for e in errors.values()) + ERROR_GRACE_S:
+                break
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise TimeoutError(
@@ -222,8 +230,16 @@ def _collect(procs, results, timeout_s: float, stamps: dict) -> list:
         if status == "ok":
             out[rank] = torch.load(io.BytesIO(value), weights_only=False)
         else:
-            errors[rank] = value
+            errors[rank] = (value, time.monotonic())
     if errors:
         first = min(errors)
-        raise AssertionError(f"rank(s) {sorted(errors)} raised; rank {first}:\n{errors[first]}")
+        waiting = sorted(set(range(world_size)) - set(out) - set(errors))
+        still = (
+            f" (rank(s) {waiting} still running {ERROR_GRACE_S:.0f} s later, ended)"
+            if waiting
+            else ""
+        )
+        raise AssertionError(
+            f"rank(s) {sorted(errors)} raised{still}; rank {first}:\n{errors[first][0]}"
+        )
     return [out[r] for r in range(world_size)]
