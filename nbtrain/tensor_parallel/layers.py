@@ -89,6 +89,20 @@ class FullStateDict:
         self._register_load_state_dict_pre_hook(_slice_full, with_module=True)
 
 
+class _MakesLayout:
+    """Mixin for a tp layer whose flags say whether it takes or hands on token slices
+    (`splits_tokens`): the layout the replicated parameters nobody declared take
+    (nbtrain.tensor_parallel.partial.default_layout). Call `note_layer(self)` in
+    `__init__`; a copy (copy.deepcopy, unpickling) is noted again here."""
+
+    def splits_tokens(self) -> bool:
+        raise NotImplementedError
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        note_layer(self)
+
+
 class _LinearSlices(FullStateDict):
     """A tp linear layer's weight and bias: its slices of a plain nn.Linear's.
     `SPLIT` is (weight's split dimension, bias's: None when the bias is whole)."""
@@ -157,7 +171,7 @@ class Linear(nn.Linear):
         )
 
 
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(_MakesLayout, nn.LayerNorm):
     """A layer norm for activations between tensor-parallel layers.
 
     Its weight and bias are replicated on every tp rank. In the sequence-parallel
@@ -186,9 +200,12 @@ class LayerNorm(nn.LayerNorm):
             dtype=dtype,
         )
         self.sequence_parallel = sequence_parallel
-        note_layer(self, splits_tokens=sequence_parallel)
+        note_layer(self)
         for p in self.parameters():  # summed here, or whole already: never summed again
             place(p, tp_grad="whole")
+
+    def splits_tokens(self) -> bool:
+        return self.sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight, self.bias
@@ -198,7 +215,7 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)
 
 
-class ColumnParallelLinear(_LinearSlices, nn.Module):
+class ColumnParallelLinear(_MakesLayout, _LinearSlices, nn.Module):
     """y = x W^T + b with W split by rows (output features) over the tp ranks."""
 
     SPLIT = (0, 0)
@@ -217,7 +234,7 @@ class ColumnParallelLinear(_LinearSlices, nn.Module):
         _divides("ColumnParallelLinear out_features", out_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.gather_input = gather_output, gather_input
-        note_layer(self, splits_tokens=gather_input)  # its input is a token slice
+        note_layer(self)
         self.async_gather_chunks = async_gather_chunks
         self.take_slices(
             nn.Linear(
@@ -225,6 +242,9 @@ class ColumnParallelLinear(_LinearSlices, nn.Module):
             )
         )
         self._setup_full_state_dict()
+
+    def splits_tokens(self) -> bool:
+        return self.gather_input  # its input is a token slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = tp_comm.gather_rows(x) if self.gather_input else tp_comm.copy_to_tp(x)
@@ -239,7 +259,7 @@ class ColumnParallelLinear(_LinearSlices, nn.Module):
         )
 
 
-class RowParallelLinear(_LinearSlices, nn.Module):
+class RowParallelLinear(_MakesLayout, _LinearSlices, nn.Module):
     """y = x W^T + b with W split by columns (input features) over the tp ranks; the
     partial sums are reduce-scattered over tokens (default) or all-reduced."""
 
@@ -259,7 +279,7 @@ class RowParallelLinear(_LinearSlices, nn.Module):
         _divides("RowParallelLinear in_features", in_features, _tp()[0])
         self.in_features, self.out_features = in_features, out_features
         self.split_input, self.all_reduce_output = split_input, all_reduce_output
-        note_layer(self, splits_tokens=not all_reduce_output)  # its output: a token slice
+        note_layer(self)
         self.async_chunks = async_chunks
         self.take_slices(
             nn.Linear(
@@ -267,6 +287,9 @@ class RowParallelLinear(_LinearSlices, nn.Module):
             )
         )
         self._setup_full_state_dict()
+
+    def splits_tokens(self) -> bool:
+        return not self.all_reduce_output  # its output is a token slice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split_input:
@@ -289,7 +312,7 @@ class RowParallelLinear(_LinearSlices, nn.Module):
         )
 
 
-class VPEmbedding(FullStateDict, nn.Module):
+class VPEmbedding(_MakesLayout, FullStateDict, nn.Module):
     """Vocabulary-parallel embedding; `forward(x, projection=True)` is the tied output
     projection, giving vocabulary-sharded logits.
 
@@ -309,6 +332,7 @@ class VPEmbedding(FullStateDict, nn.Module):
     ):
         super().__init__()
         self.sequence_parallel = sequence_parallel
+        note_layer(self)
         # The entry of a sequence-parallel model made by `parallelize`: it is given
         # every token's id (the model's input) and returns its own tokens' rows.
         self.ids_whole = False
@@ -322,6 +346,9 @@ class VPEmbedding(FullStateDict, nn.Module):
         self.weight = slice_param(pad_along(full, 0, self.padded_vocab), 0, size, rank)
         place(self.weight, full_shape=(vocab_size, embedding_size))  # the padding is not state
         self._setup_full_state_dict()
+
+    def splits_tokens(self) -> bool:
+        return self.sequence_parallel
 
     def forward(
         self, x: torch.Tensor, projection: bool = False, *, sequence_parallel: bool | None = None

@@ -20,10 +20,12 @@ Which one a parameter is in is declared by what makes the layout, never guessed:
   * a model built from its own layers (a BMTrain script) declares its layout with
     `nbtrain.declare_tp_gradients(model, partial=...)`;
   * a parameter nobody declared takes the layout the process's tensor-parallel layers
-    make: partial while a live layer hands on token slices (`ColumnParallelLinear(
-    gather_input=True)`, `RowParallelLinear(all_reduce_output=False)`,
-    `VPEmbedding(sequence_parallel=True)`: BMTrain's defaults, which need the tokens
-    split between layers), whole when none does.
+    make: partial while a live layer takes or hands on token slices
+    (`ColumnParallelLinear(gather_input=True)`, `RowParallelLinear(
+    all_reduce_output=False)`, `VPEmbedding(sequence_parallel=True)`,
+    `LayerNorm(sequence_parallel=True)`: BMTrain's defaults, which need the tokens
+    split between layers), whole when none does (their flags are read when the layout
+    is first needed).
 
 The declaration is checked once, at the parameter's first non-zero gradient, never
 used to guess: the tp peers compare fingerprints (a sum, a position-weighted sum and
@@ -58,27 +60,25 @@ from ..comm.context import get_context
 TRIES = 3
 _RTOL = 1e-4  # fingerprints of gradients that agree differ by rounding at most
 
-# The live tensor-parallel layers that hand on token slices (see `note_layer`).
-_SPLITTING_LAYERS: weakref.WeakSet = weakref.WeakSet()
+# The live tensor-parallel layers, each saying by its flags whether it takes or hands
+# on token slices (`splits_tokens()`), read when a layout is first needed.
+_TP_LAYERS: weakref.WeakSet = weakref.WeakSet()
 
 
 def tp_size() -> int:
     return get_context().topology.tp_size
 
 
-def note_layer(layer, splits_tokens: bool) -> None:
-    """Records that `layer` (a tensor-parallel layer) takes or hands on token slices,
-    which makes the sequence-parallel layout for the parameters nobody declared."""
-    if splits_tokens:
-        _SPLITTING_LAYERS.add(layer)
-    else:
-        _SPLITTING_LAYERS.discard(layer)
+def note_layer(layer) -> None:
+    """Records a tensor-parallel layer (one with a `splits_tokens()` method): while it
+    lives, its flags take part in `default_layout`."""
+    _TP_LAYERS.add(layer)
 
 
 def default_layout() -> str:
     """The layout of an undeclared replicated parameter: "partial" while a live
-    tensor-parallel layer hands on token slices, else "whole"."""
-    return "partial" if len(_SPLITTING_LAYERS) else "whole"
+    tensor-parallel layer takes or hands on token slices, else "whole"."""
+    return "partial" if any(layer.splits_tokens() for layer in list(_TP_LAYERS)) else "whole"
 
 
 class TpLayout:

@@ -278,3 +278,43 @@ def test_an_overflowing_step_is_not_judged_the_next_finite_one_is():
     plain(torch.randn(ROWS, D, generator=torch.Generator().manual_seed(1))).backward()
     for grad in run_ranks(overflow_then_finite, 2, timeout_s=120):
         torch.testing.assert_close(grad, plain.shift.grad)
+
+
+def _default_layouts():
+    """The default layout as layers come and go, change their flags, and are copied."""
+    import copy
+    import gc
+
+    import nbtrain as bmt
+    from nbtrain.nn import ColumnParallelLinear, RowParallelLinear
+    from nbtrain.tensor_parallel.partial import default_layout
+
+    bmt.init_distributed()
+    seen = [default_layout()]  # no layer: whole
+    megatron = ColumnParallelLinear(D, FF, gather_input=False)
+    seen.append(default_layout())  # whole
+    sequence = RowParallelLinear(FF, D)  # BMTrain's default: hands on token slices
+    seen.append(default_layout())  # partial
+    sequence.all_reduce_output = True  # the flag read when the layout is needed
+    seen.append(default_layout())  # whole
+    sequence.all_reduce_output = False
+    twin = copy.deepcopy(sequence)
+    del sequence
+    gc.collect()
+    seen.append(default_layout())  # partial: the copy makes the layout too
+    del twin
+    gc.collect()
+    seen.append(default_layout())  # whole: only the Megatron layer is left
+    del megatron
+    return seen
+
+
+def test_the_default_layout_follows_the_live_layers_flags():
+    assert run_ranks(_default_layouts, 1, timeout_s=60)[0] == [
+        "whole",
+        "whole",
+        "partial",
+        "whole",
+        "partial",
+        "whole",
+    ]
