@@ -43,7 +43,7 @@ from safetensors.torch import save_file
 
 from ..comm import collectives as C
 from ..comm.context import get_context
-from ..zero import ShardKind, flat_buffers, is_tp_slice, placement_of, shards, slice_kind
+from ..zero import ShardKind, flat_buffers, is_slice, placement_of, shards, slice_kind
 
 META = "meta.json"
 FORMAT_VERSION = 1
@@ -206,7 +206,7 @@ def local_entries(model: torch.nn.Module) -> list[Entry]:
                 )
             )
             continue
-        tp = is_tp_slice(p)
+        tp = is_slice(p)
         plain = aliases.get(name, name)
         shard = sharded.get(id(p))
         placed = placement_of(p) if tp else None

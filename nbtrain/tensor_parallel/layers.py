@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..comm.context import get_context
-from ..zero import is_tp_slice, place, placement_of
+from ..zero import is_slice, place, placement_of
 from . import comm as tp_comm
 from .partial import note_layer
 from .slices import cut, full_from_slice, pad_along, slice_from_full
@@ -119,7 +119,7 @@ class _LinearSlices(FullStateDict):
 
 
 def _tp_params(module: nn.Module):
-    return [(n, p) for n, p in module.named_parameters(recurse=False) if is_tp_slice(p)]
+    return [(n, p) for n, p in module.named_parameters(recurse=False) if is_slice(p)]
 
 
 def _local_shape(param) -> tuple:

@@ -19,8 +19,8 @@ from .parameter import DistributedParameter, ParameterInitializer
 from .placement import (
     Placement,
     full_numel,
+    is_slice,
     is_stage,
-    is_tp_slice,
     place,
     placement_of,
     slice_kind,
@@ -74,7 +74,7 @@ __all__ = [
     "full_items_by_parameter",
     "state_keys",
     # tensor-parallel slice metadata, and pipeline micro-batches
-    "is_tp_slice",
+    "is_slice",
     "is_stage",
     "Placement",
     "place",

@@ -31,7 +31,7 @@ from torch import nn
 from ..comm import collectives as C
 from ..comm.context import get_context
 from ..comm.topology import ALONE
-from .placement import is_tp_slice, live_group, place, tp_layout_over
+from .placement import is_slice, live_group, place, tp_layout_over
 from .reducer import GradReducer, current_backward
 
 BUCKET_NUMEL = 1 << 22  # 16 MiB of fp32 per bucket, near DDP's 25 MB default
@@ -80,7 +80,7 @@ class DataParallelGrads:
                 tp_layout_over(bucket.params, group)  # group: a kind
                 if replicated
                 and get_context().topology.tp_size > 1
-                and not any(is_tp_slice(p) for p in bucket.params)
+                and not any(is_slice(p) for p in bucket.params)
                 else None
             )
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}

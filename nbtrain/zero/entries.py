@@ -6,7 +6,7 @@ from __future__ import annotations
 from torch import nn
 
 from .parameter import DistributedParameter
-from .placement import is_tp_slice, placement_of
+from .placement import is_slice, placement_of
 
 
 class ParamEntry:
@@ -22,7 +22,7 @@ class ParamEntry:
         self.member = param if isinstance(param, DistributedParameter) else None
         self.rest = None  # what the owners' attribute shows outside forward
         # A slice's placement (its split dimension and full shape), else None.
-        self.tp = placement_of(param) if is_tp_slice(param) else None
+        self.tp = placement_of(param) if is_slice(param) else None
 
 
 def collect_entries(module: nn.Module) -> list[ParamEntry]:

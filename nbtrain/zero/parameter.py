@@ -25,8 +25,8 @@ from .partition import shard_range
 from .placement import (
     ShardGroup,
     copy_placement,
+    is_slice,
     is_tp_replicated,
-    is_tp_slice,
     place,
     placement_of,
     shard_group,
@@ -275,7 +275,7 @@ def _gather_full(param: DistributedParameter) -> torch.Tensor:
 def tp_layout(param: DistributedParameter):
     """A replicated parameter's TpLayout in a tensor-parallel model (else None)."""
     layout = placement_of(param).tp_layout
-    whole = is_tp_slice(param) or is_tp_replicated(param)  # never partial over tp
+    whole = is_slice(param) or is_tp_replicated(param)  # never partial over tp
     if layout is None and not whole and get_context().topology.tp_size > 1:
         layout = place(param, tp_layout=tp_layout_over([param], group_of(param))).tp_layout
     return layout
@@ -310,7 +310,7 @@ class _GatherParam(torch.autograd.Function):
 
 def _save_hook(module, state_dict, prefix, local_metadata):
     for name, param in module._parameters.items():
-        if is_tp_slice(param):
+        if is_slice(param):
             continue  # the tp layer's own hook gathers the full tensor
         if isinstance(param, DistributedParameter) and prefix + name in state_dict:
             state_dict[prefix + name] = param.gather_copy()

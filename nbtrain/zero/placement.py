@@ -200,8 +200,9 @@ def full_numel(param) -> int:
     return math.prod(full) if full is not None else param.numel()
 
 
-def is_tp_slice(param) -> bool:
-    """Whether `param` is a slice: of a tensor-parallel layer's tensor, or experts'."""
+def is_slice(param) -> bool:
+    """Whether `param` is a slice of a larger tensor: a tensor-parallel layer's (kind
+    "tp_slice") or experts' ("expert"); `slice_kind` tells which."""
     return placement_of(param).slice_group is not None
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from .block import Block
 from .parameter import DistributedParameter, group_of
 from .partition import shard_range
-from .placement import ShardGroup, is_tp_slice, placement_of
+from .placement import ShardGroup, is_slice, placement_of
 
 
 class ShardKind(enum.Enum):
@@ -131,7 +131,7 @@ def _param_shard(name: str, param: nn.Parameter) -> Shard:
             min(begin, param.full_numel),
             ShardKind.PARAMETER,
             ranks,
-            placement_of(param) if is_tp_slice(param) else None,
+            placement_of(param) if is_slice(param) else None,
             param,
         )
     return Shard(
@@ -143,7 +143,7 @@ def _param_shard(name: str, param: nn.Parameter) -> Shard:
         0,
         ShardKind.REPLICATED,
         None,
-        placement_of(param) if is_tp_slice(param) else None,
+        placement_of(param) if is_slice(param) else None,
         param,
     )
 

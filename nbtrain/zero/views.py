@@ -12,7 +12,7 @@ from .block import Block
 from .init import HeldElsewhere, draw_full, init_range
 from .parameter import DistributedParameter, group_of
 from .partition import shard_range
-from .placement import is_tp_slice, placement_of
+from .placement import is_slice, placement_of
 
 
 def full_named_grads(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -113,7 +113,7 @@ def _init_distributed_parameter(name: str, param: DistributedParameter, by_name:
             name, param.full_shape, param.dtype, param.device, param.init_method, begin, stop
         )
     else:  # every rank draws the whole parameter, its shard empty or not
-        tp_meta = placement_of(param) if is_tp_slice(param) else None
+        tp_meta = placement_of(param) if is_slice(param) else None
         full = draw_full(param.full_shape, param.dtype, param.device, param.init_method, tp_meta)
         if stop <= begin:
             return
