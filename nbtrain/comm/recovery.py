@@ -36,6 +36,7 @@ import torch.distributed as dist
 from . import collectives, links, teardown
 
 POLL_S = 0.2
+STORE_GONE_S = 10.0  # a store that has not answered for this long is gone
 MAX_OPEN_PHASES = 32
 _PREFIX = "nbtrain/recovery"
 
@@ -170,6 +171,7 @@ def _stop_watcher() -> None:
 
 def _watch(store, generation: int, stop: threading.Event) -> None:
     abort_key = f"{_PREFIX}/{generation}/abort"
+    failing_since = None  # when the store stopped answering
     while not stop.wait(POLL_S):
         try:
             stop_key = f"{_PREFIX}/{generation}/stop/{_S.loop}"
@@ -186,8 +188,15 @@ def _watch(store, generation: int, stop: threading.Event) -> None:
                     _S.aborted_by = aborted_by
                     _abort_local_group()
                 return
-        except Exception:  # the store's host went away: nothing more to watch
-            return
+            failing_since = None
+        except Exception:
+            # A store slow to answer on a loaded host is asked again: a watcher that
+            # gave up would leave this rank in a collective its failed peer never
+            # joins. A store gone for STORE_GONE_S (its host ended): nothing to watch.
+            now = time.monotonic()
+            failing_since = failing_since if failing_since is not None else now
+            if now - failing_since >= STORE_GONE_S:
+                return
 
 
 def _abort_local_group() -> None:

@@ -160,7 +160,9 @@ def run_cell(page, index: int, timeout_s: float = 180.0, wait: bool = True) -> N
     """Select cell `index`, Shift+Enter; with `wait`, until its prompt has a new number.
 
     A key press that reached no cell (focus still elsewhere while the page settles)
-    is pressed again once the prompt has not changed for 10 s.
+    is pressed again once the prompt has not changed for 30 s (on a loaded machine a
+    press that did reach the cell can take over 10 s to show, and pressing again ran
+    the cell twice).
     """
     prompt = page.locator(".jp-Notebook .jp-Cell").nth(index).locator(".jp-InputArea-prompt")
     before = prompt.text_content()
@@ -176,7 +178,7 @@ def run_cell(page, index: int, timeout_s: float = 180.0, wait: bool = True) -> N
                     return p && p.textContent !== before;
                 }""",
                 arg=[index, before],
-                timeout=10_000,
+                timeout=30_000,
             )
             break
         except Exception:  # playwright's TimeoutError: press again
