@@ -109,6 +109,15 @@ class _LinearSlices(FullStateDict):
 
     SPLIT: tuple = (0, 0)
 
+    def _build(self, in_features: int, out_features: int, bias: bool, dtype) -> None:
+        """Takes this rank's slices of a plain nn.Linear drawn as the plain layer's."""
+        self.in_features, self.out_features = in_features, out_features
+        note_layer(self)
+        device = get_context().device
+        plain = nn.Linear(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.take_slices(plain)
+        self._setup_full_state_dict()
+
     def take_slices(self, linear: nn.Linear) -> None:
         size, rank = _tp()
         weight_dim, bias_dim = self.SPLIT
@@ -232,16 +241,9 @@ class ColumnParallelLinear(_MakesLayout, _LinearSlices, nn.Module):
     ):
         super().__init__()
         _divides("ColumnParallelLinear out_features", out_features, _tp()[0])
-        self.in_features, self.out_features = in_features, out_features
         self.gather_output, self.gather_input = gather_output, gather_input
-        note_layer(self)
         self.async_gather_chunks = async_gather_chunks
-        self.take_slices(
-            nn.Linear(
-                in_features, out_features, bias=bias, dtype=dtype, device=get_context().device
-            )
-        )
-        self._setup_full_state_dict()
+        self._build(in_features, out_features, bias, dtype)
 
     def splits_tokens(self) -> bool:
         return self.gather_input  # its input is a token slice
@@ -277,16 +279,9 @@ class RowParallelLinear(_MakesLayout, _LinearSlices, nn.Module):
     ):
         super().__init__()
         _divides("RowParallelLinear in_features", in_features, _tp()[0])
-        self.in_features, self.out_features = in_features, out_features
         self.split_input, self.all_reduce_output = split_input, all_reduce_output
-        note_layer(self)
         self.async_chunks = async_chunks
-        self.take_slices(
-            nn.Linear(
-                in_features, out_features, bias=bias, dtype=dtype, device=get_context().device
-            )
-        )
-        self._setup_full_state_dict()
+        self._build(in_features, out_features, bias, dtype)
 
     def splits_tokens(self) -> bool:
         return not self.all_reduce_output  # its output is a token slice
